@@ -1,0 +1,44 @@
+"""The ``folio`` command line: one sub-command per module in ``_COMMAND_MODULES``.
+
+Each module defines ``register(subparsers)``, which adds its parser and sets ``func`` (a callable
+taking the parsed ``argparse.Namespace`` and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Sub-command modules, in the order `folio --help` lists them.
+_COMMAND_MODULES = [
+    "folio.cmd_generate",
+    "folio.cmd_convert",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="folio", description="folio: a small LLM serving engine for Llama models")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"folio {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""NumPy specifications of every folio kernel.
+
+This module is the spec: the Numba kernels (``kernels/cpu.py``) and the CUDA kernels
+(``kernels/cuda/*.cu``) are tested against these functions. They favour clarity over speed
+(plain loops are fine) and compute in float64 internally, returning float32.
+
+Conventions shared by all kernels (see DESIGN.md, "Processes" and "KV cache"):
+
+* A step's batch is *flattened*: ``T`` tokens from ``S`` sequences laid end to end.
+  ``query_start_loc [S+1] int32`` gives each sequence's token range
+  ``[query_start_loc[s], query_start_loc[s+1])``; rows at or past ``query_start_loc[S]`` are
+  padding and produce zeros.
+* ``seq_lens [S] int32`` is each sequence's context length *after* this step (cached tokens plus
+  the new ones). New token ``i`` of sequence ``s`` (``q_len`` new tokens) sits at position
+  ``seq_lens[s] - q_len + i`` and attends causally to keys ``0 .. that position``.
+* The paged KV cache of one layer is ``key_cache, value_cache [num_blocks, block_size,
+  num_kv_heads, head_dim]``. Logical key ``j`` of sequence ``s`` lives in physical block
+  ``block_tables[s, j // block_size]`` at offset ``j % block_size``.
+* ``slot_mapping [T] int64``: slot = block_id * block_size + offset; -1 means "do not write".
+
+Sources: PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for Large Language
+Model Serving with PagedAttention"); RMSNorm (Zhang & Sennrich 2019); RoPE (Su et al. 2021,
+RoFormer) in the Hugging Face "rotate_half" (GPT-NeoX) layout; Llama 3 RoPE frequency scaling
+(Meta Llama 3.1 reference code, ``apply_scaling``); SwiGLU (Shazeer 2020).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "paged_attention",
+    "reshape_and_cache",
+    "copy_blocks",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rope_inv_freq",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+
+def paged_attention(
+    q: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    scale: float,
+) -> np.ndarray:
+    """Causal attention of a flattened varlen batch over a paged KV cache (GQA aware).
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` float32, queries of this step's tokens (RoPE applied).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the keys and
+            values of this step's tokens must already be appended (see ``reshape_and_cache``).
+        block_tables: ``[S, max_blocks]`` int32 physical block ids; unused entries are ignored.
+        seq_lens: ``[S]`` int32 context length after this step.
+        query_start_loc: ``[S+1]`` int32 token offsets of each sequence in ``q``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[T, num_heads, head_dim]`` float32; padding rows are zero.
+
+    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    """
+    T, H, D = q.shape
+    block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
+    group = H // Hkv
+    out = np.zeros((T, H, D), dtype=np.float32)
+    for s in range(len(seq_lens)):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_len, ctx = end - start, int(seq_lens[s])
+        if q_len == 0:
+            continue
+        idx = np.arange(ctx)
+        blocks = block_tables[s, idx // block_size]
+        k = key_cache[blocks, idx % block_size].astype(np.float64)  # [ctx, Hkv, D]
+        v = value_cache[blocks, idx % block_size].astype(np.float64)
+        for i in range(q_len):
+            pos = ctx - q_len + i
+            for h in range(H):
+                kvh = h // group
+                scores = k[: pos + 1, kvh] @ q[start + i, h].astype(np.float64) * scale
+                p = np.exp(scores - scores.max())
+                out[start + i, h] = (p / p.sum()) @ v[: pos + 1, kvh]
+    return out
+
+
+def reshape_and_cache(
+    key: np.ndarray,
+    value: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+) -> None:
+    """Write this step's K/V into their cache slots, in place.
+
+    Args:
+        key, value: ``[T, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (modified).
+        slot_mapping: ``[T]`` int64; token ``t`` goes to block ``slot // block_size``, offset
+            ``slot % block_size``; slot -1 is skipped (padding).
+    """
+    block_size = key_cache.shape[1]
+    for t, slot in enumerate(slot_mapping):
+        if slot < 0:
+            continue
+        key_cache[slot // block_size, slot % block_size] = key[t]
+        value_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def copy_blocks(key_caches: list, value_caches: list, block_mapping: np.ndarray) -> None:
+    """Copy whole blocks in every layer's cache, in place (copy-on-write).
+
+    Args:
+        key_caches, value_caches: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` array per
+            layer.
+        block_mapping: ``[N, 2]`` int64 rows of ``(src_block, dst_block)``.
+    """
+    for kc, vc in zip(key_caches, value_caches):
+        for src, dst in block_mapping:
+            kc[dst] = kc[src]
+            vc[dst] = vc[src]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight``.
+
+    Args:
+        x: ``[T, hidden]`` float32. weight: ``[hidden]``. eps: e.g. 1e-5.
+    Returns:
+        ``[T, hidden]`` float32.
+    """
+    x64 = x.astype(np.float64)
+    var = np.mean(x64 * x64, axis=-1, keepdims=True)
+    return (x64 / np.sqrt(var + eps) * weight.astype(np.float64)).astype(np.float32)
+
+
+def fused_add_rms_norm(
+    x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Residual add followed by RMSNorm, as one kernel.
+
+    Args:
+        x, residual: ``[T, hidden]`` float32.
+    Returns:
+        ``(rms_norm(x + residual), x + residual)``, both ``[T, hidden]`` float32.
+    """
+    new_residual = (x.astype(np.float64) + residual.astype(np.float64)).astype(np.float32)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = None) -> np.ndarray:
+    """Inverse frequencies of RoPE, ``[head_dim // 2]`` float64.
+
+    ``rope_scaling`` of ``rope_type``/``type`` ``"llama3"`` applies Llama 3.1's scaling: with
+    ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings``, wavelengths above ``orig / low_freq_factor`` are divided
+    by ``factor``, those below ``orig / high_freq_factor`` are kept, and those between are
+    interpolated smoothly. ``None`` or ``"default"`` means no scaling.
+
+    Raises:
+        ValueError: an unsupported ``rope_type``.
+    """
+    inv_freq = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
+    factor = float(rope_scaling["factor"])
+    low = float(rope_scaling.get("low_freq_factor", 1.0))
+    high = float(rope_scaling.get("high_freq_factor", 4.0))
+    orig = float(rope_scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen, high_freq_wavelen = orig / low, orig / high
+    out = np.empty_like(inv_freq)
+    for i, f in enumerate(inv_freq):
+        wavelen = 2 * math.pi / f
+        if wavelen < high_freq_wavelen:
+            out[i] = f
+        elif wavelen > low_freq_wavelen:
+            out[i] = f / factor
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out[i] = (1 - smooth) * f / factor + smooth * f
+    return out
+
+
+def rope_cos_sin_cache(inv_freq: np.ndarray, max_position: int) -> np.ndarray:
+    """``[max_position, head_dim]`` float32: ``cos(p * inv_freq)`` then ``sin(p * inv_freq)``."""
+    freqs = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
+    return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)
+
+
+def rotary_embedding(
+    positions: np.ndarray, q: np.ndarray, k: np.ndarray, cos_sin_cache: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Apply RoPE to queries and keys in the rotate-half (GPT-NeoX / Hugging Face Llama) layout.
+
+    Args:
+        positions: ``[T]`` int64.
+        q: ``[T, num_heads, head_dim]``; k: ``[T, num_kv_heads, head_dim]`` float32.
+        cos_sin_cache: ``[max_position, head_dim]`` from ``rope_cos_sin_cache``.
+    Returns:
+        ``(q_rot, k_rot)`` float32 with the input shapes. For ``x = [x1, x2]`` (halves of
+        head_dim): ``[x1*cos - x2*sin, x2*cos + x1*sin]``.
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cos = cos_sin_cache[positions, :half].astype(np.float64)[:, None, :]
+    sin = cos_sin_cache[positions, half:].astype(np.float64)[:, None, :]
+
+    def rot(x):
+        x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
+
+    return rot(q), rot(k)
+
+
+def silu_and_mul(x: np.ndarray) -> np.ndarray:
+    """SwiGLU activation: ``silu(x[:, :I]) * x[:, I:]``.
+
+    Args:
+        x: ``[T, 2 * I]`` float32 (gate projection then up projection).
+    Returns:
+        ``[T, I]`` float32.
+    """
+    inter = x.shape[-1] // 2
+    g, u = x[..., :inter].astype(np.float64), x[..., inter:].astype(np.float64)
+    return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)

@@ -1,0 +1,94 @@
+"""Engine configuration, validated once (names follow vLLM's engine arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    Attributes:
+        model: a model name known to folio (``smollm2-135m-instruct``) or a Hugging Face Llama
+            folder (config.json, *.safetensors, tokenizer.json).
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when a GPU is usable, else cpu).
+        block_size: tokens per KV block (PagedAttention's block size).
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        max_model_len: longest prompt + output in tokens; ``None`` = the model's
+            ``max_position_embeddings``.
+        enable_prefix_caching: automatic prefix caching (hash-chained full blocks).
+        enable_chunked_prefill: split prefills that do not fit the step's token budget.
+        num_gpu_blocks_override / kv_cache_memory: size the KV cache by block count, or by bytes
+            (CPU; default: ``cpu_kv_cache_fraction`` of available RAM, capped by what
+            max_num_seqs x max_model_len could ever use).
+        gpu_memory_utilization: fraction of device memory folio may use (GPU).
+        load_format: ``"auto"`` (weights from files) or ``"dummy"`` (random weights of the config's
+            shapes, for benchmarks).
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"`` or ``"bfloat16"``.
+        seed: base seed of the engine (random prefix-hash root is separate and per process).
+        scheduling_policy: ``"continuous"`` (iteration-level batching) or ``"static"`` (request-level
+            batches: a new batch is admitted only when the current one has finished; for perf
+            comparisons).
+    Raises:
+        ValueError: on any inconsistent value, at construction.
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int | None = None
+    cpu_kv_cache_fraction: float = 0.25
+    gpu_memory_utilization: float = 0.92
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    scheduling_policy: str = "continuous"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
+            raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be > 0 bytes")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.scheduling_policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy must be continuous or static, got {self.scheduling_policy!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments; unknown names raise ``TypeError`` naming them."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
