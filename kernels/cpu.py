@@ -1,0 +1,324 @@
+"""Numba CPU kernels: the operations of ``kernels/reference.py`` compiled for speed, float32.
+
+Every public function has the signature of its reference twin (see that module for the batch,
+KV-cache and slot-mapping conventions) and is tested against it in ``tests/test_kernels_cpu.py``.
+The compiled bodies are ``@njit(cache=True)`` so that the second process start reuses the machine
+code; the ones with enough independent work are ``parallel=True`` with ``prange``. Matrix products
+(``linear``) use NumPy's BLAS.
+
+``CPU_KERNELS`` is the kernel table the forward pass (``model/llama.py``) is written against.
+
+Sources: PagedAttention (Kwon et al., SOSP 2023); the online ("streaming") softmax of Milakov &
+Gimelshein 2018, as used by FlashAttention (Dao et al., 2022), applied one KV block at a time;
+Numba's parallel ``prange`` (numba.readthedocs.io, "Automatic parallelization with @jit").
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+from numba import njit, prange
+
+from . import reference
+
+__all__ = [
+    "paged_attention",
+    "reshape_and_cache",
+    "copy_blocks",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "linear",
+    "embedding",
+    "prepare_weight",
+    "CPU_KERNELS",
+]
+
+_F32 = np.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _paged_attention_kernel(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                            scale, out):
+    # one work item = (token, kv head): the `group` query heads sharing that kv head read each
+    # K/V row once. Online softmax, one KV block (<= block_size keys) at a time.
+    H, D = q.shape[1], q.shape[2]
+    block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
+    group = H // Hkv
+    S = seq_lens.shape[0]
+    n_tokens = query_start_loc[S]
+    tok_seq = np.empty(n_tokens, np.int64)
+    for s in range(S):
+        for t in range(query_start_loc[s], query_start_loc[s + 1]):
+            tok_seq[t] = s
+    for item in prange(n_tokens * Hkv):
+        t = item // Hkv
+        kvh = item - t * Hkv
+        s = tok_seq[t]
+        q_start = query_start_loc[s]
+        q_len = query_start_loc[s + 1] - q_start
+        pos = seq_lens[s] - q_len + (t - q_start)  # attends to keys 0..pos
+        h0 = kvh * group
+        qs = np.empty((group, D), np.float32)
+        for g in range(group):
+            for d in range(D):
+                qs[g, d] = q[t, h0 + g, d] * scale
+        m = np.full(group, -np.inf, np.float32)
+        l = np.zeros(group, np.float32)
+        acc = np.zeros((group, D), np.float32)
+        scores = np.empty((group, block_size), np.float32)
+        n_keys = pos + 1
+        n_blocks = (n_keys + block_size - 1) // block_size
+        for bi in range(n_blocks):
+            b = block_tables[s, bi]
+            nk = min(block_size, n_keys - bi * block_size)
+            for g in range(group):
+                mx = m[g]
+                for o in range(nk):
+                    sc = np.float32(0.0)
+                    for d in range(D):
+                        sc += qs[g, d] * key_cache[b, o, kvh, d]
+                    scores[g, o] = sc
+                    if sc > mx:
+                        mx = sc
+                corr = math.exp(m[g] - mx)
+                m[g] = mx
+                lsum = l[g] * corr
+                for d in range(D):
+                    acc[g, d] *= corr
+                for o in range(nk):
+                    p = math.exp(scores[g, o] - mx)
+                    lsum += p
+                    for d in range(D):
+                        acc[g, d] += p * value_cache[b, o, kvh, d]
+                l[g] = lsum
+        for g in range(group):
+            inv = np.float32(1.0) / l[g]
+            for d in range(D):
+                out[t, h0 + g, d] = acc[g, d] * inv
+
+
+def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                    max_seq_len=None):
+    """Causal attention of a flattened varlen batch over a paged KV cache (GQA aware).
+
+    Same contract as ``reference.paged_attention``: ``q [T, num_heads, head_dim]`` float32,
+    caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32, ``block_tables [S,
+    max_blocks]``, ``seq_lens [S]``, ``query_start_loc [S+1]`` (int, converted to int32/int64),
+    ``scale`` float. Returns ``[T, num_heads, head_dim]`` float32; rows at or past
+    ``query_start_loc[S]`` are zero. Decode (one query per sequence) and prefill chunks (many
+    queries after a cached context) go through the same kernel, parallel over (token, kv head).
+    ``max_seq_len`` is accepted for signature compatibility with the CUDA table and unused.
+    """
+    out = np.zeros(q.shape, dtype=_F32)
+    _paged_attention_kernel(
+        np.asarray(q, dtype=_F32), key_cache, value_cache,
+        np.asarray(block_tables, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
+        np.asarray(query_start_loc, dtype=np.int32), _F32(scale), out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _reshape_and_cache_kernel(key, value, key_cache, value_cache, slot_mapping):
+    block_size = key_cache.shape[1]
+    Hkv, D = key.shape[1], key.shape[2]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b = slot // block_size
+        o = slot - b * block_size
+        for h in range(Hkv):
+            for d in range(D):
+                key_cache[b, o, h, d] = key[t, h, d]
+                value_cache[b, o, h, d] = value[t, h, d]
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Write this step's K/V ``[T, num_kv_heads, head_dim]`` into cache slots, in place.
+
+    Same contract as ``reference.reshape_and_cache`` (slot -1 skipped). ``key``/``value`` may be
+    strided views (e.g. slices of a fused QKV projection).
+    """
+    _reshape_and_cache_kernel(key, value, key_cache, value_cache,
+                              np.asarray(slot_mapping, dtype=np.int64))
+
+
+@njit(cache=True)
+def _copy_blocks_kernel(cache, block_mapping):
+    for i in range(block_mapping.shape[0]):
+        cache[block_mapping[i, 1]] = cache[block_mapping[i, 0]]
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    """Copy whole blocks ``(src, dst)`` rows of ``block_mapping [N, 2]`` in every layer, in place.
+
+    Rows are applied in order, as in ``reference.copy_blocks``.
+    """
+    mapping = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
+    if mapping.shape[0] == 0:
+        return
+    for kc, vc in zip(key_caches, value_caches):
+        _copy_blocks_kernel(kc, mapping)
+        _copy_blocks_kernel(vc, mapping)
+
+
+# ----------------------------------------------------------------------------------------------
+# norms, rope, activation
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _rms_norm_kernel(x, weight, eps, out):
+    T, N = x.shape
+    for t in prange(T):
+        ss = 0.0
+        for i in range(N):
+            v = np.float64(x[t, i])
+            ss += v * v
+        r = np.float32(1.0 / math.sqrt(ss / N + eps))
+        for i in range(N):
+            out[t, i] = x[t, i] * r * weight[i]
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _fused_add_rms_norm_kernel(x, residual, weight, eps, out, new_residual):
+    T, N = x.shape
+    for t in prange(T):
+        ss = 0.0
+        for i in range(N):
+            v = x[t, i] + residual[t, i]
+            new_residual[t, i] = v
+            v64 = np.float64(v)
+            ss += v64 * v64
+        r = np.float32(1.0 / math.sqrt(ss / N + eps))
+        for i in range(N):
+            out[t, i] = new_residual[t, i] * r * weight[i]
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x**2, -1) + eps) * weight``.
+
+    ``x [T, hidden]`` float32, ``weight [hidden]`` float32; returns ``[T, hidden]`` float32.
+    """
+    out = np.empty(x.shape, dtype=_F32)
+    _rms_norm_kernel(x, weight, float(eps), out)
+    return out
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """Residual add then RMSNorm in one pass; returns ``(rms_norm(x + residual), x + residual)``.
+
+    ``x, residual [T, hidden]`` float32 (not modified).
+    """
+    out = np.empty(x.shape, dtype=_F32)
+    new_residual = np.empty(x.shape, dtype=_F32)
+    _fused_add_rms_norm_kernel(x, residual, weight, float(eps), out, new_residual)
+    return out, new_residual
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _rotary_kernel(positions, x, cos_sin_cache, out):
+    T, H, D = x.shape
+    half = D // 2
+    for t in prange(T):
+        p = positions[t]
+        for h in range(H):
+            for i in range(half):
+                c = cos_sin_cache[p, i]
+                s = cos_sin_cache[p, half + i]
+                x1 = x[t, h, i]
+                x2 = x[t, h, half + i]
+                out[t, h, i] = x1 * c - x2 * s
+                out[t, h, half + i] = x2 * c + x1 * s
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache):
+    """RoPE (Su et al. 2021) in the rotate-half layout; returns new ``(q_rot, k_rot)`` float32.
+
+    ``positions [T]`` int64, ``q [T, num_heads, head_dim]``, ``k [T, num_kv_heads, head_dim]``
+    (strided views allowed), ``cos_sin_cache [max_position, head_dim]`` from
+    ``reference.rope_cos_sin_cache``. Outputs are contiguous.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    q_out = np.empty(q.shape, dtype=_F32)
+    k_out = np.empty(k.shape, dtype=_F32)
+    _rotary_kernel(pos, q, cos_sin_cache, q_out)
+    _rotary_kernel(pos, k, cos_sin_cache, k_out)
+    return q_out, k_out
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def _silu_and_mul_kernel(x, out):
+    T, inter = out.shape
+    for t in prange(T):
+        for i in range(inter):
+            g = x[t, i]
+            out[t, i] = g / (np.float32(1.0) + math.exp(-g)) * x[t, inter + i]
+
+
+def silu_and_mul(x):
+    """SwiGLU activation (Shazeer 2020): ``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32."""
+    out = np.empty((x.shape[0], x.shape[1] // 2), dtype=_F32)
+    _silu_and_mul_kernel(x, out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# dense ops (NumPy BLAS)
+# ----------------------------------------------------------------------------------------------
+
+
+def prepare_weight(w):
+    """A weight as the CPU table stores it: a C-contiguous float32 copy of ``w`` (``[out, in]`` or
+    ``[n]``). Linear weights stay ``[out, in]``: ``x @ W.T`` is then one BLAS sgemm/sgemv with a
+    transpose flag, as fast as a pre-transposed copy (measured in perf/bench_forward.py)."""
+    return np.ascontiguousarray(w, dtype=_F32)
+
+
+def linear(x, weight):
+    """``x [T, in]`` float32 @ ``weight [out, in]``.T -> ``[T, out]`` float32 (NumPy BLAS)."""
+    return x @ weight.T
+
+
+def embedding(ids, table):
+    """Rows of ``table [vocab, hidden]`` for ``ids [T]`` int64 -> ``[T, hidden]`` float32.
+
+    Raises:
+        IndexError: an id outside ``[0, vocab)``.
+    """
+    return np.take(table, np.asarray(ids, dtype=np.int64), axis=0)
+
+
+CPU_KERNELS = SimpleNamespace(
+    xp=np,
+    name="cpu",
+    kv_cache_dtype=np.dtype(np.float32),
+    act_dtype=np.dtype(np.float32),
+    paged_attention=paged_attention,
+    reshape_and_cache=reshape_and_cache,
+    copy_blocks=copy_blocks,
+    rms_norm=rms_norm,
+    fused_add_rms_norm=fused_add_rms_norm,
+    rope_inv_freq=reference.rope_inv_freq,
+    rope_cos_sin_cache=reference.rope_cos_sin_cache,
+    rotary_embedding=rotary_embedding,
+    silu_and_mul=silu_and_mul,
+    linear=linear,
+    embedding=embedding,
+    prepare_weight=prepare_weight,
+)
+"""The CPU kernel table (see kernels/__init__.py ``get_kernels``)."""

@@ -1,0 +1,158 @@
+"""The Numba CPU kernels equal the NumPy spec (kernels/reference.py) on the shared random cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
+
+from folio.kernels import cpu, get_kernels, reference
+
+ATOL = 2e-5
+RTOL = 2e-5
+
+
+def _ids(cases):
+    return [c[0] for c in cases]
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("paged_attention"), ids=_ids(cases_for("paged_attention")))
+def test_paged_attention(case_id, build):
+    case = build()
+    want = reference.paged_attention(**case)
+    got = cpu.paged_attention(**case)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    n_valid = int(case["query_start_loc"][-1])
+    assert not got[n_valid:].any(), "padding rows must be zero"
+
+
+def test_paged_attention_unused_table_entries_ignored():
+    # same case, but garbage in block-table entries past each sequence's last block
+    case = paged_attention_case(5, [(17, 3), (5, 1)])
+    a = cpu.paged_attention(**case)
+    bt = case["block_tables"].copy()
+    bt[0, 2:] = 0
+    bt[1, 1:] = case["key_cache"].shape[0] - 1
+    b = cpu.paged_attention(**{**case, "block_tables": bt})
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("reshape_and_cache"), ids=_ids(cases_for("reshape_and_cache")))
+def test_reshape_and_cache(case_id, build):
+    case = build()
+    want, got = copy_case(case), copy_case(case)
+    reference.reshape_and_cache(**want)
+    cpu.reshape_and_cache(**got)
+    np.testing.assert_array_equal(got["key_cache"], want["key_cache"])
+    np.testing.assert_array_equal(got["value_cache"], want["value_cache"])
+
+
+def test_reshape_and_cache_strided_views():
+    # K and V as slices of one fused projection, the way the forward pass passes them
+    case = cases_for("reshape_and_cache")[0][1]()
+    T, Hkv, D = case["key"].shape
+    fused = np.concatenate([case["key"].reshape(T, -1), case["value"].reshape(T, -1)], axis=1)
+    k_view = fused[:, : Hkv * D].reshape(T, Hkv, D)
+    v_view = fused[:, Hkv * D:].reshape(T, Hkv, D)
+    want, got = copy_case(case), copy_case(case)
+    reference.reshape_and_cache(**want)
+    cpu.reshape_and_cache(k_view, v_view, got["key_cache"], got["value_cache"], got["slot_mapping"])
+    np.testing.assert_array_equal(got["key_cache"], want["key_cache"])
+    np.testing.assert_array_equal(got["value_cache"], want["value_cache"])
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("copy_blocks"), ids=_ids(cases_for("copy_blocks")))
+def test_copy_blocks(case_id, build):
+    case = build()
+    want, got = copy_case(case), copy_case(case)
+    reference.copy_blocks(**want)
+    cpu.copy_blocks(**got)
+    for a, b in zip(got["key_caches"] + got["value_caches"], want["key_caches"] + want["value_caches"]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("rms_norm"), ids=_ids(cases_for("rms_norm")))
+def test_rms_norm(case_id, build):
+    case = build()
+    np.testing.assert_allclose(cpu.rms_norm(**case), reference.rms_norm(**case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("fused_add_rms_norm"), ids=_ids(cases_for("fused_add_rms_norm")))
+def test_fused_add_rms_norm(case_id, build):
+    case = build()
+    x0, r0 = case["x"].copy(), case["residual"].copy()
+    out, res = cpu.fused_add_rms_norm(**case)
+    want_out, want_res = reference.fused_add_rms_norm(**case)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res, want_res, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(case["x"], x0)
+    np.testing.assert_array_equal(case["residual"], r0)
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("rotary_embedding"), ids=_ids(cases_for("rotary_embedding")))
+def test_rotary_embedding(case_id, build):
+    case = build()
+    q, k = cpu.rotary_embedding(**case)
+    wq, wk = reference.rotary_embedding(**case)
+    np.testing.assert_allclose(q, wq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, wk, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_embedding_strided_views():
+    case = rotary_embedding_case(7)
+    T = case["q"].shape[0]
+    fused = np.concatenate([case["q"].reshape(T, -1), case["k"].reshape(T, -1)], axis=1)
+    nq = case["q"][0].size
+    q_view = fused[:, :nq].reshape(case["q"].shape)
+    k_view = fused[:, nq:].reshape(case["k"].shape)
+    q, k = cpu.rotary_embedding(case["positions"], q_view, k_view, case["cos_sin_cache"])
+    wq, wk = reference.rotary_embedding(**case)
+    np.testing.assert_allclose(q, wq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, wk, rtol=1e-5, atol=1e-5)
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    # independent check of the scaled frequencies used by the llama3 rotary case
+    from kernel_cases import LLAMA3_SCALING
+
+    plain = reference.rope_inv_freq(128, 500000.0, None)
+    scaled = reference.rope_inv_freq(128, 500000.0, LLAMA3_SCALING)
+    wavelen = 2 * np.pi / plain
+    high = wavelen < 8192 / 4.0
+    low = wavelen > 8192 / 1.0
+    np.testing.assert_allclose(scaled[high], plain[high])
+    np.testing.assert_allclose(scaled[low], plain[low] / 8.0)
+    mid = ~(high | low)
+    assert mid.any() and np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / 8.0)
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("silu_and_mul"), ids=_ids(cases_for("silu_and_mul")))
+def test_silu_and_mul(case_id, build):
+    case = build()
+    np.testing.assert_allclose(cpu.silu_and_mul(**case), reference.silu_and_mul(**case), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_embedding_prepare_weight():
+    rng = np.random.default_rng(0)
+    w64 = rng.standard_normal((48, 32))
+    w = cpu.prepare_weight(w64[:, ::1].T.T)  # any float input -> contiguous float32
+    assert w.dtype == np.float32 and w.flags.c_contiguous
+    for T in (1, 5):
+        x = rng.standard_normal((T, 32)).astype(np.float32)
+        y = cpu.linear(x, w)
+        assert y.dtype == np.float32 and y.shape == (T, 48)
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w64.T, rtol=1e-4, atol=1e-4)
+    ids = np.array([3, 0, 47, 3])
+    np.testing.assert_array_equal(cpu.embedding(ids, w), w[ids])
+    with pytest.raises(IndexError):
+        cpu.embedding(np.array([48]), w)
+
+
+def test_kernel_table():
+    k = get_kernels("cpu")
+    assert k is cpu.CPU_KERNELS
+    assert k.xp is np and k.name == "cpu"
+    assert k.kv_cache_dtype == np.float32 and k.act_dtype == np.float32
+    for name in reference.__all__ + ["linear", "embedding", "prepare_weight"]:
+        assert callable(getattr(k, name)), name
