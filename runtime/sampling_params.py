@@ -1,0 +1,166 @@
+"""Per-request sampling parameters, named and validated as vLLM's ``SamplingParams``.
+
+Source: vLLM ``vllm/sampling_params.py`` (field names, defaults and the meaning of each knob);
+the penalties follow the CTRL paper (Keskar et al. 2019, repetition penalty) and the OpenAI API
+(presence / frequency penalties); min-p sampling: Nguyen et al. 2024, "Turning Up the Heat".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one request.
+
+    Attributes:
+        n: number of independent samples (sequences) for the prompt, >= 1.
+        temperature: softmax temperature, >= 0; 0 means greedy (argmax).
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability mass reaches
+            ``top_p``; in (0, 1], 1 = off.
+        top_k: keep the ``top_k`` most likely tokens; -1 or 0 = off (as vLLM).
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's; in [0, 1].
+        seed: seed of this request's random stream (``None``: the engine's stream).
+        presence_penalty: subtracted once from the logit of every token already generated;
+            in [-2, 2].
+        frequency_penalty: subtracted per occurrence of a token already generated; in [-2, 2].
+        repetition_penalty: > 0; tokens seen in the prompt or output get positive logits divided
+            and negative logits multiplied by it (1 = off).
+        max_tokens: most tokens to generate (>= 0; ``None`` = up to the model length).
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated
+            (and stop strings are not checked before).
+        stop: string(s) that end generation; the output is cut right before the match unless
+            ``include_stop_str_in_output``. A single string is normalised to a one-item list.
+        stop_token_ids: token ids that end generation (their text is not part of the output
+            unless ``include_stop_str_in_output``).
+        ignore_eos: keep generating after EOS.
+        include_stop_str_in_output: keep the matched stop string / stop token text.
+        skip_special_tokens: leave special tokens out of the detokenized text.
+        logprobs: return this many top logprobs per generated token (plus the sampled token's);
+            ``None`` = no logprobs, 0 = only the sampled token's.
+
+    Raises:
+        ValueError: from ``__post_init__`` with a message naming the field, on any invalid value.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not is_num(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+
+    # --- derived views -------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax (temperature below 1e-5, as vLLM)."""
+        return self.temperature < _EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    # --- IPC -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """A plain dict of the fields (msgpack-able; ``stop`` always a list)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: unknown keys (named in the message) or invalid values.
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+        return cls(**d)
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with some fields replaced (validated again)."""
+        d = self.to_dict()
+        d.update(changes)
+        return SamplingParams.from_dict(d)
