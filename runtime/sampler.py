@@ -1,0 +1,277 @@
+"""Worker-side sampler: logits of a batch -> one token per row, vectorised over the batch.
+
+The pipeline follows vLLM V1's sampler (``vllm/v1/sample/sampler.py`` and its ``ops``), in order:
+
+1. raw logprobs (log-softmax of the model's output, before any processing; vLLM's default
+   ``logprobs_mode="raw_logprobs"``), only when some row asked for logprobs;
+2. min_tokens: EOS (unless ignore_eos) and ``stop_token_ids`` get -inf while fewer than
+   ``min_tokens`` tokens are out;
+3. penalties: repetition (CTRL, Keskar et al. 2019) over prompt + output tokens: positive logits
+   divided by it, negative ones multiplied; frequency (per occurrence) and presence (once) over the
+   output tokens, subtracted (OpenAI API semantics);
+4. greedy rows (temperature 0): argmax;
+5. random rows: temperature, min_p (Nguyen et al. 2024), top_k, then top_p (Holtzman et al. 2020,
+   over the top-k renormalised distribution), then inverse-CDF sampling with ONE uniform per row
+   drawn from that sequence's own ``numpy.random.Generator``.
+
+Every array operation goes through the array module ``xp`` (numpy or cupy); only the per-row
+parameter vectors and the uniforms are built on the host. A row's result depends only on its own
+logits, parameters and generator, so a seeded sequence samples the same tokens alone, in any batch,
+and after a preemption (its generator advances once per token it samples, and a restored sequence
+fast-forwards by the tokens it already has).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling_params import SamplingParams
+
+_MASK = -np.inf
+
+
+def make_rng(seed: int | None, engine_seed: int, seq_id: int) -> np.random.Generator:
+    """The random stream of one sequence.
+
+    Args:
+        seed: the sequence's seed (``default_rng(seed)``), or ``None`` for an unseeded sequence,
+            whose stream is seeded from ``(engine_seed, seq_id)``.
+    """
+    if seed is not None:
+        return np.random.default_rng(int(seed) % (1 << 64))
+    return np.random.default_rng([int(engine_seed) % (1 << 64), int(seq_id) % (1 << 64)])
+
+
+class SamplingState:
+    """What the worker keeps for one sequence between steps (created from a ``NewSequence``).
+
+    Attributes:
+        seq_id: the sequence.
+        params: its ``SamplingParams``.
+        prompt_token_ids: ``[P]`` int64.
+        eos_token_ids: ids masked while fewer than ``min_tokens`` are out.
+        rng: the sequence's generator. If ``output_token_ids`` is non-empty (a restored or forked
+            sequence) and the sequence samples randomly, it is advanced by one draw per token
+            already generated, so the stream continues where it would have been.
+    """
+
+    def __init__(self, seq_id: int, params: SamplingParams, prompt_token_ids, output_token_ids,
+                 seed: int | None, eos_token_ids, engine_seed: int = 0):
+        self.seq_id = int(seq_id)
+        self.params = params
+        self.prompt_token_ids = np.asarray(prompt_token_ids, dtype=np.int64).reshape(-1)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        out = np.asarray(output_token_ids, dtype=np.int64).reshape(-1)
+        self._out = np.zeros(max(16, 2 * len(out)), dtype=np.int64)
+        self._out[: len(out)] = out
+        self._num_out = len(out)
+        self.rng = make_rng(seed, engine_seed, seq_id)
+        if self._num_out and not params.greedy:
+            self.rng.random(self._num_out)  # fast-forward: one uniform per token already sampled
+
+    @property
+    def output_token_ids(self) -> np.ndarray:
+        """``[O]`` int64 view of the tokens generated so far."""
+        return self._out[: self._num_out]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_out
+
+    def append(self, token_id: int) -> None:
+        if self._num_out == len(self._out):
+            self._out = np.concatenate([self._out, np.zeros_like(self._out)])
+        self._out[self._num_out] = token_id
+        self._num_out += 1
+
+
+@dataclass
+class SamplerOutput:
+    """Host (numpy) results for R rows.
+
+    Attributes:
+        token_ids: ``[R]`` int64 sampled ids.
+        logprobs: ``[R, 1 + K]`` float32 or ``None``: column 0 the sampled token's raw logprob,
+            columns 1.. the top-K raw logprobs in descending order (K = the largest ``logprobs``
+            asked for by any row; rows that asked for fewer use a prefix).
+        logprob_token_ids: ``[R, 1 + K]`` int64 ids matching ``logprobs``.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None = None
+    logprob_token_ids: np.ndarray | None = None
+
+
+def to_numpy(a) -> np.ndarray:
+    """Host copy of an xp array (cupy arrays have ``.get()``)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def log_softmax(x, xp=np):
+    """Row-wise log-softmax of ``[R, V]`` float32, max-subtracted for stability."""
+    m = x.max(axis=1, keepdims=True)
+    z = x - m
+    return z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
+
+
+def _flat_index(arrays: list[np.ndarray], V: int) -> np.ndarray:
+    """Concatenate per-row id arrays into indices of a flattened ``[len(arrays), V]`` matrix."""
+    lens = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    if lens.sum() == 0:
+        return np.zeros(0, dtype=np.int64)
+    rows = np.repeat(np.arange(len(arrays), dtype=np.int64), lens)
+    return rows * V + np.concatenate(arrays).astype(np.int64)
+
+
+def token_counts(arrays: list[np.ndarray], V: int, xp=np):
+    """``[len(arrays), V]`` int32 occurrence counts of the ids of each row (one bincount)."""
+    flat = xp.asarray(_flat_index(arrays, V))
+    counts = xp.bincount(flat, minlength=len(arrays) * V) if flat.size else \
+        xp.zeros(len(arrays) * V, dtype=xp.int64)
+    return counts.reshape(len(arrays), V).astype(xp.int32)
+
+
+def apply_penalties(logits, prompt_ids: list[np.ndarray], output_ids: list[np.ndarray],
+                    repetition, frequency, presence, xp=np):
+    """Penalised copy of ``logits [R, V]`` float32 (vLLM's ``apply_penalties`` semantics).
+
+    Args:
+        prompt_ids, output_ids: per row, the prompt's and the generated token ids (int64).
+        repetition, frequency, presence: ``[R]`` float32 xp arrays.
+    """
+    V = logits.shape[1]
+    out_counts = token_counts(output_ids, V, xp)
+    prompt_seen = token_counts(prompt_ids, V, xp) > 0
+    out_seen = out_counts > 0
+    scale = xp.where(prompt_seen | out_seen, repetition[:, None], xp.float32(1.0))
+    logits = xp.where(logits > 0, logits / scale, logits * scale)
+    logits = logits - frequency[:, None] * out_counts.astype(xp.float32)
+    logits = logits - presence[:, None] * out_seen.astype(xp.float32)
+    return logits.astype(xp.float32)
+
+
+def _top_k_top_p_threshold(logits, top_k: np.ndarray, top_p: np.ndarray, xp=np):
+    """Per row, the smallest logit kept by top-k then top-p (``[R, 1]``); ties are kept.
+
+    ``top_k`` ``[R]`` int (<= 0 = off), ``top_p`` ``[R]`` float (1 = off).
+    """
+    R, V = logits.shape
+    s = -xp.sort(-logits, axis=1)  # descending
+    col = xp.arange(V)[None, :]
+    k = xp.asarray(np.where(top_k > 0, np.minimum(top_k, V), V))[:, None]
+    s = xp.where(col < k, s, xp.float32(_MASK))
+    p = xp.exp(s - s[:, :1])
+    p = p / p.sum(axis=1, keepdims=True)
+    mass_before = xp.cumsum(p, axis=1) - p
+    top_p = np.where(top_p >= 1.0, np.inf, top_p).astype(np.float32)  # off: rounding must not cut
+    keep = (mass_before < xp.asarray(top_p)[:, None]) & (col < k)
+    keep[:, 0] = True
+    last = keep.sum(axis=1) - 1  # kept entries form a prefix of the sorted row
+    return xp.take_along_axis(s, last[:, None], axis=1)
+
+
+def sample(logits, states: list[SamplingState], xp=np) -> SamplerOutput:
+    """Sample one token for each row of ``logits``.
+
+    Args:
+        logits: ``[R, V]`` float32 xp array (the model's output for the rows to sample).
+        states: ``R`` sampling states, row ``i`` belongs to ``states[i]`` (a sequence appears once).
+        xp: numpy or cupy (the module of ``logits``).
+
+    Returns:
+        ``SamplerOutput`` with host arrays. The caller appends the tokens to the states.
+    """
+    R, V = logits.shape
+    params = [s.params for s in states]
+    if R == 0:
+        return SamplerOutput(np.zeros(0, dtype=np.int64))
+
+    # raw logprobs
+    want = [p.logprobs for p in params if p.logprobs is not None]
+    raw_lp = log_softmax(logits.astype(xp.float32), xp) if want else None
+
+    # min_tokens: mask EOS and stop tokens
+    rows, cols = [], []
+    for i, st in enumerate(states):
+        p = st.params
+        if st.num_output_tokens < p.min_tokens:
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_token_ids)
+            ids = [t for t in ids if 0 <= t < V]
+            rows += [i] * len(ids)
+            cols += ids
+    if rows:
+        logits = logits.astype(xp.float32, copy=True)
+        logits[xp.asarray(rows), xp.asarray(cols)] = _MASK
+
+    # penalties
+    pen = [i for i, p in enumerate(params) if p.has_penalties]
+    if pen:
+        pen_idx = xp.asarray(np.asarray(pen, dtype=np.int64))
+        f32 = lambda vals: xp.asarray(np.asarray(vals, dtype=np.float32))  # noqa: E731
+        penalised = apply_penalties(
+            logits[pen_idx],
+            [states[i].prompt_token_ids for i in pen],
+            [states[i].output_token_ids for i in pen],
+            f32([params[i].repetition_penalty for i in pen]),
+            f32([params[i].frequency_penalty for i in pen]),
+            f32([params[i].presence_penalty for i in pen]), xp)
+        logits = logits.astype(xp.float32, copy=True) if not rows else logits
+        logits[pen_idx] = penalised
+
+    tokens = xp.zeros(R, dtype=xp.int64)
+
+    # greedy
+    greedy = np.asarray([p.greedy for p in params])
+    if greedy.any():
+        g = np.nonzero(greedy)[0]
+        g_idx = xp.asarray(g)
+        tokens[g_idx] = xp.argmax(logits[g_idx], axis=1).astype(xp.int64)
+
+    # random
+    rand = np.nonzero(~greedy)[0]
+    if len(rand):
+        rp = [params[i] for i in rand]
+        r_idx = xp.asarray(rand)
+        temp = np.asarray([p.temperature for p in rp], dtype=np.float32)
+        x = logits[r_idx].astype(xp.float32) / xp.asarray(temp)[:, None]
+        min_p = np.asarray([p.min_p for p in rp], dtype=np.float32)
+        if (min_p > 0).any():
+            ratio = xp.exp(x - x.max(axis=1, keepdims=True))  # p / p_max
+            x = xp.where(ratio < xp.asarray(min_p)[:, None], xp.float32(_MASK), x)
+        top_k = np.asarray([p.top_k for p in rp], dtype=np.int64)
+        top_p = np.asarray([p.top_p for p in rp], dtype=np.float32)
+        trunc = np.nonzero((top_k > 0) | (top_p < 1.0))[0]
+        if len(trunc):
+            t_idx = xp.asarray(trunc)
+            sub = x[t_idx]
+            thresh = _top_k_top_p_threshold(sub, top_k[trunc], top_p[trunc], xp)
+            x[t_idx] = xp.where(sub < thresh, xp.float32(_MASK), sub)
+        # inverse CDF with one uniform in (0, 1] per row from the sequence's own generator
+        u = np.asarray([1.0 - states[i].rng.random() for i in rand], dtype=np.float64)
+        w = xp.exp(x - x.max(axis=1, keepdims=True))
+        cdf = xp.cumsum(w, axis=1)
+        target = xp.asarray(u)[:, None] * cdf[:, -1:]
+        picked = (cdf < target).sum(axis=1)
+        tokens[r_idx] = xp.minimum(picked, V - 1).astype(xp.int64)
+
+    out = SamplerOutput(to_numpy(tokens).astype(np.int64))
+    if raw_lp is not None:
+        K = max(want)
+        sampled_lp = xp.take_along_axis(raw_lp, tokens[:, None], axis=1)
+        if K > 0:
+            top = xp.argpartition(-raw_lp, K - 1, axis=1)[:, :K] if K < V else \
+                xp.broadcast_to(xp.arange(V), (R, V)).copy()
+            top_lp = xp.take_along_axis(raw_lp, top, axis=1)
+            order = xp.argsort(-top_lp, axis=1, kind="stable") if xp is np else \
+                xp.argsort(-top_lp, axis=1)
+            top = xp.take_along_axis(top, order, axis=1)
+            top_lp = xp.take_along_axis(top_lp, order, axis=1)
+            lp = xp.concatenate([sampled_lp, top_lp], axis=1)
+            ids = xp.concatenate([tokens[:, None], top], axis=1)
+        else:
+            lp, ids = sampled_lp, tokens[:, None]
+        out.logprobs = to_numpy(lp).astype(np.float32)
+        out.logprob_token_ids = to_numpy(ids).astype(np.int64)
+    return out
