@@ -1,0 +1,150 @@
+"""The Llama decoder forward pass over a flattened varlen batch and a paged KV cache.
+
+Written against a kernel table (``folio.kernels.get_kernels``) and its array module
+``kernels.xp`` only, so the same code runs on NumPy + Numba (CPU) and CuPy + CUDA kernels (GPU).
+
+Architecture: Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
+Models"; Hugging Face ``modeling_llama.py`` naming): pre-norm decoder layers of RMSNorm ->
+grouped-query attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual, a final
+RMSNorm and an ``lm_head`` (tied to the embedding table when ``tie_word_embeddings``).
+As in vLLM, q/k/v projections are fused into one ``[q + 2 kv, hidden]`` weight and gate/up into
+one ``[2 * intermediate, hidden]`` weight at load time, so a layer runs four matrix products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .attention import AttentionMetadata
+from .config import ModelConfig
+
+
+@dataclass
+class _Layer:
+    input_layernorm: Any   # [hidden]
+    qkv_proj: Any          # [(H + 2 Hkv) * D, hidden]
+    o_proj: Any            # [hidden, H * D]
+    post_attention_layernorm: Any  # [hidden]
+    gate_up_proj: Any      # [2 * intermediate, hidden]
+    down_proj: Any         # [hidden, intermediate]
+
+
+def required_weight_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face tensor names a Llama checkpoint of ``config`` must provide."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    return names
+
+
+class LlamaForCausalLM:
+    """A Llama causal LM whose weights live on the kernel table's device.
+
+    Args:
+        config: the model's ``ModelConfig``.
+        weights: Hugging Face-named float32 NumPy arrays (see ``model/weights.py``); not modified.
+        kernels: a kernel table (``get_kernels("cpu")`` or ``get_kernels("cuda")``).
+    Raises:
+        ValueError: a tensor is missing or has the wrong shape (the message names it).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, kernels):
+        self.config = config
+        self.kernels = kernels
+        self.xp = kernels.xp
+        missing = [n for n in required_weight_names(config) if n not in weights]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        c = config
+        H, Hkv, D, hid, inter = (c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                 c.hidden_size, c.intermediate_size)
+        self._check(weights, "model.embed_tokens.weight", (c.vocab_size, hid))
+        prep = kernels.prepare_weight
+        self.embed_tokens = prep(weights["model.embed_tokens.weight"])
+        self.lm_head = self.embed_tokens if c.tie_word_embeddings else prep(
+            self._check(weights, "lm_head.weight", (c.vocab_size, hid)))
+        self.norm = prep(self._check(weights, "model.norm.weight", (hid,)))
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q = self._check(weights, p + "self_attn.q_proj.weight", (H * D, hid))
+            k = self._check(weights, p + "self_attn.k_proj.weight", (Hkv * D, hid))
+            v = self._check(weights, p + "self_attn.v_proj.weight", (Hkv * D, hid))
+            gate = self._check(weights, p + "mlp.gate_proj.weight", (inter, hid))
+            up = self._check(weights, p + "mlp.up_proj.weight", (inter, hid))
+            self.layers.append(_Layer(
+                input_layernorm=prep(self._check(weights, p + "input_layernorm.weight", (hid,))),
+                qkv_proj=prep(np.concatenate([q, k, v], axis=0)),
+                o_proj=prep(self._check(weights, p + "self_attn.o_proj.weight", (hid, H * D))),
+                post_attention_layernorm=prep(self._check(weights, p + "post_attention_layernorm.weight", (hid,))),
+                gate_up_proj=prep(np.concatenate([gate, up], axis=0)),
+                down_proj=prep(self._check(weights, p + "mlp.down_proj.weight", (hid, inter))),
+            ))
+        inv_freq = kernels.rope_inv_freq(D, c.rope_theta, c.rope_scaling)
+        self.cos_sin_cache = self.xp.asarray(kernels.rope_cos_sin_cache(inv_freq, c.max_position_embeddings))
+        self.scale = float(D ** -0.5)
+
+    @staticmethod
+    def _check(weights: dict, name: str, shape: tuple) -> np.ndarray:
+        w = weights[name]
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+        return w
+
+    def forward(self, input_ids, positions, attn_metadata: AttentionMetadata, kv_caches: list,
+                logits_indices):
+        """Run one step and return the logits of the requested rows.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids (xp array), sequences laid end to end.
+            positions: ``[T]`` int64 position of each token in its sequence
+                (< ``max_position_embeddings``).
+            attn_metadata: slot mapping, query_start_loc, seq_lens, block tables of the step.
+            kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks,
+                block_size, num_kv_heads, head_dim]``; this step's K/V are appended in place.
+            logits_indices: ``[R]`` int64 rows of the batch whose logits are wanted.
+        Returns:
+            ``[R, vocab_size]`` float32 xp array.
+        """
+        k = self.kernels
+        c = self.config
+        md = attn_metadata
+        H, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        qd, kvd = H * D, Hkv * D
+        hidden = k.embedding(input_ids, self.embed_tokens)
+        T = hidden.shape[0]
+        residual = None
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            # attention
+            if residual is None:
+                residual = hidden
+                x = k.rms_norm(hidden, layer.input_layernorm, eps)
+            else:
+                x, residual = k.fused_add_rms_norm(hidden, residual, layer.input_layernorm, eps)
+            qkv = k.linear(x, layer.qkv_proj)
+            q = qkv[:, :qd].reshape(T, H, D)
+            key = qkv[:, qd:qd + kvd].reshape(T, Hkv, D)
+            value = qkv[:, qd + kvd:].reshape(T, Hkv, D)
+            q, key = k.rotary_embedding(positions, q, key, self.cos_sin_cache)
+            k.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+            attn = k.paged_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens,
+                                     md.query_start_loc, self.scale, max_seq_len=md.max_seq_len)
+            hidden = k.linear(attn.reshape(T, qd), layer.o_proj)
+            # MLP
+            x, residual = k.fused_add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
+            hidden = k.linear(k.silu_and_mul(k.linear(x, layer.gate_up_proj)), layer.down_proj)
+        # final norm and lm_head on the sampled rows only (RMSNorm is per row)
+        idx = logits_indices
+        x, _ = k.fused_add_rms_norm(hidden[idx], residual[idx], self.norm, eps)
+        return k.linear(x, self.lm_head)
+
+    __call__ = forward
