@@ -1,0 +1,490 @@
+"""Client library for ``folio serve``: ``Client`` (blocking, thread-safe) and ``AsyncClient`` (asyncio).
+
+Both speak the messages of ``ipc.messages`` over a DEALER socket to the server's ROUTER and can
+run many requests at once: replies are routed by request id to per-request queues.
+
+    with folio.Client("tcp://127.0.0.1:5555") as c:
+        out = c.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))
+        for d in c.generate_stream("Hello", {"max_tokens": 32}):
+            print(d.text, end="", flush=True)
+
+``generate_stream`` yields ``StreamDelta`` objects (new token ids, new text; ``finish_reason`` set
+on a sample's last delta). Leaving a stream early (``break``, an exception, ``close()``, or the
+asyncio task being cancelled) sends ``abort`` so the server frees the request's blocks. Errors the
+server reports arrive as ``ServerError`` (its message and code); no message for ``timeout``
+seconds raises ``ClientTimeoutError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from ..runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from . import messages as M
+from .transport import DEFAULT_ADDRESS, make_socket, recv_frames, send_frames
+
+
+class ServerError(RuntimeError):
+    """An error reply from the server.
+
+    Attributes:
+        message: the server's text; code: its category (bad_request, invalid_argument,
+        worker_died, engine_error, shutdown, internal); request_id: the request it concerns.
+    """
+
+    def __init__(self, message: str, code: str = "error", request_id: str | None = None):
+        super().__init__(f"[{code}] {message}")
+        self.message, self.code, self.request_id = message, code, request_id
+
+
+class ClientTimeoutError(TimeoutError):
+    """No reply from the server within the client's timeout."""
+
+
+@dataclass
+class StreamDelta:
+    """What one streamed message adds to one sample.
+
+    Attributes:
+        request_id: the request; index: the sample (0..n-1).
+        token_ids: token ids new since the previous delta; text: text new since the previous delta.
+        finish_reason: ``None`` until the sample's last delta ("stop", "length" or "abort").
+        stop_reason: the stop string / token that ended it, if any.
+        finished: the whole request is finished (set on the last delta of the request).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        time: ``time.monotonic()`` at which the client received it.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    finished: bool = False
+    num_cached_tokens: int = 0
+    time: float = 0.0
+    logprobs: list | None = None
+
+
+def _sampling_dict(sampling_params) -> dict:
+    from ..runtime.sampling_params import SamplingParams
+    if sampling_params is None:
+        return SamplingParams().to_dict()
+    if isinstance(sampling_params, dict):
+        return dict(sampling_params)
+    return sampling_params.to_dict()
+
+
+def _request_frames(request_id: str, prompt, prompt_token_ids, sampling_params, cache_salt, messages=None) -> list:
+    sp = _sampling_dict(sampling_params)
+    if messages is not None:
+        return M.encode("chat", request_id=request_id, messages=list(messages), sampling=sp, cache_salt=cache_salt)
+    if (prompt is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompt and prompt_token_ids")
+    ids = None if prompt_token_ids is None else __import__("numpy").asarray(prompt_token_ids, dtype="int64")
+    return M.encode("generate", request_id=request_id, prompt=prompt, prompt_token_ids=ids, sampling=sp,
+                    cache_salt=cache_salt)
+
+
+class _Accumulator:
+    """Builds the cumulative ``RequestOutput`` of one request from its messages."""
+
+    def __init__(self, request_id: str):
+        self.out = RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], outputs=[], finished=False)
+        self.by_index: dict[int, CompletionOutput] = {}
+
+    def add(self, f: dict) -> list[StreamDelta]:
+        now = time.monotonic()
+        if f.get("prompt_token_ids") is not None:
+            self.out.prompt_token_ids = f["prompt_token_ids"].tolist()
+            self.out.prompt = f.get("prompt")
+        if f.get("num_cached_tokens") is not None:
+            self.out.num_cached_tokens = f["num_cached_tokens"]
+        if f.get("metrics"):
+            self.out.metrics = RequestMetrics(**f["metrics"])
+        deltas = []
+        for o in f["outputs"]:
+            idx = int(o.get("index", 0))
+            c = self.by_index.get(idx)
+            if c is None:
+                c = self.by_index[idx] = CompletionOutput(index=idx, text="", token_ids=[])
+                self.out.outputs = [self.by_index[k] for k in sorted(self.by_index)]
+            ids = o["token_ids"].tolist()
+            c.token_ids.extend(ids)
+            c.text += o.get("text", "")
+            if o.get("finish_reason") is not None:
+                c.finish_reason, c.stop_reason = o["finish_reason"], o.get("stop_reason")
+            lps = None
+            if o.get("logprobs") is not None:
+                lps = [{int(t): Logprob(lp, rank, tok) for t, lp, rank, tok in pos} for pos in o["logprobs"]]
+                c.logprobs = (c.logprobs or []) + lps
+                c.cumulative_logprob = o.get("cumulative_logprob")
+            deltas.append(StreamDelta(self.out.request_id, idx, ids, o.get("text", ""), o.get("finish_reason"),
+                                      o.get("stop_reason"), False, self.out.num_cached_tokens, now, lps))
+        self.out.finished = bool(f["finished"])
+        if self.out.finished and deltas:
+            deltas[-1].finished = True
+        return deltas
+
+
+def _raise_error(f: dict):
+    raise ServerError(f["message"], f["code"], f.get("request_id"))
+
+
+# ---------------------------------------------------------------------------------------------
+# blocking client
+# ---------------------------------------------------------------------------------------------
+
+class Client:
+    """Blocking client; safe to share between threads (one I/O thread owns the socket).
+
+    Args:
+        address: the server's address (``tcp://127.0.0.1:5555`` by default).
+        timeout: seconds to wait for each reply / next streamed message (``None`` = forever).
+    """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 120.0,
+                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES):
+        self.address = address
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self._ctx = zmq.Context.instance()
+        self._sock = make_socket(self._ctx, zmq.DEALER, linger_ms=500)
+        self._sock.connect(address)
+        self._outq: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, queue.SimpleQueue] = {}
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._io_loop, daemon=True, name="folio-client-io")
+        self._thread.start()
+
+    # -- I/O thread ------------------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._closed:
+            ready = dict(poller.poll(200))
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except OSError:
+                    pass
+            while True:
+                try:
+                    frames = self._outq.get_nowait()
+                except queue.Empty:
+                    break
+                send_frames(self._sock, frames)
+            if self._sock in ready:
+                while True:
+                    try:
+                        frames = recv_frames(self._sock, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._route(frames)
+        self._sock.close(linger=500)
+
+    def _route(self, frames) -> None:
+        try:
+            msg_type, f = M.decode(frames, self.max_message_bytes)
+        except M.MessageError as e:
+            msg_type, f = "error", {"message": f"bad reply from server: {e}", "code": "bad_reply",
+                                    "request_id": e.request_id, "corr_id": e.corr_id}
+        key = f.get("request_id") or f.get("corr_id")
+        with self._lock:
+            q = self._routes.get(key) if key else None
+        if q is not None:
+            q.put((msg_type, f))
+
+    def _submit(self, key: str, frames: list) -> queue.SimpleQueue:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            if key in self._routes:
+                raise ValueError(f"request id {key!r} is already in use by this client")
+            self._routes[key] = q
+        self._post(frames)
+        return q
+
+    def _post(self, frames: list) -> None:
+        self._outq.put(frames)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            self._routes.pop(key, None)
+
+    def _get(self, q: queue.SimpleQueue, timeout: float | None):
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            raise ClientTimeoutError(f"no reply from {self.address} within {timeout} s") from None
+
+    # -- API -------------------------------------------------------------------------------------------
+    def generate_stream(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+                        request_id: str | None = None, cache_salt: str | None = None,
+                        messages: list | None = None, timeout: float | None = -1) -> Iterator[StreamDelta]:
+        """Stream one request; yields ``StreamDelta``s. Closing the generator early aborts the request.
+
+        Raises:
+            ServerError: the server rejected or failed the request. ClientTimeoutError: no message
+            for ``timeout`` seconds (default: the client's).
+        """
+        rid = request_id or uuid.uuid4().hex
+        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt, messages)
+        return self._stream(rid, frames, self.timeout if timeout == -1 else timeout, _Accumulator(rid))
+
+    def _stream(self, rid, frames, timeout, acc) -> Iterator[StreamDelta]:
+        q = self._submit(rid, frames)
+        done = False
+        try:
+            while True:
+                msg_type, f = self._get(q, timeout)
+                if msg_type == "error":
+                    done = True
+                    _raise_error(f)
+                for d in acc.add(f):
+                    yield d
+                if acc.out.finished:
+                    done = True
+                    return
+        finally:
+            self._release(rid)
+            if not done and not self._closed:
+                self._post(M.encode("abort", request_id=rid))
+
+    def generate(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+                 request_id: str | None = None, cache_salt: str | None = None,
+                 timeout: float | None = -1) -> RequestOutput:
+        """Run one request to the end; returns its ``RequestOutput`` (cumulative, like ``LLM.generate``)."""
+        rid = request_id or uuid.uuid4().hex
+        acc = _Accumulator(rid)
+        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt)
+        for _ in self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc):
+            pass
+        return acc.out
+
+    def chat(self, messages: list[dict], sampling_params=None, *, request_id: str | None = None,
+             stream: bool = False, cache_salt: str | None = None, timeout: float | None = -1):
+        """Chat with the model's chat template; ``RequestOutput``, or a delta iterator if ``stream``."""
+        rid = request_id or uuid.uuid4().hex
+        acc = _Accumulator(rid)
+        frames = _request_frames(rid, None, None, sampling_params, cache_salt, messages)
+        it = self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc)
+        if stream:
+            return it
+        for _ in it:
+            pass
+        return acc.out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream then ends with finish_reason "abort")."""
+        self._post(M.encode("abort", request_id=request_id))
+
+    def _call(self, msg_type: str, timeout) -> dict:
+        cid = uuid.uuid4().hex
+        q = self._submit(cid, M.encode(msg_type, corr_id=cid))
+        try:
+            t, f = self._get(q, self.timeout if timeout == -1 else timeout)
+        finally:
+            self._release(cid)
+        if t == "error":
+            _raise_error(f)
+        return f
+
+    def health(self, timeout: float | None = -1) -> dict:
+        """``{"healthy": bool, **detail}``."""
+        f = self._call("health", timeout)
+        return {"healthy": f["healthy"], **f["detail"]}
+
+    def get_metrics(self, timeout: float | None = -1) -> dict:
+        """The server's metrics (engine + server counters; see ``ipc.server.Server.get_metrics``)."""
+        return self._call("metrics", timeout)["metrics"]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(2.0)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# asyncio client
+# ---------------------------------------------------------------------------------------------
+
+class AsyncClient:
+    """asyncio client (one event loop); use as ``async with AsyncClient(addr) as c:``.
+
+    Same methods as ``Client`` as coroutines; ``generate_stream`` is an async generator. Cancelling
+    the task that iterates a stream, or leaving the loop early, sends ``abort`` to the server.
+    """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 120.0,
+                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES):
+        self.address = address
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = make_socket(self._ctx, zmq.DEALER, linger_ms=500)
+        self._sock.connect(address)
+        self._routes: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg_type, f = M.decode(frames, self.max_message_bytes)
+            except M.MessageError as e:
+                msg_type, f = "error", {"message": f"bad reply from server: {e}", "code": "bad_reply",
+                                        "request_id": e.request_id, "corr_id": e.corr_id}
+            key = f.get("request_id") or f.get("corr_id")
+            q = self._routes.get(key) if key else None
+            if q is not None:
+                q.put_nowait((msg_type, f))
+
+    def _send_now(self, frames: list) -> None:
+        # a zmq.asyncio send that can complete at once does so; the future needs no await then
+        self._sock.send_multipart(frames, copy=False)
+
+    async def _get(self, q: asyncio.Queue, timeout):
+        try:
+            return await asyncio.wait_for(q.get(), timeout)
+        except asyncio.TimeoutError:
+            raise ClientTimeoutError(f"no reply from {self.address} within {timeout} s") from None
+
+    def _open(self, key: str, frames: list) -> asyncio.Queue:
+        if self._closed:
+            raise RuntimeError("client is closed")
+        if key in self._routes:
+            raise ValueError(f"request id {key!r} is already in use by this client")
+        self._ensure_reader()
+        q: asyncio.Queue = asyncio.Queue()
+        self._routes[key] = q
+        self._send_now(frames)
+        return q
+
+    async def _stream(self, rid, frames, timeout, acc) -> AsyncIterator[StreamDelta]:
+        q = self._open(rid, frames)
+        done = False
+        try:
+            while True:
+                msg_type, f = await self._get(q, timeout)
+                if msg_type == "error":
+                    done = True
+                    _raise_error(f)
+                for d in acc.add(f):
+                    yield d
+                if acc.out.finished:
+                    done = True
+                    return
+        finally:
+            self._routes.pop(rid, None)
+            if not done and not self._closed:
+                self._send_now(M.encode("abort", request_id=rid))
+
+    def generate_stream(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+                        request_id: str | None = None, cache_salt: str | None = None,
+                        messages: list | None = None, timeout: float | None = -1) -> AsyncIterator[StreamDelta]:
+        """Async generator of ``StreamDelta``s (see ``Client.generate_stream``)."""
+        rid = request_id or uuid.uuid4().hex
+        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt, messages)
+        return self._stream(rid, frames, self.timeout if timeout == -1 else timeout, _Accumulator(rid))
+
+    async def generate(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+                       request_id: str | None = None, cache_salt: str | None = None,
+                       timeout: float | None = -1) -> RequestOutput:
+        rid = request_id or uuid.uuid4().hex
+        acc = _Accumulator(rid)
+        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt)
+        agen = self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc)
+        try:
+            async for _ in agen:
+                pass
+        finally:
+            await agen.aclose()
+        return acc.out
+
+    async def chat(self, messages: list[dict], sampling_params=None, *, request_id: str | None = None,
+                   cache_salt: str | None = None, timeout: float | None = -1) -> RequestOutput:
+        rid = request_id or uuid.uuid4().hex
+        acc = _Accumulator(rid)
+        frames = _request_frames(rid, None, None, sampling_params, cache_salt, messages)
+        agen = self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc)
+        try:
+            async for _ in agen:
+                pass
+        finally:
+            await agen.aclose()
+        return acc.out
+
+    async def abort(self, request_id: str) -> None:
+        self._send_now(M.encode("abort", request_id=request_id))
+
+    async def _call(self, msg_type: str, timeout) -> dict:
+        cid = uuid.uuid4().hex
+        q = self._open(cid, M.encode(msg_type, corr_id=cid))
+        try:
+            t, f = await self._get(q, self.timeout if timeout == -1 else timeout)
+        finally:
+            self._routes.pop(cid, None)
+        if t == "error":
+            _raise_error(f)
+        return f
+
+    async def health(self, timeout: float | None = -1) -> dict:
+        f = await self._call("health", timeout)
+        return {"healthy": f["healthy"], **f["detail"]}
+
+    async def get_metrics(self, timeout: float | None = -1) -> dict:
+        return (await self._call("metrics", timeout))["metrics"]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._sock.close(linger=500)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+

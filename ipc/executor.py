@@ -1,0 +1,208 @@
+"""``ZmqExecutor``: the scheduler side of the worker process (the Executor protocol over ZeroMQ).
+
+``LLMEngine(config, executor=ZmqExecutor(config))`` runs exactly as with the in-process
+``ModelRunner``: ``.num_blocks``, ``.execute(plan) -> StepResult``, ``.shutdown()``; each
+``execute`` is one message out (``step``) and one back (``step_result``).
+
+Liveness: while waiting, the executor polls every ``poll_interval`` seconds and checks
+(a) that the worker process has not exited (``Popen.poll``), and (b) that a heartbeat arrived in
+the last ``heartbeat_timeout`` seconds (the worker sends them from a thread of its own, so a worker
+busy in a long forward pass still beats; a stopped or wedged one does not). Either failure raises
+``WorkerDiedError`` (after killing a silent worker), within about ``heartbeat_timeout`` seconds
+at worst; it never hangs. ``step_timeout`` (default: none) bounds one step as well.
+
+Overlap: ``wait_hooks`` is a list of ``(zmq socket, callback)``; while a step runs on the worker
+the executor polls these sockets too and calls the callback when one is readable, and calls
+``on_plan_sent`` right after a plan leaves. The server uses this to receive, validate and
+tokenize client messages and to send the previous step's deltas while the worker computes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import zmq
+
+from . import messages as M
+from .transport import cleanup_ipc_address, make_socket, private_ipc_address, recv_frames, send_frames
+
+
+class WorkerDiedError(RuntimeError):
+    """The worker process exited, stopped answering, or failed to start."""
+
+
+class ZmqExecutor:
+    """Spawn a worker process and drive it one StepPlan at a time.
+
+    Args:
+        config: the ``EngineConfig`` (sent to the worker, which builds its ``ModelRunner`` from it).
+        runner: ``module:callable`` the worker builds its runner with (tests and benchmarks pass a
+            fake or a tiny model here).
+        startup_timeout: seconds to wait for ``ready`` (model loading, KV cache allocation).
+        heartbeat_timeout: seconds of silence after which the worker is declared dead.
+        step_timeout: seconds one step may take (``None`` = unbounded while heartbeats arrive).
+    Raises:
+        WorkerDiedError: the worker could not start (its message is included).
+    """
+
+    def __init__(self, config, runner: str = "folio.runtime.model_runner:ModelRunner",
+                 startup_timeout: float = 600.0, heartbeat_timeout: float = 10.0,
+                 step_timeout: float | None = None, poll_interval: float = 0.05,
+                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES, env: dict | None = None):
+        self.config = config
+        self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout
+        self.poll_interval = poll_interval
+        self.max_message_bytes = max_message_bytes
+        self.wait_hooks: list[tuple[zmq.Socket, Callable[[], None]]] = []
+        self.on_plan_sent: Callable[[], None] | None = None
+        self.dead_reason: str | None = None
+        self.last_wait_time = 0.0        # seconds the last execute() waited for the worker
+        self.last_ipc_time = 0.0         # last execute(): wall time minus worker forward + sample
+        self._ctx = zmq.Context.instance()
+        self._addr = private_ipc_address("worker")
+        self._hb_addr = private_ipc_address("heartbeat")
+        self._sock = make_socket(self._ctx, zmq.DEALER)
+        self._sock.bind(self._addr)
+        self._hb = make_socket(self._ctx, zmq.PULL)
+        self._hb.bind(self._hb_addr)
+        self._closed = False
+        cmd = [sys.executable, "-m", "folio.ipc.worker", "--address", self._addr,
+               "--heartbeat-address", self._hb_addr, "--runner", runner,
+               "--max-message-bytes", str(max_message_bytes)]
+        self.proc = subprocess.Popen(cmd, env=env)
+        self._last_beat = time.monotonic()
+        try:
+            send_frames(self._sock, M.encode("init", config=M.config_to_dict(config), parent_pid=os.getpid()))
+            msg_type, fields = self._wait_reply(startup_timeout, what="start-up")
+            if msg_type == "error":
+                raise WorkerDiedError(fields["message"])
+            if msg_type != "ready":
+                raise WorkerDiedError(f"worker answered {msg_type} to init")
+        except BaseException:
+            self._kill()
+            self._close_sockets()
+            raise
+        self.num_blocks = int(fields["num_blocks"])
+        self.worker_pid = int(fields["pid"])
+        self.worker_info = dict(fields["info"])
+
+    # -- liveness ---------------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self.proc.poll() is None
+
+    def _check_alive(self, started: float, timeout: float | None, what: str) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            self.dead_reason = f"worker process died ({how}) during {what}"
+            raise WorkerDiedError(self.dead_reason)
+        now = time.monotonic()
+        if now - self._last_beat > self.heartbeat_timeout:
+            self.dead_reason = f"worker stopped answering (no heartbeat for {now - self._last_beat:.1f} s) " \
+                               f"during {what}"
+            self._kill()
+            raise WorkerDiedError(self.dead_reason)
+        if timeout is not None and now - started > timeout:
+            self.dead_reason = f"worker took longer than {timeout:.1f} s for {what}"
+            self._kill()
+            raise WorkerDiedError(self.dead_reason)
+
+    def _drain_heartbeats(self) -> None:
+        while True:
+            try:
+                self._hb.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_beat = time.monotonic()
+
+    def _wait_reply(self, timeout: float | None, what: str, hooks: bool = False) -> tuple[str, dict]:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._hb, zmq.POLLIN)
+        if hooks:
+            for s, _ in self.wait_hooks:
+                poller.register(s, zmq.POLLIN)
+        started = time.monotonic()
+        self._last_beat = max(self._last_beat, started - self.heartbeat_timeout / 2)
+        while True:
+            ready = dict(poller.poll(int(self.poll_interval * 1000)))
+            if self._hb in ready:
+                self._drain_heartbeats()
+            if self._sock in ready:
+                return M.decode(recv_frames(self._sock), self.max_message_bytes)
+            if hooks:
+                for s, cb in self.wait_hooks:
+                    if s in ready:
+                        cb()
+            self._check_alive(started, timeout, what)
+
+    # -- Executor protocol --------------------------------------------------------------------------
+    def execute(self, plan):
+        """Run one plan on the worker. Raises ``WorkerDiedError`` if the worker is gone or silent,
+        ``RuntimeError`` if the worker rejected the message."""
+        if self.dead_reason is not None:
+            raise WorkerDiedError(self.dead_reason)
+        t0 = time.perf_counter()
+        send_frames(self._sock, M.encode_plan(plan))
+        if self.on_plan_sent is not None:
+            self.on_plan_sent()
+        t1 = time.perf_counter()
+        msg_type, fields = self._wait_reply(self.step_timeout, what=f"step {plan.step_id}", hooks=True)
+        if msg_type == "error":
+            raise RuntimeError(f"worker rejected step {plan.step_id}: {fields['message']}")
+        if msg_type != "step_result":
+            raise RuntimeError(f"worker answered {msg_type} to step")
+        result = M.result_from_fields(fields)
+        if result.step_id != plan.step_id:
+            raise RuntimeError(f"worker answered step {result.step_id} to step {plan.step_id}")
+        t2 = time.perf_counter()
+        self.last_wait_time = t2 - t1
+        self.last_ipc_time = max(0.0, (t2 - t0) - result.forward_time - result.sample_time)
+        return result
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the worker to stop, wait up to ``timeout`` s, then kill it; idempotent."""
+        if self._closed:
+            return
+        try:
+            if self.proc.poll() is None:
+                try:
+                    send_frames(self._sock, M.encode("shutdown"), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            self._kill()
+            self._close_sockets()
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _close_sockets(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(0)
+        self._hb.close(0)
+        cleanup_ipc_address(self._addr)
+        cleanup_ipc_address(self._hb_addr)
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self.shutdown(timeout=1.0)
+        except Exception:
+            pass

@@ -1,0 +1,398 @@
+"""The scheduler process: clients on a ROUTER socket, the engine in a loop, the worker behind it.
+
+``Server`` binds a ROUTER socket for clients and runs ``runtime.engine.LLMEngine`` with a
+``ZmqExecutor`` (the forward pass runs in the worker process). Per loop iteration it admits the
+requests and aborts received so far, runs one ``engine.step()``, and turns each ``RequestOutput``
+into a *delta* for the client that asked (the cumulative token ids / text minus what was already
+sent to it; the first message also carries the prompt ids, the last the request's metrics).
+
+Overlap with the worker's forward pass: while ``ZmqExecutor.execute`` waits for a step result it
+polls the client socket too (``wait_hooks``): incoming messages are received, validated, and
+chat-templated / tokenized then, health and metrics requests are answered then, and the previous
+step's deltas are sent right after the plan leaves (``on_plan_sent``). Only admitting into the
+engine and applying aborts wait for the step to end (the engine is single-threaded).
+
+Errors: a malformed message (see ``ipc.messages``), invalid sampling parameters or a prompt the
+engine rejects (``ValueError``) -> an ``error`` reply to that sender only; nothing else changes.
+A client that vanished (its connection closed: ZeroMQ drops the routing id, and a send with
+``ROUTER_MANDATORY`` fails with EHOSTUNREACH) has all its requests aborted, which frees their
+blocks at the next step.
+
+Worker death: if the worker process dies or stops answering (``WorkerDiedError``, within
+``heartbeat_timeout`` seconds) or the engine fails a step, every in-flight request gets an
+``error`` reply with the reason (code ``worker_died`` / ``engine_error``), ``health`` reports
+unhealthy, new requests are refused with the same reason for ``exit_grace`` seconds, and then the
+scheduler EXITS with code 3 (``EXIT_WORKER_DIED``). It does not restart the worker: the KV cache
+and every sequence's sampling state died with it, so a restart would only hide the failure; a
+supervisor (systemd, k8s, a shell loop) restarts ``folio serve`` if wanted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import messages as M
+from .transport import check_address, cleanup_ipc_address, make_socket, recv_frames, send_frames
+
+EXIT_WORKER_DIED = 3
+
+
+@dataclass
+class _Request:
+    """Server-side bookkeeping of one client request."""
+
+    identity: bytes
+    client_request_id: str
+    sent_tokens: dict[int, int] = field(default_factory=dict)   # sample index -> token ids sent
+    sent_text: dict[int, int] = field(default_factory=dict)     # sample index -> characters sent
+    sent_logprobs: dict[int, int] = field(default_factory=dict)
+    started: bool = False
+
+
+@dataclass
+class _Pending:
+    engine_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    sampling_params: Any
+    cache_salt: str | None
+    arrival_time: float
+
+
+class Server:
+    """The scheduler process's main object.
+
+    Args:
+        config: ``EngineConfig``.
+        address: client address to bind (``tcp://HOST:PORT`` or ``ipc://PATH``); non-loopback
+            hosts need ``allow_remote``.
+        engine: an engine object to use instead of building ``LLMEngine(config, ZmqExecutor)``
+            (tests); it needs the ``LLMEngine`` methods used here.
+        runner: the worker's runner factory (``module:callable``), passed to ``ZmqExecutor``.
+        max_message_bytes: largest client message accepted (larger -> error reply).
+        heartbeat_timeout: seconds of worker silence that count as death.
+        exit_grace: seconds to keep answering (with errors) after the worker died, then exit.
+    Raises:
+        ValueError: bad address; ``WorkerDiedError``: the worker failed to start.
+    """
+
+    def __init__(self, config, address: str, *, allow_remote: bool = False, engine=None,
+                 runner: str = "folio.runtime.model_runner:ModelRunner",
+                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES, heartbeat_timeout: float = 10.0,
+                 exit_grace: float = 2.0):
+        self.address = check_address(address, allow_remote)
+        self.config = config
+        self.max_message_bytes = max_message_bytes
+        self.exit_grace = exit_grace
+        self.executor = None
+        if engine is None:
+            from ..runtime.engine import LLMEngine
+            from .executor import ZmqExecutor
+            self.executor = ZmqExecutor(config, runner=runner, heartbeat_timeout=heartbeat_timeout,
+                                        max_message_bytes=max(M.DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes))
+            try:
+                engine = LLMEngine(config, executor=self.executor)
+            except BaseException:
+                self.executor.shutdown()
+                raise
+        self.engine = engine
+        self.tokenizer = getattr(engine, "tokenizer", None)
+
+        self._ctx = zmq.Context.instance()
+        self.sock = make_socket(self._ctx, zmq.ROUTER, linger_ms=2000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)  # beyond this zmq drops the peer
+        try:
+            self.sock.bind(self.address)
+        except zmq.ZMQError as e:
+            self.close()
+            raise ValueError(f"cannot bind {self.address}: {e}") from None
+        if self.executor is not None:
+            self.executor.wait_hooks = [(self.sock, self._on_client_readable)]
+            self.executor.on_plan_sent = self._flush
+
+        self._requests: dict[str, _Request] = {}       # engine request id -> state
+        self._pending_adds: list[_Pending] = []
+        self._pending_aborts: list[str] = []
+        self._outbox: list[tuple[bytes, list]] = []
+        self._stop = False
+        self.healthy = True
+        self.unhealthy_reason: str | None = None
+        self.started_time = time.time()
+        self.stats = {"num_steps": 0, "step_time_s": 0.0, "ipc_time_s": 0.0, "num_requests": 0,
+                      "num_finished": 0, "num_aborted": 0, "num_errors": 0, "num_generated_tokens": 0,
+                      "num_bad_messages": 0, "num_vanished_clients": 0}
+        self._idle_blocks = None
+
+    # -- public ---------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the loop to finish (safe from a signal handler)."""
+        self._stop = True
+
+    def serve_forever(self) -> int:
+        """Run until ``stop()``; returns the exit code (0, or ``EXIT_WORKER_DIED``)."""
+        try:
+            while not self._stop:
+                self._apply_pending()
+                if self.engine.has_unfinished_requests():
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as e:
+                        return self._fail_all(e)
+                    self._flush()
+                    self._emit(outputs)
+                    if not self.engine.has_unfinished_requests() or self._pending_adds or self._pending_aborts:
+                        self._flush()
+                    self._poll_clients(0)
+                else:
+                    self._flush()
+                    self._poll_clients(100)
+            self._shutdown_requests("server shutting down")
+            return 0
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+        elif hasattr(self.engine, "shutdown"):
+            try:
+                self.engine.shutdown()
+            except Exception:
+                pass
+        if not self.sock.closed:
+            self._flush()
+            self.sock.close(linger=1000)
+            cleanup_ipc_address(self.address)
+
+    # -- client side ------------------------------------------------------------------------------
+    def _poll_clients(self, timeout_ms: int) -> None:
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            self._on_client_readable()
+
+    def _on_client_readable(self) -> None:
+        """Receive every queued client message (non-blocking) and handle it; never raises."""
+        for _ in range(1024):
+            try:
+                frames = recv_frames(self.sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = bytes(frames[0].buffer), frames[1:]
+            try:
+                self._handle(identity, body)
+            except M.MessageError as e:
+                self.stats["num_bad_messages"] += 1
+                self._send(identity, M.error_reply(str(e), "bad_request", e.request_id, e.corr_id))
+            except Exception as e:  # a bug must not take the server down for one message
+                traceback.print_exc()
+                self._send(identity, M.error_reply(f"internal error: {type(e).__name__}: {e}", "internal"))
+
+    def _handle(self, identity: bytes, body: list) -> None:
+        msg_type, f = M.decode(body, self.max_message_bytes)
+        if msg_type == "health":
+            self._send(identity, M.encode("health_reply", corr_id=f["corr_id"], healthy=self.healthy,
+                                          detail=self._health_detail()))
+            return
+        if msg_type == "metrics":
+            self._send(identity, M.encode("metrics_reply", corr_id=f["corr_id"], metrics=self.get_metrics()))
+            return
+        if msg_type == "abort":
+            eid = self._engine_id(identity, f["request_id"])
+            if eid in self._requests:
+                self._pending_aborts.append(eid)
+            return
+        if msg_type not in ("generate", "chat"):
+            raise M.MessageError(f"clients may not send {msg_type}")
+        rid = f["request_id"]
+        if not self.healthy:
+            self._send(identity, M.error_reply(f"server unhealthy: {self.unhealthy_reason}", "worker_died", rid))
+            return
+        eid = self._engine_id(identity, rid)
+        if eid in self._requests:
+            raise M.MessageError(f"request id {rid!r} is already in flight", request_id=rid)
+        try:
+            prompt, ids, sp = self._prepare(msg_type, f)
+        except (ValueError, TypeError) as e:
+            self.stats["num_errors"] += 1
+            self._send(identity, M.error_reply(str(e), "invalid_argument", rid))
+            return
+        self._requests[eid] = _Request(identity, rid)
+        self._pending_adds.append(_Pending(eid, prompt, ids, sp, f.get("cache_salt"), time.time()))
+        self.stats["num_requests"] += 1
+
+    def _prepare(self, msg_type: str, f: dict):
+        from ..runtime.sampling_params import SamplingParams
+        sp = SamplingParams.from_dict(f["sampling"])
+        if msg_type == "chat":
+            msgs = f["messages"]
+            if not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in msgs):
+                raise ValueError("messages must be a non-empty list of {role: str, content: str}")
+            prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=f.get("add_generation_prompt",
+                                                                                          True))
+            return prompt, None, sp
+        prompt, ids = f.get("prompt"), f.get("prompt_token_ids")
+        if (prompt is None) == (ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        if ids is not None:
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise ValueError("prompt_token_ids must be a 1-D integer array")
+            ids = ids.tolist()
+        return prompt, ids, sp
+
+    @staticmethod
+    def _engine_id(identity: bytes, rid: str) -> str:
+        return f"{identity.hex()}/{rid}"
+
+    def _send(self, identity: bytes, frames: list) -> bool:
+        """Send now; a vanished or stuck client gets its requests aborted. Returns success."""
+        try:
+            send_frames(self.sock, frames, identity, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self._client_gone(identity)
+            return False
+
+    def _client_gone(self, identity: bytes) -> None:
+        gone = [eid for eid, r in self._requests.items() if r.identity == identity]
+        if gone:
+            self.stats["num_vanished_clients"] += 1
+        self._pending_aborts.extend(gone)
+
+    def _flush(self) -> None:
+        out, self._outbox = self._outbox, []
+        for identity, frames in out:
+            self._send(identity, frames)
+
+    # -- engine side --------------------------------------------------------------------------------
+    def _apply_pending(self) -> None:
+        aborts, self._pending_aborts = self._pending_aborts, []
+        live = [eid for eid in dict.fromkeys(aborts) if eid in self._requests]
+        if live:
+            adds = {p.engine_id for p in self._pending_adds}
+            self._pending_adds = [p for p in self._pending_adds if p.engine_id not in live]
+            in_engine = [eid for eid in live if eid not in adds]
+            if in_engine:
+                self.engine.abort_request(in_engine)
+            for eid in live:
+                r = self._requests.pop(eid)
+                self.stats["num_aborted"] += 1
+                self._outbox.append((r.identity, M.encode(
+                    "output", request_id=r.client_request_id, finished=True,
+                    outputs=[{"index": 0, "token_ids": np.zeros(0, np.int64), "text": "", "finish_reason": "abort",
+                              "stop_reason": None}])))
+        adds, self._pending_adds = self._pending_adds, []
+        for p in adds:
+            r = self._requests.get(p.engine_id)
+            if r is None:
+                continue
+            try:
+                kwargs = {"prompt_token_ids": p.prompt_token_ids, "arrival_time": p.arrival_time}
+                if p.cache_salt is not None:
+                    kwargs["cache_salt"] = p.cache_salt
+                self.engine.add_request(p.engine_id, p.prompt, p.sampling_params, **kwargs)
+            except (ValueError, TypeError) as e:
+                self._requests.pop(p.engine_id, None)
+                self.stats["num_errors"] += 1
+                self._outbox.append((r.identity, M.error_reply(str(e), "invalid_argument", r.client_request_id)))
+
+    def _emit(self, outputs) -> None:
+        self.stats["num_steps"] += 1
+        if self.executor is not None:
+            self.stats["ipc_time_s"] += self.executor.last_ipc_time
+        for out in outputs:
+            r = self._requests.get(out.request_id)
+            if r is None:          # aborted meanwhile
+                continue
+            comps = []
+            for c in out.outputs:
+                nt, nc = r.sent_tokens.get(c.index, 0), r.sent_text.get(c.index, 0)
+                new_ids = c.token_ids[nt:]
+                self.stats["num_generated_tokens"] += len(new_ids)
+                d = {"index": c.index, "token_ids": np.asarray(new_ids, dtype=np.int64), "text": c.text[nc:],
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if c.logprobs is not None:
+                    nl = r.sent_logprobs.get(c.index, 0)
+                    d["logprobs"] = [[[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in pos.items()]
+                                     for pos in c.logprobs[nl:]]
+                    d["cumulative_logprob"] = c.cumulative_logprob
+                    r.sent_logprobs[c.index] = len(c.logprobs)
+                r.sent_tokens[c.index] = len(c.token_ids)
+                r.sent_text[c.index] = len(c.text)
+                comps.append(d)
+            extra: dict = {"num_cached_tokens": int(out.num_cached_tokens or 0)}
+            if not r.started:
+                r.started = True
+                extra["prompt"] = out.prompt
+                extra["prompt_token_ids"] = np.asarray(out.prompt_token_ids, dtype=np.int64)
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+                self.stats["num_finished"] += 1
+                if out.metrics is not None:
+                    extra["metrics"] = {k: v for k, v in asdict(out.metrics).items()}
+            self._outbox.append((r.identity, M.encode("output", request_id=r.client_request_id, outputs=comps,
+                                                      finished=bool(out.finished), **extra)))
+
+    def _fail_all(self, exc: BaseException) -> int:
+        """The worker died or the engine failed: error every request, stay unhealthy, then exit."""
+        from .executor import WorkerDiedError
+        code = "worker_died" if isinstance(exc, WorkerDiedError) else "engine_error"
+        if code == "engine_error":
+            traceback.print_exc()
+        self.healthy = False
+        self.unhealthy_reason = f"{type(exc).__name__}: {exc}"
+        self._shutdown_requests(self.unhealthy_reason, code)
+        print(f"folio serve: {self.unhealthy_reason}; exiting in {self.exit_grace:.1f} s", flush=True)
+        deadline = time.monotonic() + self.exit_grace
+        while not self._stop and time.monotonic() < deadline:
+            self._poll_clients(50)
+            self._flush()
+        return EXIT_WORKER_DIED
+
+    def _shutdown_requests(self, reason: str, code: str = "shutdown") -> None:
+        for eid, r in list(self._requests.items()):
+            self._outbox.append((r.identity, M.error_reply(reason, code, r.client_request_id)))
+        self._requests.clear()
+        self._pending_adds.clear()
+        self._flush()
+
+    # -- health / metrics ---------------------------------------------------------------------------
+    def _health_detail(self) -> dict:
+        return {"worker_alive": bool(self.executor.is_alive()) if self.executor is not None else self.healthy,
+                "reason": self.unhealthy_reason, "num_requests_in_flight": len(self._requests),
+                "pid": os.getpid(), "worker_pid": getattr(self.executor, "worker_pid", None),
+                "uptime_s": time.time() - self.started_time}
+
+    def get_metrics(self) -> dict:
+        """Engine metrics (``LLMEngine.get_metrics``) plus the server's own counters.
+
+        Server keys: num_steps, step_ipc_overhead_us (mean per step: wall time of one
+        ``execute`` minus the worker's forward + sample time), num_requests, num_finished,
+        num_aborted, num_errors, num_generated_tokens, num_bad_messages, num_vanished_clients,
+        num_requests_in_flight, uptime_s.
+        """
+        try:
+            m = dict(self.engine.get_metrics())
+        except Exception as e:
+            m = {"engine_metrics_error": str(e)}
+        s = dict(self.stats)
+        steps = max(1, s["num_steps"])
+        s["step_ipc_overhead_us"] = 1e6 * s.pop("ipc_time_s") / steps
+        s.pop("step_time_s")
+        s["num_requests_in_flight"] = len(self._requests)
+        s["uptime_s"] = time.time() - self.started_time
+        s["healthy"] = self.healthy
+        m.update(s)
+        return {k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
+                for k, v in m.items()}

@@ -1,0 +1,101 @@
+"""ZeroMQ plumbing shared by folio's processes: address checks, socket set-up, framed send/recv.
+
+Sockets (ZeroMQ guide, ch. 3 "Advanced Request-Reply Patterns"):
+  clients  DEALER --> ROUTER  scheduler     (many clients, many requests each, replies by identity)
+  scheduler DEALER <-> DEALER worker        (one plan out, one result back, per step)
+  worker   PUSH  -->  PULL    scheduler     (heartbeats, from a thread of their own)
+
+Arrays go out as separate frames with ``copy=False`` (pyzmq then sends the NumPy buffer without
+copying it) and come in with ``copy=False`` (``zmq.Frame`` buffers that ``messages.decode`` views).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket as _socket
+import tempfile
+import uuid
+from typing import Sequence
+
+import zmq
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+def check_address(address: str, allow_remote: bool = False) -> str:
+    """Validate a bind address: ``tcp://HOST:PORT`` or ``ipc://PATH``.
+
+    Binding to anything other than a loopback host needs ``allow_remote=True`` (folio has no
+    authentication; exposing it is an explicit choice).
+
+    Raises:
+        ValueError: malformed address, or a non-loopback host without ``allow_remote``.
+    """
+    if address.startswith("ipc://"):
+        if len(address) <= len("ipc://"):
+            raise ValueError(f"empty ipc path in {address!r}")
+        return address
+    if not address.startswith("tcp://"):
+        raise ValueError(f"address must be tcp://HOST:PORT or ipc://PATH, got {address!r}")
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r} needs a port (1-65535)")
+    host = host.strip("[]")
+    if host in ("localhost",):
+        return address
+    try:
+        ip = ipaddress.ip_address(host)
+        loopback = ip.is_loopback
+    except ValueError:
+        if host == "*":
+            loopback = False
+        else:
+            try:
+                loopback = ipaddress.ip_address(_socket.gethostbyname(host)).is_loopback
+            except OSError as e:
+                raise ValueError(f"cannot resolve host {host!r}: {e}") from None
+    if not loopback and not allow_remote:
+        raise ValueError(f"refusing to bind {address!r}: not a loopback address (pass --allow-remote to expose "
+                         f"the server; it has no authentication)")
+    return address
+
+
+def private_ipc_address(tag: str) -> str:
+    """A fresh ``ipc://`` path in a private temporary directory (for scheduler <-> worker)."""
+    d = tempfile.mkdtemp(prefix="folio-")
+    os.chmod(d, 0o700)
+    return f"ipc://{os.path.join(d, f'{tag}-{uuid.uuid4().hex[:8]}.sock')}"
+
+
+def cleanup_ipc_address(address: str) -> None:
+    """Remove the socket file (and its private directory, if empty) behind an ``ipc://`` address."""
+    if not address.startswith("ipc://"):
+        return
+    path = address[len("ipc://"):]
+    for p, fn in ((path, os.unlink), (os.path.dirname(path), os.rmdir)):
+        try:
+            fn(p)
+        except OSError:
+            pass
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, hwm: int = 0) -> zmq.Socket:
+    """A socket with folio's defaults: bounded linger (close never hangs), unlimited HWM unless set."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, linger_ms)
+    s.setsockopt(zmq.SNDHWM, hwm)
+    s.setsockopt(zmq.RCVHWM, hwm)
+    return s
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence, identity: bytes | None = None, flags: int = 0) -> None:
+    """Send one message (prefixing a ROUTER identity when given); array frames go without a copy."""
+    if identity is not None:
+        frames = [identity, *frames]
+    sock.send_multipart(frames, flags=flags, copy=False)
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:
+    """Receive one message as ``zmq.Frame`` objects (zero-copy)."""
+    return sock.recv_multipart(flags=flags, copy=False)
