@@ -1,0 +1,150 @@
+"""Streaming (incremental) detokenization with stop strings.
+
+Token ids arrive a few at a time; the text shown so far must only ever grow, contain whole UTF-8
+characters only, and join up to exactly the final text.
+
+* Whole characters: the sliding-window technique of Hugging Face text-generation-inference and
+  vLLM (``prefix_offset`` / ``read_offset``). We decode ``ids[prefix_offset:]`` and
+  ``ids[prefix_offset:read_offset]``; the difference is the new text, accepted only when it does
+  not end in U+FFFD (a byte-level token that ends inside a multi-byte character decodes to U+FFFD
+  until the rest of the character arrives). Accepted text always ends on a character boundary, so
+  later windows never rewrite it. The first window starts with the last 5 prompt tokens as context
+  (vLLM's ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET``) so tokenizers that treat a leading space
+  specially decode the first output token as they would mid-text.
+* Stop strings (``SamplingParams.stop``) are searched in the new text plus the ``len(stop) - 1``
+  characters before it, so a stop string spanning tokens or ending inside a token is found. The
+  text is cut right before the match (or right after it with ``include_stop_str_in_output``).
+* Hold-back: the longest tail of the text that is a proper prefix of some stop string is not
+  released yet (it could still become a stop string). It is released as soon as the next text
+  rules the stop string out, or by ``finish()``. Released text is never taken back.
+"""
+
+from __future__ import annotations
+
+from .sampling_params import SamplingParams
+
+# prompt tokens decoded as context before the first output token (as vLLM)
+INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Detokenize one sequence's output as it is generated.
+
+    Args:
+        tokenizer: a ``folio.model.tokenizer.Tokenizer`` (its ``.hf`` is used) or a
+            ``tokenizers.Tokenizer``.
+        prompt_token_ids: the prompt (its last tokens are decoding context only; never output).
+        params: the request's ``SamplingParams`` (stop, stop_token_ids, min_tokens,
+            include_stop_str_in_output, skip_special_tokens).
+
+    Attributes:
+        output_text: text safe to emit now (property): whole characters only, without the tail
+            that could still begin a stop string. Only ever grows.
+        stop_reason: the stop string that ended the text, else ``None``.
+        finished: no more text will be added (a stop string matched, or ``finish()`` ran).
+        num_output_tokens: tokens passed to ``update`` so far.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids, params: SamplingParams):
+        self._hf = getattr(tokenizer, "hf", tokenizer)
+        self.params = params
+        self._skip_special = params.skip_special_tokens
+        self._stops = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self._stop_token_ids = set(params.stop_token_ids)
+        prompt = [int(t) for t in prompt_token_ids]
+        self._ids = prompt[len(prompt) - min(len(prompt), INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET):]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self._text = ""  # decoded output so far (whole characters), released or held back
+        self._released = 0  # length of self._text released through output_text
+        self.stop_reason: str | None = None
+        self.finished = False
+        self.num_output_tokens = 0
+
+    def _decode(self, ids) -> str:
+        return self._hf.decode(ids, skip_special_tokens=self._skip_special)
+
+    @property
+    def output_text(self) -> str:
+        return self._text[: self._released]
+
+    def update(self, new_token_ids, stop_terminated: bool = False) -> str | None:
+        """Add generated tokens.
+
+        Args:
+            new_token_ids: the sequence's new token ids (usually one).
+            stop_terminated: the last of them ended the sequence (EOS or a stop token id); its
+                text is left out unless ``include_stop_str_in_output`` (as vLLM V1). Tokens in
+                ``stop_token_ids`` are always left out unless ``include_stop_str_in_output``.
+
+        Returns:
+            The stop string matched (the text is then cut and ``finished`` is set), else ``None``.
+            After ``finished``, further tokens are ignored.
+        """
+        if self.finished:
+            return None
+        ids = [int(t) for t in new_token_ids]
+        self.num_output_tokens += len(ids)
+        if stop_terminated and ids and not self._include_stop:
+            ids = ids[:-1]
+        start_len = len(self._text)
+        for tid in ids:
+            if tid in self._stop_token_ids and not self._include_stop:
+                continue
+            self._ids.append(tid)
+            new_text = self._decode(self._ids[self._prefix_offset:])
+            if len(new_text) > len(self._prefix_text) and not new_text.endswith(_REPLACEMENT):
+                self._text += new_text[len(self._prefix_text):]
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        return self._after_new_text(start_len)
+
+    def finish(self) -> str:
+        """End of the sequence: flush undecodable trailing bytes (as U+FFFD, exactly as a full
+        decode shows them) and release held-back text. Returns the final ``output_text``."""
+        if not self.finished:
+            start_len = len(self._text)
+            new_text = self._decode(self._ids[self._prefix_offset:])
+            if len(new_text) > len(self._prefix_text):
+                self._text += new_text[len(self._prefix_text):]
+                self._prefix_offset = self._read_offset = len(self._ids)
+                self._prefix_text = ""
+            self._after_new_text(start_len)
+            self.finished = True
+        self._released = len(self._text)
+        return self.output_text
+
+    # --- stop strings ----------------------------------------------------------------------------
+    def _after_new_text(self, start_len: int) -> str | None:
+        text = self._text
+        if self._stops and self.num_output_tokens >= self.params.min_tokens and len(text) > start_len:
+            best, best_stop = -1, None
+            for s in self._stops:
+                # a match must end in the new text; the cut must not take back released text
+                lo = start_len - len(s) + 1
+                i = text.find(s, max(lo, 0) if self._include_stop else max(self._released, lo, 0))
+                if i != -1 and (best == -1 or i < best):
+                    best, best_stop = i, s
+            if best_stop is not None:
+                self._text = text[: best + len(best_stop)] if self._include_stop else text[:best]
+                self._released = len(self._text)
+                self.stop_reason = best_stop
+                self.finished = True
+                return best_stop
+        self._released = max(self._released, len(text) - self._held_back_len(text))
+        return None
+
+    def _held_back_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        if not self._stops or self._include_stop:
+            return 0
+        hold = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
