@@ -90,6 +90,11 @@ class ZmqExecutor:
         self.num_blocks = int(fields["num_blocks"])
         self.worker_pid = int(fields["pid"])
         self.worker_info = dict(fields["info"])
+        # the engine reads model_config from its executor (vocab size, max length, EOS ids)
+        self.model_config = None
+        if isinstance(self.worker_info.get("model_config"), dict):
+            from ..model.config import ModelConfig
+            self.model_config = ModelConfig.from_dict(self.worker_info["model_config"])
 
     # -- liveness ---------------------------------------------------------------------------------
     def is_alive(self) -> bool:

@@ -239,15 +239,16 @@ class Server:
                 raise ValueError("messages must be a non-empty list of {role: str, content: str}")
             prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=f.get("add_generation_prompt",
                                                                                           True))
-            return prompt, None, sp
+            return prompt, self.tokenizer.encode(prompt), sp
         prompt, ids = f.get("prompt"), f.get("prompt_token_ids")
         if (prompt is None) == (ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
         if ids is not None:
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
                 raise ValueError("prompt_token_ids must be a 1-D integer array")
-            ids = ids.tolist()
-        return prompt, ids, sp
+            return None, ids.tolist(), sp
+        # tokenize here (while the worker computes) rather than in engine.add_request
+        return prompt, self.tokenizer.encode(prompt), sp
 
     @staticmethod
     def _engine_id(identity: bytes, rid: str) -> str:

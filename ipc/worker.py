@@ -106,8 +106,8 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
             runner = _load_factory(runner_factory)(config)
             info = {"device": str(getattr(runner, "device", config.device)), "model": config.model}
             mc = getattr(runner, "model_config", None)
-            if mc is not None:
-                info["max_position_embeddings"] = int(getattr(mc, "max_position_embeddings", 0) or 0)
+            if mc is not None and hasattr(mc, "to_dict"):
+                info["model_config"] = mc.to_dict()
             send_frames(sock, M.encode("ready", num_blocks=int(runner.num_blocks), pid=os.getpid(), info=info))
         except Exception as e:
             send_frames(sock, M.error_reply(f"worker start-up failed: {type(e).__name__}: {e}", code="worker_init"))

@@ -1,0 +1,89 @@
+"""``folio serve``: the scheduler process (this one) plus a worker process, serving clients over ZeroMQ.
+
+    folio serve [--model M] [--address tcp://127.0.0.1:5555 | ipc://PATH] [--device cpu|cuda|auto]
+                [--block-size N] [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N]
+                [--gpu-memory-utilization F] [--[no-]enable-prefix-caching] [--kv-cache-memory BYTES] ...
+
+It prints one line, ``folio serve: ready on ADDRESS ...``, once the worker has loaded the model and
+sized the KV cache. Loopback only unless ``--allow-remote`` (there is no authentication).
+SIGINT / SIGTERM: in-flight requests get a ``shutdown`` error, the worker is told to stop (and
+killed after a timeout), the process exits 0. The worker also dies with this process
+(``PR_SET_PDEATHSIG`` plus a parent-pid check), so no orphan survives a SIGKILL either. If the
+worker dies, this process fails every in-flight request and exits with code 3 (see
+``ipc/server.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from .runtime.config import DEFAULT_MODEL, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags named as vLLM names them (shared by serve, repl --model and bench)."""
+    d = EngineConfig()
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or Hugging Face folder (default {DEFAULT_MODEL})")
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda", "auto"])
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="KV cache bytes (CPU)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
+    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=a.model, device=a.device, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                        gpu_memory_utilization=a.gpu_memory_utilization,
+                        enable_prefix_caching=a.enable_prefix_caching,
+                        enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory,
+                        num_gpu_blocks_override=a.num_gpu_blocks_override, load_format=a.load_format,
+                        dtype=a.dtype, seed=a.seed)
+
+
+def register(subparsers) -> None:
+    from .ipc.messages import DEFAULT_MAX_MESSAGE_BYTES
+    from .ipc.transport import DEFAULT_ADDRESS
+    p = subparsers.add_parser("serve", help="serve a model to clients over ZeroMQ (scheduler + worker processes)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help=f"bind address (default {DEFAULT_ADDRESS})")
+    p.add_argument("--allow-remote", action="store_true", help="allow binding a non-loopback address")
+    add_engine_args(p)
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest client message accepted (bigger ones get an error reply)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds of worker silence that count as worker death")
+    p.add_argument("--worker-runner", default="folio.runtime.model_runner:ModelRunner", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    from .ipc.server import Server
+    config = engine_config_from_args(a)
+    server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,
+                    max_message_bytes=a.max_message_bytes, heartbeat_timeout=a.heartbeat_timeout)
+
+    def on_signal(signum, frame):
+        server.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    ex = server.executor
+    info = ex.worker_info if ex is not None else {}
+    print(f"folio serve: ready on {server.address} (model {config.model}, device {info.get('device', '?')}, "
+          f"{ex.num_blocks if ex else '?'} KV blocks of {config.block_size} tokens, worker pid "
+          f"{getattr(ex, 'worker_pid', '?')})", flush=True)
+    code = server.serve_forever()
+    print("folio serve: stopped", file=sys.stderr, flush=True)
+    return code

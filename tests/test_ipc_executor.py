@@ -1,0 +1,101 @@
+"""ZmqExecutor <-> worker process, with a fake runner (no model): round trip, death, silence, orphans."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from folio.ipc.executor import WorkerDiedError, ZmqExecutor
+from folio.runtime.config import EngineConfig
+from folio.runtime.step import NewSequence, StepPlan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+RUNNER = "ipc_fake_runner:EchoRunner"
+
+
+def _plan(step_id=1, S=3):
+    T = 2 * S
+    return StepPlan(step_id=step_id, input_ids=np.arange(100, 100 + T, dtype=np.int64),
+                    positions=np.tile(np.arange(2, dtype=np.int64), S), slot_mapping=np.arange(T, dtype=np.int64),
+                    query_start_loc=np.arange(0, T + 1, 2, dtype=np.int32), seq_lens=np.full(S, 2, np.int32),
+                    block_tables=np.arange(S, dtype=np.int32)[:, None], seq_ids=np.arange(S, dtype=np.int64),
+                    logits_indices=np.arange(1, T, 2, dtype=np.int64), sample_seq_ids=np.arange(S, dtype=np.int64),
+                    new_seqs=[NewSequence(i, [1, 2], [], {"temperature": 0.0}, None, [2]) for i in range(S)])
+
+
+def _wait_gone(pid, deadline_s=10.0):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # reap if it is our child
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_round_trip_and_clean_shutdown():
+    ex = ZmqExecutor(EngineConfig(extra={"num_blocks": 37}), runner=RUNNER, env=ENV)
+    try:
+        assert ex.num_blocks == 37 and ex.is_alive()
+        for step in range(1, 4):
+            plan = _plan(step)
+            res = ex.execute(plan)
+            assert res.step_id == step
+            assert np.array_equal(res.sampled_token_ids, plan.input_ids[plan.logits_indices] + 1)
+    finally:
+        ex.shutdown()
+    assert ex.proc.returncode == 0
+
+
+def test_start_up_failure_is_reported():
+    with pytest.raises(WorkerDiedError, match="fake init failure"):
+        ZmqExecutor(EngineConfig(extra={"fail_init": True}), runner=RUNNER, env=ENV, startup_timeout=60)
+
+
+@pytest.mark.parametrize("sig, hb_timeout, needle", [(signal.SIGKILL, 10.0, "died"),
+                                                     (signal.SIGSTOP, 1.0, "stopped answering")])
+def test_worker_death_or_silence_raises_quickly(sig, hb_timeout, needle):
+    ex = ZmqExecutor(EngineConfig(extra={"step_s": 60.0}), runner=RUNNER, env=ENV, heartbeat_timeout=hb_timeout)
+    ex.on_plan_sent = lambda: os.kill(ex.worker_pid, sig)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerDiedError, match=needle):
+            ex.execute(_plan())
+        assert time.monotonic() - t0 < 5.0
+        with pytest.raises(WorkerDiedError):     # stays dead, no hang
+            ex.execute(_plan(2))
+    finally:
+        ex.shutdown()
+    assert ex.proc.poll() is not None
+
+
+def test_worker_dies_with_its_parent():
+    code = textwrap.dedent(f"""
+        import sys, time
+        from folio.ipc.executor import ZmqExecutor
+        from folio.runtime.config import EngineConfig
+        ex = ZmqExecutor(EngineConfig(), runner={RUNNER!r})
+        print(ex.worker_pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        worker_pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        assert _wait_gone(worker_pid), "worker outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
