@@ -1,0 +1,103 @@
+// Per-token layer kernels of the Llama block: RMSNorm (plain and fused with the residual add),
+// RoPE (rotate-half layout), SiLU-and-mul, the embedding gather and bf16 <-> float32 casts.
+// Activations are float32 (contiguous rows); weights are bf16 bit patterns. Specs:
+// kernels/reference.py (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul).
+#include "common.cuh"
+
+// out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight.  grid = (T), block = 32k threads.
+extern "C" __global__ void rms_norm_kernel(float* __restrict__ out, const float* __restrict__ x,
+                                           const bf16_t* __restrict__ weight, float eps, int hidden) {
+    __shared__ float scratch[32];
+    const long long row = (long long)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = x[row + i];
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        out[row + i] = x[row + i] * inv * bf16_to_float(weight[i]);
+}
+
+// residual_out = x + residual; out = rms_norm(residual_out). residual_out may alias residual,
+// out may alias x.  grid = (T), block = 32k threads.
+extern "C" __global__ void fused_add_rms_norm_kernel(float* out, float* residual_out, const float* x,
+                                                     const float* residual,
+                                                     const bf16_t* __restrict__ weight, float eps,
+                                                     int hidden) {
+    __shared__ float scratch[32];
+    const long long row = (long long)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = x[row + i] + residual[row + i];
+        residual_out[row + i] = v;
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)  // each thread re-reads what it wrote
+        out[row + i] = residual_out[row + i] * inv * bf16_to_float(weight[i]);
+}
+
+// Rotate-half RoPE of q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] with
+// cos_sin_cache [max_pos, head_dim] (cos half then sin half). Outputs may alias inputs.
+// grid = (T), block = any.
+extern "C" __global__ void rotary_embedding_kernel(float* q_out, float* k_out, const float* q,
+                                                   const float* k,
+                                                   const long long* __restrict__ positions,
+                                                   const float* __restrict__ cos_sin_cache,
+                                                   int num_heads, int num_kv_heads, int head_dim) {
+    const int t = blockIdx.x, half = head_dim / 2;
+    const float* cs = cos_sin_cache + positions[t] * (long long)head_dim;
+    const int n = (num_heads + num_kv_heads) * half;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int head = i / half, d = i % half;
+        const float c = cs[d], s = cs[half + d];
+        const float* src;
+        float* dst;
+        if (head < num_heads) {
+            const long long off = ((long long)t * num_heads + head) * head_dim;
+            src = q + off;
+            dst = q_out + off;
+        } else {
+            const long long off = ((long long)t * num_kv_heads + (head - num_heads)) * head_dim;
+            src = k + off;
+            dst = k_out + off;
+        }
+        const float x1 = src[d], x2 = src[half + d];
+        dst[d] = x1 * c - x2 * s;
+        dst[half + d] = x2 * c + x1 * s;
+    }
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, inter + i] for x [T, 2 * inter].  grid = (T), block = any.
+extern "C" __global__ void silu_and_mul_kernel(float* __restrict__ out, const float* __restrict__ x,
+                                               int inter) {
+    const long long t = blockIdx.x;
+    for (int i = threadIdx.x; i < inter; i += blockDim.x) {
+        const float g = x[t * 2 * inter + i], u = x[t * 2 * inter + inter + i];
+        out[t * inter + i] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+// out[t, :] = float(table[ids[t], :]) for a bf16 table [vocab, hidden].  grid = (T).
+extern "C" __global__ void embedding_kernel(float* __restrict__ out, const long long* __restrict__ ids,
+                                            const bf16_t* __restrict__ table, int hidden) {
+    const long long t = blockIdx.x;
+    const bf16_t* row = table + ids[t] * (long long)hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[t * hidden + i] = bf16_to_float(row[i]);
+}
+
+// Element-wise casts over n elements, grid-stride loops.
+extern "C" __global__ void float_to_bf16_kernel(bf16_t* __restrict__ out, const float* __restrict__ x,
+                                                long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = float_to_bf16(x[i]);
+}
+
+extern "C" __global__ void bf16_to_float_kernel(float* __restrict__ out, const bf16_t* __restrict__ x,
+                                                long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = bf16_to_float(x[i]);
+}
