@@ -1,0 +1,155 @@
+"""What a sequence needs from the KV cache: its cached prefix, new slots, forks, frees.
+
+Shape after vLLM V1's ``v1/core/kv_cache_manager.py`` (policy-free: the scheduler decides who
+runs; this file only answers "can this sequence get room for k more tokens" and does the block
+bookkeeping). Copy-on-write of a shared, partly filled block follows vLLM V0's block manager
+(PagedAttention, Kwon et al. 2023, section 4.4): the writer gets a fresh block and the plan carries
+a ``(src, dst)`` block copy that the worker performs before the forward pass.
+"""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool
+from .kv_cache_utils import KVCacheBlock
+from .sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-sequence block tables over one ``BlockPool``.
+
+    Args:
+        num_blocks: physical blocks in the KV cache.
+        block_size: tokens per block.
+        enable_caching: automatic prefix caching.
+    Attributes:
+        prefix_cache_queries: prompt tokens looked up in the prefix cache (counted per lookup).
+        prefix_cache_hits: of those, tokens served from cached blocks.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.seq_blocks: dict[int, list[KVCacheBlock]] = {}
+        self._num_cached_blocks: dict[int, int] = {}  # per seq: blocks already registered
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # prefix cache
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of ``seq`` (no reference taken yet).
+
+        At least one token of ``seq.prefill_target`` is always left to compute, so the last
+        prompt token's logits (or, for a parent, the fork point) are produced by this engine.
+        Returns:
+            (blocks, number of tokens they hold).
+        """
+        if not self.enable_caching:
+            return [], 0
+        target = seq.prefill_target
+        hashes = seq.update_block_hashes(self.block_size)
+        max_blocks = max(0, (target - 1) // self.block_size)
+        hit: list[KVCacheBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hit.append(block)
+        self.prefix_cache_queries += target
+        self.prefix_cache_hits += len(hit) * self.block_size
+        return hit, len(hit) * self.block_size
+
+    # slots
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None
+                       ) -> list[tuple[int, int]] | None:
+        """Make room for ``num_new_tokens`` tokens after ``seq.num_computed_tokens`` (+ the cached
+        ``new_computed_blocks`` being taken now).
+
+        Blocks are only allocated when the last one is full. When the block the first new token
+        goes into is shared (``ref_cnt > 1``), it is replaced by a private copy.
+        Returns:
+            the ``(src, dst)`` block copies to do before the forward pass (possibly empty), or
+            ``None`` when the pool cannot supply the blocks (then nothing changed).
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.seq_blocks.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(new_computed_blocks) * bs
+        total = num_computed + num_new_tokens
+        num_new_blocks = max(0, cdiv(total, bs) - len(blocks) - len(new_computed_blocks))
+        # copy-on-write: the block receiving the first new token is shared by another sequence
+        cow_index = num_computed // bs
+        needs_cow = (num_new_tokens > 0 and not new_computed_blocks
+                     and cow_index < len(blocks) and blocks[cow_index].ref_cnt > 1)
+        # cached-free blocks taken by a hit leave the free queue too
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + int(needs_cow) + num_evictable_hits > self.pool.get_num_free_blocks():
+            if not blocks:
+                del self.seq_blocks[seq.seq_id]
+            return None
+
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        copies: list[tuple[int, int]] = []
+        if needs_cow:
+            src = blocks[cow_index]
+            (dst,) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks([src])
+            blocks[cow_index] = dst
+            copies.append((src.block_id, dst.block_id))
+        if num_new_blocks:
+            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        self._cache_full_blocks(seq, blocks, total)
+        return copies
+
+    def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register every block that is full once ``num_tokens`` tokens are computed."""
+        if not self.enable_caching:
+            return
+        start = self._num_cached_blocks.get(seq.seq_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = seq.update_block_hashes(self.block_size)
+        for i in range(start, end):
+            self.pool.cache_full_block(blocks[i], hashes[i])
+        self._num_cached_blocks[seq.seq_id] = end
+
+    # sharing and freeing
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (one more reference each)."""
+        blocks = list(self.seq_blocks.get(parent.seq_id, []))
+        self.pool.touch(blocks)
+        self.seq_blocks[child.seq_id] = blocks
+        self._num_cached_blocks[child.seq_id] = self._num_cached_blocks.get(parent.seq_id, 0)
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first, so the chain's tail is evicted first."""
+        blocks = self.seq_blocks.pop(seq.seq_id, [])
+        self._num_cached_blocks.pop(seq.seq_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.seq_blocks.get(seq.seq_id, [])]
+
+    # counters
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def kv_token_usage(self, seqs) -> tuple[int, int]:
+        """(token slots holding K/V, token slots in blocks in use), each shared block once."""
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for seq in seqs:
+            for i, block in enumerate(self.seq_blocks.get(seq.seq_id, [])):
+                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        used = self.pool.num_blocks - self.pool.get_num_free_blocks()
+        return sum(filled.values()), used * bs

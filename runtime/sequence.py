@@ -1,0 +1,146 @@
+"""Request and sequence state on the scheduler side.
+
+A ``Request`` is what a client sent (one prompt, one ``SamplingParams``); it owns ``n`` sequences,
+one per sample. A request with ``n > 1`` and a prompt of two or more tokens starts as a single
+*parent* sequence that prefills all but the last prompt token; the scheduler then forks it into
+``n`` sequences that share those blocks by reference count (vLLM V0's ``SequenceGroup`` fork), and
+each sample computes the last prompt token itself, copy-on-write of the shared partly filled block
+included. Token bookkeeping follows vLLM V1's unified view: a sequence has ``all_token_ids`` and
+``num_computed_tokens``; prefill, chunked prefill, decode and recompute after preemption are all
+"compute the tokens from ``num_computed_tokens`` up to the target".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from .kv_cache_utils import BlockHash, extend_block_hashes
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of a request.
+
+    Attributes:
+        seq_id: engine-wide unique id (the worker's key for sampling state).
+        request: the owning ``Request``.
+        index: sample index in ``[0, n)`` (the ``CompletionOutput.index``).
+        all_token_ids: prompt followed by the generated tokens.
+        num_prompt_tokens: length of the prompt.
+        num_computed_tokens: tokens whose K/V are in the cache (or are being written this step).
+        is_parent: True while this sequence prefills a prompt on behalf of ``n`` samples; it then
+            stops one token short of the prompt (``prefill_target``) and is forked.
+        block_hashes: prefix-cache hashes of the full blocks of ``all_token_ids`` (chain).
+        sent_to_worker: whether the worker has its sampling state (``NewSequence`` sent).
+        seed: this sample's RNG seed or ``None``.
+        detokenizer: the incremental detokenizer (set by the engine).
+        logprobs: per generated token, ``{token_id: logprob}`` when asked for, else ``None``.
+        cumulative_logprob: sum of the sampled tokens' logprobs when known.
+    """
+
+    def __init__(self, seq_id: int, request: "Request", index: int, token_ids: list[int],
+                 seed: int | None, is_parent: bool = False):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.all_token_ids = list(token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.is_parent = is_parent
+        self.status = SequenceStatus.WAITING
+        self.block_hashes: list[BlockHash] = []
+        self.sent_to_worker = False
+        self.seed = seed
+        self.detokenizer: Any = None
+        self.logprobs: list[dict[int, float]] | None = None
+        self.cumulative_logprob: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.admit_order = -1  # set by the scheduler when the sequence starts running
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens that must be computed before the next sample: all of them, or for a parent one
+        short of the prompt (each sample computes the last prompt token itself)."""
+        return self.num_tokens - 1 if self.is_parent else self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hash any newly completed full blocks of ``all_token_ids`` (chain, salt in block 0)."""
+        return extend_block_hashes(self.block_hashes, self.all_token_ids, block_size,
+                                   self.request.cache_salt)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(int(token_id))
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request.request_id!r}, idx={self.index}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})")
+
+
+class Request:
+    """One client request: a prompt and its sampling parameters, with ``n`` samples.
+
+    Attributes:
+        request_id: the caller's id (unique among unfinished requests).
+        prompt: the prompt text, or ``None`` when token ids were given.
+        prompt_token_ids: the prompt's token ids (non-empty).
+        sampling_params: a ``SamplingParams``.
+        cache_salt: a string that separates this request's prefix-cache entries, or ``None``.
+        arrival_time: ``time.time()`` at ``add_request`` (seconds since the epoch).
+        seqs: the live and finished sequences, ordered by sample index once forked.
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission (-1 =
+            not yet admitted).
+        first_scheduled_time / first_token_time / last_token_time / finished_time: seconds
+            since the epoch, or ``None``.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling_params, cache_salt: str | None = None, arrival_time: float | None = None,
+                 eos_token_ids: list[int] | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.eos_token_ids = list(eos_token_ids or [])
+        self.seqs: list[Sequence] = []
+        self.num_cached_tokens = -1
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.aborted = False
+        self.max_tokens = getattr(sampling_params, "max_tokens", None)  # resolved by the engine
+
+    @property
+    def n(self) -> int:
+        return int(getattr(self.sampling_params, "n", 1) or 1)
+
+    @property
+    def is_finished(self) -> bool:
+        return bool(self.seqs) and all(s.is_finished for s in self.seqs) and \
+            (len(self.seqs) == self.n or self.aborted)
