@@ -14,6 +14,8 @@ import sys
 _COMMAND_MODULES = [
     "folio.cmd_generate",
     "folio.cmd_convert",
+    "folio.cmd_serve",
+    "folio.cmd_repl",
 ]
 
 

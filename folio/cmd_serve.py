@@ -87,3 +87,56 @@ def run(a: argparse.Namespace) -> int:
     code = server.serve_forever()
     print("folio serve: stopped", file=sys.stderr, flush=True)
     return code
+
+
+def spawn_server(args: list[str], address: str | None = None, startup_timeout: float = 600.0,
+                 env: dict | None = None):
+    """Start ``folio serve`` as a child process and wait for its ready line.
+
+    Args:
+        args: extra ``folio serve`` arguments (model, engine flags).
+        address: bind address; default a fresh private ``ipc://`` path.
+    Returns:
+        ``(Popen, address)``; the child's stdout is a pipe (its ready line already read).
+    Raises:
+        RuntimeError: the server exited or printed no ready line within ``startup_timeout`` s.
+    """
+    import os
+    import selectors
+    import subprocess
+    import time
+    from .ipc.transport import private_ipc_address
+    address = address or private_ipc_address("serve")
+    proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--address", address, *args],
+                            stdout=subprocess.PIPE, text=True, env=env or os.environ.copy())
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.5):
+            line = proc.stdout.readline()
+            if "ready on" in line:
+                sel.close()
+                return proc, address
+            if not line and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    sel.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    raise RuntimeError(f"folio serve did not become ready (exit code {proc.returncode})")
+
+
+def stop_server(proc, timeout: float = 30.0) -> int:
+    """SIGTERM a server started by ``spawn_server`` and wait for it (SIGKILL after ``timeout`` s)."""
+    import subprocess
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

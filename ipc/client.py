@@ -62,7 +62,9 @@ class StreamDelta:
         stop_reason: the stop string / token that ended it, if any.
         finished: the whole request is finished (set on the last delta of the request).
         num_cached_tokens: prompt tokens served from the prefix cache.
+        num_prompt_tokens: the prompt's length in tokens.
         time: ``time.monotonic()`` at which the client received it.
+        logprobs: per new token ``{token_id: Logprob}`` when logprobs were requested.
     """
 
     request_id: str
@@ -73,6 +75,7 @@ class StreamDelta:
     stop_reason: int | str | None = None
     finished: bool = False
     num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
     time: float = 0.0
     logprobs: list | None = None
 
@@ -131,7 +134,8 @@ class _Accumulator:
                 c.logprobs = (c.logprobs or []) + lps
                 c.cumulative_logprob = o.get("cumulative_logprob")
             deltas.append(StreamDelta(self.out.request_id, idx, ids, o.get("text", ""), o.get("finish_reason"),
-                                      o.get("stop_reason"), False, self.out.num_cached_tokens, now, lps))
+                                      o.get("stop_reason"), False, self.out.num_cached_tokens,
+                                      len(self.out.prompt_token_ids), now, lps))
         self.out.finished = bool(f["finished"])
         if self.out.finished and deltas:
             deltas[-1].finished = True

@@ -128,7 +128,7 @@ class Server:
         self.unhealthy_reason: str | None = None
         self.started_time = time.time()
         self.stats = {"num_steps": 0, "step_time_s": 0.0, "ipc_time_s": 0.0, "num_requests": 0,
-                      "num_finished": 0, "num_aborted": 0, "num_errors": 0, "num_generated_tokens": 0,
+                      "num_finished": 0, "num_aborted": 0, "num_errors": 0, "num_streamed_tokens": 0,
                       "num_bad_messages": 0, "num_vanished_clients": 0}
         self._idle_blocks = None
 
@@ -320,7 +320,7 @@ class Server:
             for c in out.outputs:
                 nt, nc = r.sent_tokens.get(c.index, 0), r.sent_text.get(c.index, 0)
                 new_ids = c.token_ids[nt:]
-                self.stats["num_generated_tokens"] += len(new_ids)
+                self.stats["num_streamed_tokens"] += len(new_ids)
                 d = {"index": c.index, "token_ids": np.asarray(new_ids, dtype=np.int64), "text": c.text[nc:],
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if c.logprobs is not None:
@@ -380,7 +380,7 @@ class Server:
 
         Server keys: num_steps, step_ipc_overhead_us (mean per step: wall time of one
         ``execute`` minus the worker's forward + sample time), num_requests, num_finished,
-        num_aborted, num_errors, num_generated_tokens, num_bad_messages, num_vanished_clients,
+        num_aborted, num_errors, num_streamed_tokens, num_bad_messages, num_vanished_clients,
         num_requests_in_flight, uptime_s.
         """
         try:
