@@ -1,0 +1,326 @@
+"""Scheduler and engine loop with a fake executor (no model).
+
+The fake worker keeps a simulated KV cache of token ids: it performs the plan's block copies,
+writes every input token at its slot, and checks that each sequence's context read back through
+its block table is exactly the tokens it has seen for that sequence (prompt + sampled). The token
+it "samples" is a fixed function of that whole history (and the seed), so any scheduling path -
+batched, chunked, preempted, forked, prefix-cached - must produce the tokens of a plain loop.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from folio.runtime.config import EngineConfig
+from folio.runtime.engine import LLMEngine
+from folio.runtime.sampling_params import SamplingParams
+from folio.runtime.scheduler import derive_seed
+from folio.runtime.step import StepResult
+
+V = 50
+EOS = 0
+
+
+def next_token(history, seed):
+    return (sum(history) * 31 + len(history) + (seed or 0)) % (V - 1) + 1  # never EOS
+
+
+def expected(prompt, max_tokens, seed=None):
+    h = list(prompt)
+    for _ in range(max_tokens):
+        h.append(next_token(h, seed))
+    return h[len(prompt):]
+
+
+class FakeTokenizer:
+    eos_token_ids = [EOS]
+    all_special_ids = {EOS}
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - ord("a") + 1 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + int(t) - 1) for t in ids if not (skip_special_tokens and t == EOS))
+
+
+class FakeExecutor:
+    def __init__(self, num_blocks, block_size, max_len=256):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_config = SimpleNamespace(vocab_size=V, max_position_embeddings=max_len, eos_token_ids=[EOS])
+        self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.history: dict[int, list[int]] = {}
+        self.seeds: dict[int, int | None] = {}
+        self.plans = []
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        bs = self.block_size
+        for ns in plan.new_seqs:
+            assert ns.seq_id not in self.history
+            self.history[ns.seq_id] = list(ns.prompt_token_ids) + list(ns.output_token_ids)
+            self.seeds[ns.seq_id] = ns.seed
+        for src, dst in plan.block_copies:
+            self.cache[dst] = self.cache[src]
+        assert plan.slot_mapping.min() >= 0
+        assert len(set(plan.slot_mapping.tolist())) == len(plan.slot_mapping), "two tokens, one slot"
+        self.cache[plan.slot_mapping // bs, plan.slot_mapping % bs] = plan.input_ids
+        for i, sid in enumerate(plan.seq_ids):
+            hist = self.history[int(sid)]
+            a, b = plan.query_start_loc[i], plan.query_start_loc[i + 1]
+            pos = plan.positions[a:b]
+            assert pos[-1] + 1 == plan.seq_lens[i]
+            assert list(plan.input_ids[a:b]) == [hist[p] for p in pos]
+            ctx = np.arange(plan.seq_lens[i])
+            read = self.cache[plan.block_tables[i][ctx // bs], ctx % bs]
+            assert list(read) == hist[:plan.seq_lens[i]], f"seq {sid} reads a wrong context"
+        out = []
+        for row, sid in zip(plan.logits_indices, plan.sample_seq_ids):
+            sid = int(sid)
+            i = list(plan.seq_ids).index(sid)
+            assert row == plan.query_start_loc[i + 1] - 1
+            assert plan.seq_lens[i] == len(self.history[sid])
+            t = next_token(self.history[sid], self.seeds[sid])
+            self.history[sid].append(t)
+            out.append(t)
+        for sid in plan.finished_seq_ids:
+            del self.history[sid]
+        return StepResult(step_id=plan.step_id, sampled_token_ids=np.asarray(out, dtype=np.int64))
+
+    def shutdown(self):
+        pass
+
+
+def make_engine(num_blocks=64, **kw):
+    kw.setdefault("block_size", 4)
+    config = EngineConfig(**kw)
+    ex = FakeExecutor(num_blocks, config.block_size)
+    return LLMEngine(config, executor=ex, tokenizer=FakeTokenizer()), ex
+
+
+def run(engine, max_steps=10_000):
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return final
+
+
+def prompt(n, salt=0):
+    return [(i * 7 + salt) % (V - 1) + 1 for i in range(n)]
+
+
+def assert_idle(engine):
+    m = engine.get_metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    assert m["num_running"] == 0 and m["num_waiting"] == 0
+
+
+def test_batched_equals_plain_loop_and_pool_returns():
+    engine, ex = make_engine(max_num_batched_tokens=32)
+    prompts = [prompt(n, n) for n in (1, 3, 4, 5, 9, 17, 30)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, SamplingParams(max_tokens=6), prompt_token_ids=p)
+    final = run(engine)
+    for i, p in enumerate(prompts):
+        assert final[str(i)].outputs[0].token_ids == expected(p, 6)
+        assert final[str(i)].outputs[0].finish_reason == "length"
+    assert all(plan.num_tokens <= 32 for plan in ex.plans)
+    assert_idle(engine)
+
+
+def test_decode_first_then_oldest_prefill_chunked():
+    engine, ex = make_engine(max_num_batched_tokens=8)
+    engine.add_request("a", None, SamplingParams(max_tokens=5), prompt_token_ids=prompt(3))
+    engine.step()  # a: prefill of 3
+    engine.add_request("b", None, SamplingParams(max_tokens=2), prompt_token_ids=prompt(20, 1))
+    engine.add_request("c", None, SamplingParams(max_tokens=2), prompt_token_ids=prompt(5, 2))
+    engine.step()
+    plan = ex.plans[-1]
+    # a decodes first (1 token), b (older) gets the remaining 7 as a chunk, c waits
+    seq_a, seq_b = engine.scheduler.running[0], engine.scheduler.running[1]
+    assert list(plan.seq_ids) == [seq_a.seq_id, seq_b.seq_id]
+    assert np.diff(plan.query_start_loc).tolist() == [1, 7]
+    assert list(plan.sample_seq_ids) == [seq_a.seq_id]  # a chunk in the middle samples nothing
+    engine.step()
+    assert np.diff(ex.plans[-1].query_start_loc).tolist() == [1, 7]
+    engine.step()  # b's last 6 tokens, then c gets 1 token of budget
+    assert np.diff(ex.plans[-1].query_start_loc).tolist() == [1, 6, 1]
+    final = run(engine)
+    assert final["b"].outputs[0].token_ids == expected(prompt(20, 1), 2)
+    assert final["c"].outputs[0].token_ids == expected(prompt(5, 2), 2)
+
+
+def test_without_chunking_a_prefill_waits_for_room():
+    engine, ex = make_engine(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=16)
+    engine.add_request("a", None, SamplingParams(max_tokens=2), prompt_token_ids=prompt(10))
+    engine.add_request("b", None, SamplingParams(max_tokens=2), prompt_token_ids=prompt(10, 3))
+    engine.step()
+    assert np.diff(ex.plans[-1].query_start_loc).tolist() == [10]
+    engine.step()
+    assert np.diff(ex.plans[-1].query_start_loc).tolist() == [1, 10]
+    final = run(engine)
+    assert final["b"].outputs[0].token_ids == expected(prompt(10, 3), 2)
+
+
+def test_max_num_seqs_caps_every_step():
+    engine, ex = make_engine(max_num_seqs=2)
+    for i in range(5):
+        engine.add_request(str(i), None, SamplingParams(max_tokens=3), prompt_token_ids=prompt(4, i))
+    final = run(engine)
+    assert max(len(p.seq_ids) for p in ex.plans) == 2
+    assert all(final[str(i)].outputs[0].token_ids == expected(prompt(4, i), 3) for i in range(5))
+
+
+def test_preemption_by_recompute_keeps_outputs():
+    # 10 blocks of 4 tokens: three requests of 6 + 14 tokens cannot all stay resident
+    engine, ex = make_engine(num_blocks=10)
+    ps = [prompt(6, i) for i in range(3)]
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), None, SamplingParams(max_tokens=14), prompt_token_ids=p)
+    final = run(engine)
+    assert engine.get_metrics()["num_preemptions"] > 0
+    for i, p in enumerate(ps):
+        assert final[str(i)].outputs[0].token_ids == expected(p, 14)
+    assert_idle(engine)
+
+
+def test_preempts_the_newest_running_sequence():
+    engine, ex = make_engine(num_blocks=4)
+    engine.add_request("old", None, SamplingParams(max_tokens=7), prompt_token_ids=prompt(6))
+    engine.step()
+    engine.add_request("new", None, SamplingParams(max_tokens=7), prompt_token_ids=prompt(5, 1))
+    engine.step()
+    sched = engine.scheduler
+    assert [s.request.request_id for s in sched.running] == ["old", "new"]
+    while not sched.num_preemptions:
+        engine.step()
+    assert sched.waiting[0].request.request_id == "new"
+    run(engine)
+
+
+def test_abort_frees_blocks_at_next_step_and_engine_keeps_serving():
+    engine, ex = make_engine()
+    engine.add_request("x", None, SamplingParams(max_tokens=50), prompt_token_ids=prompt(9))
+    engine.add_request("y", None, SamplingParams(max_tokens=5), prompt_token_ids=prompt(9, 5))
+    engine.step()
+    engine.step()
+    x_seq = engine.scheduler.requests["x"].seqs[0].seq_id
+    engine.abort_request("x")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "x"]
+    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    assert x_seq in ex.plans[-1].finished_seq_ids  # the worker drops its state
+    assert "x" not in engine.scheduler.requests
+    final = run(engine)
+    assert final["y"].outputs[0].token_ids == expected(prompt(9, 5), 5)
+    assert_idle(engine)
+
+
+def test_prefix_cache_hit_same_step_and_later():
+    engine, ex = make_engine()
+    p = prompt(13, 4)
+    engine.add_request("a", None, SamplingParams(max_tokens=3), prompt_token_ids=p)
+    engine.add_request("b", None, SamplingParams(max_tokens=3), prompt_token_ids=p)
+    final = run(engine)
+    assert final["b"].num_cached_tokens == 12  # a's blocks, registered in the same step
+    engine.add_request("c", None, SamplingParams(max_tokens=3), prompt_token_ids=p + [1])
+    engine.add_request("d", None, SamplingParams(max_tokens=3), prompt_token_ids=p, cache_salt="t")
+    final.update(run(engine))
+    assert final["c"].num_cached_tokens == 12 and final["d"].num_cached_tokens == 0
+    for r in "ab":
+        assert final[r].outputs[0].token_ids == expected(p, 3)
+    assert final["c"].outputs[0].token_ids == expected(p + [1], 3)
+    m = engine.get_metrics()
+    assert m["prefix_cache_hits"] == 24 and m["num_cached_blocks"] > 0
+    assert_idle(engine)
+
+
+def test_fork_n_samples_share_blocks_with_copy_on_write():
+    engine, ex = make_engine()
+    p = prompt(7)  # parent computes 6 tokens: block 1 half full, shared by the samples
+    engine.add_request("n", None, SamplingParams(n=3, seed=5, max_tokens=6), prompt_token_ids=p)
+    engine.step()
+    assert np.diff(ex.plans[-1].query_start_loc).tolist() == [6] and len(ex.plans[-1].logits_indices) == 0
+    engine.step()
+    plan = ex.plans[-1]
+    assert np.diff(plan.query_start_loc).tolist() == [1, 1, 1]
+    assert len(plan.block_copies) == 2  # two samples copy the shared partial block, the last keeps it
+    assert len(set(plan.block_tables[:, 0].tolist())) == 1  # the full block stays shared
+    final = run(engine)
+    outs = final["n"].outputs
+    assert [o.index for o in outs] == [0, 1, 2]
+    for o in outs:
+        assert o.token_ids == expected(p, 6, derive_seed(5, o.index, 3))
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+    assert_idle(engine)
+
+
+def test_static_policy_admits_next_batch_only_after_previous_finished():
+    engine, ex = make_engine(max_num_seqs=2, scheduling_policy="static")
+    lens = [2, 9, 3, 3]
+    for i, m in enumerate(lens):
+        engine.add_request(str(i), None, SamplingParams(max_tokens=m), prompt_token_ids=prompt(4, i))
+    first_step = {}
+    finish_step = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for o in engine.step():
+            first_step.setdefault(o.request_id, step)
+            if o.finished:
+                finish_step[o.request_id] = step
+    assert first_step["2"] > max(finish_step["0"], finish_step["1"])
+    assert first_step["3"] == first_step["2"]
+
+
+def test_validation_happens_before_any_allocation():
+    engine, ex = make_engine(num_blocks=8, max_model_len=32)
+    free = engine.get_metrics()["num_free_blocks"]
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", None, SamplingParams(), prompt_token_ids=[])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("l", None, SamplingParams(max_tokens=2), prompt_token_ids=prompt(31))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("v", None, SamplingParams(), prompt_token_ids=[V + 3])
+    small, _ = make_engine(num_blocks=6, max_model_len=32)
+    with pytest.raises(ValueError, match="blocks"):
+        small.add_request("k", None, SamplingParams(max_tokens=8), prompt_token_ids=prompt(20))
+    assert engine.get_metrics()["num_free_blocks"] == free and not engine.has_unfinished_requests()
+    engine.add_request("z", None, SamplingParams(max_tokens=0), prompt_token_ids=prompt(3))
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    engine.add_request("ok", None, SamplingParams(max_tokens=1), prompt_token_ids=prompt(31))
+    assert run(engine)["ok"].outputs[0].token_ids == expected(prompt(31), 1)
+
+
+def test_stop_token_ids_and_text():
+    engine, ex = make_engine()
+    p = prompt(5)
+    full = expected(p, 8)
+    stop_tok = full[3]
+    engine.add_request("s", None, SamplingParams(max_tokens=8, stop_token_ids=[stop_tok]), prompt_token_ids=p)
+    out = run(engine)["s"].outputs[0]
+    k = full.index(stop_tok)
+    assert out.token_ids == full[:k + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert out.text == FakeTokenizer().decode(full[:k])
+
+
+def test_metrics_counters_and_request_times():
+    engine, ex = make_engine()
+    engine.add_request("m", None, SamplingParams(max_tokens=4), prompt_token_ids=prompt(10))
+    final = run(engine)
+    met = final["m"].metrics
+    assert met.arrival_time <= met.first_scheduled_time <= met.first_token_time <= met.finished_time
+    m = engine.get_metrics()
+    for key in ("num_total_blocks", "num_free_blocks", "num_cached_blocks", "prefix_cache_queries",
+                "prefix_cache_hits", "num_preemptions", "kv_tokens_held", "kv_tokens_allocated"):
+        assert key in m
+    assert m["prefix_cache_queries"] == 10
