@@ -23,6 +23,9 @@ def run(args: argparse.Namespace) -> int:
     from .model.gguf_import import convert_gguf
 
     t0 = time.perf_counter()
-    out = convert_gguf(args.gguf_file, args.out_dir)
+    try:
+        out = convert_gguf(args.gguf_file, args.out_dir)
+    except FileExistsError as e:
+        raise ValueError(str(e)) from None
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     return 0
