@@ -11,7 +11,9 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .gguf_import import convert_gguf
@@ -75,6 +77,8 @@ def import_gguf_cached(gguf_path, out_dir) -> Path:
     if _is_current_import(out_dir, gguf_path):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    print(f"folio: importing {gguf_path.name} into {out_dir} (once)", file=sys.stderr, flush=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.import-", dir=out_dir.parent))
     try:
         built = convert_gguf(gguf_path, staging / "model")
@@ -97,6 +101,7 @@ def import_gguf_cached(gguf_path, out_dir) -> Path:
         except OSError:
             if not _is_current_import(out_dir, gguf_path):
                 raise
+        print(f"folio: imported in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return out_dir
     finally:
         shutil.rmtree(staging, ignore_errors=True)
