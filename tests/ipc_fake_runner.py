@@ -1,9 +1,11 @@
 """A stand-in runner for ipc tests: the worker process machinery without a model.
 
 ``EchoRunner`` answers each sampled row with (last input token + 1); ``config.extra`` tunes it:
-``num_blocks`` (default 64), ``step_s`` (simulated forward seconds), ``fail_init`` (raise at start).
+``num_blocks`` (default 64), ``step_s`` (simulated forward seconds), ``fail_init`` (raise at start);
+the environment variables FOLIO_ECHO_NUM_BLOCKS / FOLIO_ECHO_STEP_S set the same through ``folio serve``.
 """
 
+import os
 import time
 
 import numpy as np
@@ -16,8 +18,8 @@ class EchoRunner:
         extra = config.extra or {}
         if extra.get("fail_init"):
             raise RuntimeError("fake init failure")
-        self.num_blocks = int(extra.get("num_blocks", 64))
-        self.step_s = float(extra.get("step_s", 0.0))
+        self.num_blocks = int(extra.get("num_blocks", os.environ.get("FOLIO_ECHO_NUM_BLOCKS", 64)))
+        self.step_s = float(extra.get("step_s", os.environ.get("FOLIO_ECHO_STEP_S", 0.0)))
         self.model_config = None
         self.seen_seqs = set()
 

@@ -1,0 +1,363 @@
+"""`folio serve` as real processes: clients in other processes, aborts, vanished clients, worker death,
+malformed input, the REPL in a pseudo-terminal, SIGTERM.
+
+Most tests run the server with ``tests/ipc_fake_runner.EchoRunner`` in the worker (the real
+scheduler, engine, tokenizer and IPC; the forward pass replaced by "next id = last id + 1"), so an
+untouched stream has an independently known output and the tests stay fast on a loaded 2-core
+machine. ``test_three_client_processes_match_offline_llm`` runs the real model (CPU) and compares
+with the offline engine.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from folio.cmd_serve import spawn_server, stop_server
+from folio.ipc import messages as M
+from folio.ipc.client import Client, ServerError
+from folio.ipc.transport import recv_frames, send_frames
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ECHO = ["--worker-runner", "ipc_fake_runner:EchoRunner", "--max-model-len", "4096", "--max-message-bytes", "1000000"]
+
+
+def echo_env(step_s=0.0, num_blocks=512):
+    return {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "FOLIO_ECHO_STEP_S": str(step_s), "FOLIO_ECHO_NUM_BLOCKS": str(num_blocks)}
+
+
+def poll_until(fn, deadline_s, what):
+    end = time.monotonic() + deadline_s
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def pid_gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:          # a zombie not yet reaped by its (dead) parent
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+def echo_chain(last_prompt_id, n):
+    return [last_prompt_id + 1 + i for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def echo_server():
+    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.01), startup_timeout=120)
+    yield proc, addr
+    stop_server(proc)
+
+
+def _idle_free_blocks(client):
+    m = poll_until(lambda: (lambda m: m if m["num_requests_in_flight"] == 0 and m["num_running"] == 0
+                            and m["num_waiting"] == 0 else None)(client.get_metrics()), 30, "an idle server")
+    return m["num_free_blocks"]
+
+
+# -- malformed input ---------------------------------------------------------------------------------
+
+def test_malformed_input_gets_an_error_reply_and_the_server_keeps_serving(echo_server):
+    _, addr = echo_server
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(addr)
+    sp = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    good_ids = np.array([100, 200, 300], np.int64)
+
+    def ask(frames):
+        send_frames(raw, frames)
+        assert raw.poll(20000), "no reply"
+        return M.decode(recv_frames(raw))
+
+    def serves_normally():
+        t, f = ask(M.encode("generate", request_id="ok", prompt_token_ids=good_ids, sampling=sp))
+        got = []
+        while True:
+            assert t == "output", f
+            got += np.concatenate([o["token_ids"] for o in f["outputs"]]).tolist()
+            if f["finished"]:
+                break
+            assert raw.poll(20000)
+            t, f = M.decode(recv_frames(raw))
+        assert got == echo_chain(300, 3)
+
+    huge_header = msgpack.packb({"v": M.PROTOCOL_VERSION, "type": "generate", "request_id": "big",
+                                 "prompt": "x" * 2_000_000, "sampling": sp})
+    cases = [
+        ([b"\x00garbage\xff\xc1"], "msgpack"),
+        ([msgpack.packb({"hello": "world", "n": 3})], "protocol version"),
+        ([msgpack.packb({"v": M.PROTOCOL_VERSION, "type": "generate", "request_id": "w", "sampling": "no"})],
+         "must be dict"),
+        ([huge_header], "too large"),
+    ]
+    for frames, needle in cases:
+        t, f = ask(frames)
+        assert t == "error" and needle in f["message"], (needle, f)
+        serves_normally()
+    raw.close()
+
+    with Client(addr, timeout=30) as c:
+        with pytest.raises(ServerError, match="max_tokens") as ei:
+            c.generate("hello", {"max_tokens": -1})
+        assert ei.value.code == "invalid_argument"
+        assert c.generate(prompt_token_ids=[5, 6], sampling_params=sp).outputs[0].token_ids == echo_chain(6, 3)
+        with pytest.raises(ServerError, match="max_model_len"):
+            c.generate(prompt_token_ids=list(range(1, 4100)), sampling_params={"max_tokens": 1})
+        assert c.generate(prompt_token_ids=[7], sampling_params=sp).outputs[0].token_ids == echo_chain(7, 3)
+        assert c.health()["healthy"]
+        assert c.get_metrics()["num_bad_messages"] >= 4
+
+
+# -- abort and vanished clients ------------------------------------------------------------------------
+
+VANISHING_CLIENT = textwrap.dedent("""
+    import sys
+    from folio.ipc.client import Client
+    with Client(sys.argv[1]) as c:
+        for i, d in enumerate(c.generate_stream(prompt_token_ids=[40, 41], sampling_params={
+                "max_tokens": 3000, "ignore_eos": True, "temperature": 0.0})):
+            if i == 2:
+                print("streaming", flush=True)
+""")
+
+
+def test_abort_and_killed_client_free_their_blocks_and_spare_other_streams(echo_server):
+    _, addr = echo_server
+    with Client(addr, timeout=60) as c:
+        idle = _idle_free_blocks(c)
+        long_sp = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0.0}
+        # an untouched stream running across both disturbances
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("out", c.generate(
+            prompt_token_ids=[1000, 1001], sampling_params={"max_tokens": 400, "ignore_eos": True,
+                                                             "temperature": 0.0})))
+        t.start()
+        # 1) abort by leaving the stream early
+        stream = c.generate_stream(prompt_token_ids=[10, 11, 12], sampling_params=long_sp)
+        got = [next(stream).token_ids for _ in range(3)]
+        stream.close()
+        assert sum(got, []) == echo_chain(12, 3)
+        # 2) a client process killed mid-stream
+        p = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, addr], stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "streaming"
+            assert c.get_metrics()["num_running"] >= 2
+            p.kill()
+            p.wait(10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        t.join(120)
+        out = result["out"]
+        assert out.outputs[0].token_ids == echo_chain(1001, 400) and out.outputs[0].finish_reason == "length"
+        m = poll_until(lambda: (lambda m: m if m["num_free_blocks"] == idle and m["num_requests_in_flight"] == 0
+                                else None)(c.get_metrics()), 30, "free blocks back to the idle count")
+        assert m["num_aborted"] >= 2 and m["num_vanished_clients"] >= 1 and m["num_running"] == 0
+
+
+def test_client_abort_call_and_asyncio_cancellation_abort_on_the_server(echo_server):
+    from folio.ipc.client import AsyncClient
+    _, addr = echo_server
+    sp = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0.0}
+    with Client(addr, timeout=60) as c:
+        idle = _idle_free_blocks(c)
+        stream = c.generate_stream(prompt_token_ids=[3, 4], sampling_params=sp, request_id="abc")
+        next(stream)
+        c.abort("abc")
+        deltas = list(stream)
+        assert deltas[-1].finish_reason == "abort" and deltas[-1].finished
+
+        async def cancelled():
+            async with AsyncClient(addr, timeout=60) as ac:
+                started = asyncio.Event()
+
+                async def consume():
+                    async for d in ac.generate_stream(prompt_token_ids=[8, 9], sampling_params=sp):
+                        started.set()
+
+                task = asyncio.create_task(consume())
+                await asyncio.wait_for(started.wait(), 30)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                outs = await asyncio.gather(*[ac.generate(prompt_token_ids=[i], sampling_params={
+                    "max_tokens": 5, "ignore_eos": True, "temperature": 0.0}) for i in range(50, 58)])
+                assert [o.outputs[0].token_ids for o in outs] == [echo_chain(i, 5) for i in range(50, 58)]
+
+        asyncio.run(cancelled())
+        poll_until(lambda: (lambda m: m["num_free_blocks"] == idle and m["num_requests_in_flight"] == 0)(
+            c.get_metrics()), 30, "free blocks back to the idle count")
+
+
+# -- worker death, SIGTERM -----------------------------------------------------------------------------
+
+def test_worker_sigkill_fails_every_inflight_request_within_10s():
+    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.02), startup_timeout=120)
+    try:
+        with Client(addr, timeout=30) as c:
+            worker = c.health()["worker_pid"]
+            streams = [c.generate_stream(prompt_token_ids=[i + 1], sampling_params={
+                "max_tokens": 3000, "ignore_eos": True, "temperature": 0.0}) for i in range(8)]
+            for s in streams:
+                next(s)
+            os.kill(worker, signal.SIGKILL)
+            t0 = time.monotonic()
+            for s in streams:
+                with pytest.raises(ServerError) as ei:
+                    for _ in s:
+                        pass
+                assert ei.value.code == "worker_died" and "worker" in ei.value.message
+            assert time.monotonic() - t0 < 10.0
+        assert proc.wait(30) == 3                     # the scheduler exits (no restart), see ipc/server.py
+        assert pid_gone(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_leaves_no_folio_process_behind():
+    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.02), startup_timeout=120)
+    try:
+        with Client(addr, timeout=30) as c:
+            worker = c.health()["worker_pid"]
+            s = c.generate_stream(prompt_token_ids=[5], sampling_params={"max_tokens": 3000, "ignore_eos": True})
+            next(s)
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(ServerError) as ei:      # the in-flight request is told, not left hanging
+                for _ in s:
+                    pass
+            assert ei.value.code == "shutdown"
+        assert proc.wait(30) == 0
+        poll_until(lambda: pid_gone(worker), 10, "the worker to exit")
+        children = [p for p in os.listdir("/proc") if p.isdigit() and _ppid(p) == proc.pid]
+        assert children == []
+        assert not os.path.exists(addr[len("ipc://"):])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _ppid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().split(")")[-1].split()[1])
+    except (OSError, ValueError):
+        return None
+
+
+# -- REPL in a pseudo-terminal -------------------------------------------------------------------------
+
+def test_repl_in_a_pseudo_terminal(echo_server, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    _, addr = echo_server
+    env = {**os.environ, "FOLIO_HOME": str(tmp_path), "TERM": "dumb"}
+    child = pexpect.spawn(sys.executable, ["-m", "folio.cli", "repl", "--address", addr,
+                                           "--params", "max_tokens=8", "temperature=0"],
+                          env=env, encoding="utf-8", timeout=60)
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("What is the capital of France?")
+        child.expect(r"\S")                      # streamed answer text, then the next prompt
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect(r"TTFT [\d.]+ ms, 8 tokens")
+        child.sendline("/params temperature=0.5")
+        child.expect("temperature=0.5")
+        child.expect_exact(">>> ")
+        child.sendline("/params max_tokens=3000 ignore_eos=true")
+        child.expect_exact(">>> ")
+        child.sendline("Tell me a long story.")
+        child.expect(r"\S+")                     # the answer is streaming ...
+        child.sendintr()                         # ... Ctrl-C stops it, the REPL stays
+        child.expect_exact("[interrupted]")
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect(r"\(interrupted\)")
+        child.expect_exact(">>> ")
+        child.sendeof()                          # Ctrl-D leaves
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+
+
+# -- the real model: 3 client processes x 8 concurrent streams == offline -----------------------------
+
+PROMPTS = [f"Question {i}: what is {i} plus {i + 1}?" if i % 2 else f"Write one word about the number {i}."
+           for i in range(24)]
+SP = {"max_tokens": 5, "temperature": 0.0}
+
+STREAMING_CLIENT = textwrap.dedent("""
+    import asyncio, json, sys
+    from folio.ipc.client import AsyncClient
+    prompts = json.loads(sys.argv[2]); sp = json.loads(sys.argv[3])
+    async def one(c, p):
+        ids, text = [], ""
+        async for d in c.generate_stream(p, sp):
+            ids += d.token_ids; text += d.text
+        return {"prompt": p, "ids": ids, "text": text}
+    async def main():
+        async with AsyncClient(sys.argv[1], timeout=600) as c:
+            return await asyncio.gather(*[one(c, p) for p in prompts])
+    print(json.dumps(asyncio.run(main())))
+""")
+
+
+def test_three_client_processes_match_offline_llm():
+    from folio.runtime.config import EngineConfig
+    from folio.runtime.engine import LLMEngine
+    from folio.runtime.sampling_params import SamplingParams
+    flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(32 << 20),
+             "--max-num-seqs", "32"]
+    proc, addr = spawn_server(flags, startup_timeout=300)
+    try:
+        clients = [subprocess.Popen([sys.executable, "-c", STREAMING_CLIENT, addr, json.dumps(PROMPTS[k::3]),
+                                     json.dumps(SP)], stdout=subprocess.PIPE, text=True) for k in range(3)]
+        results = {}
+        for p in clients:
+            out, _ = p.communicate(timeout=600)
+            assert p.returncode == 0
+            for r in json.loads(out):
+                results[r["prompt"]] = r
+    finally:
+        assert stop_server(proc) == 0
+    # offline: the in-process engine on the same prompts and parameters
+    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=32))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(**SP))
+    offline = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                offline[PROMPTS[int(o.request_id)]] = o.outputs[0]
+    engine.shutdown()
+    assert len(results) == len(PROMPTS)
+    for p in PROMPTS:
+        assert results[p]["ids"] == offline[p].token_ids, p
+        assert results[p]["text"] == offline[p].text, p
