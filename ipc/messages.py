@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Sequence
 
+import math
+
 import msgpack
 import numpy as np
 
@@ -38,7 +40,7 @@ PROTOCOL_VERSION = 1
 
 # 64 MiB: a 256-sequence plan at 8k context is ~1 MiB; anything far bigger is abuse or a bug.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-MAX_FRAMES = 64
+MAX_FRAMES = 1024
 
 # dtypes that may travel as arrays (little-endian; we never accept object arrays).
 _ALLOWED_DTYPES = {"<i8", "<i4", "<f4", "<f8", "|u1", "<u4", "|b1", "<i2", "<u2", "<f2"}
@@ -114,7 +116,8 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
         "seq_ids": ("array", True),
         "logits_indices": ("array", True),
         "sample_seq_ids": ("array", True),
-        "new_seqs": ("list", True),
+        "new_seqs": ("list", True),          # [{seq_id, sampling, seed, n_prompt, n_output, n_eos}]
+        "new_seq_token_ids": ("array", True),  # all new_seqs' prompt, output and eos ids, end to end
         "finished_seq_ids": ("list", True),
         "block_copies": ("array", True),
     },
@@ -246,7 +249,7 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
             fail(f"field {name!r}: bad shape {shape!r}")
         used.add(k)
         dt = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         if count * dt.itemsize != bufs[k].nbytes:
             fail(f"field {name!r}: frame has {bufs[k].nbytes} bytes, dtype {dtype} shape {shape} needs "
                  f"{count * dt.itemsize}")
@@ -308,46 +311,55 @@ _PLAN_ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "se
 
 
 def encode_plan(plan: StepPlan) -> list:
-    """Frames of a ``step`` message for ``plan`` (token id lists of new sequences go as int64 arrays)."""
-    new_seqs = [{
-        "seq_id": int(s.seq_id),
-        "prompt_token_ids": np.asarray(s.prompt_token_ids, dtype=np.int64),
-        "output_token_ids": np.asarray(s.output_token_ids, dtype=np.int64),
-        "sampling": s.sampling,
-        "seed": s.seed,
-        "eos_token_ids": np.asarray(s.eos_token_ids, dtype=np.int64),
-    } for s in plan.new_seqs]
+    """Frames of a ``step`` message for ``plan``.
+
+    The token id lists of all new sequences travel as one int64 array (each sequence's prompt,
+    output and EOS ids end to end, lengths in its ``new_seqs`` entry), so a plan has a fixed
+    number of frames however many sequences start in it.
+    """
+    new_seqs, chunks = [], []
+    for s in plan.new_seqs:
+        new_seqs.append({"seq_id": int(s.seq_id), "sampling": s.sampling, "seed": s.seed,
+                         "n_prompt": len(s.prompt_token_ids), "n_output": len(s.output_token_ids),
+                         "n_eos": len(s.eos_token_ids)})
+        chunks += [s.prompt_token_ids, s.output_token_ids, s.eos_token_ids]
+    ids = np.fromiter((int(t) for c in chunks for t in c), dtype=np.int64) if chunks else np.zeros(0, np.int64)
     arrays = {name: np.asarray(getattr(plan, name)) for name in _PLAN_ARRAYS}
-    return encode("step", step_id=int(plan.step_id), new_seqs=new_seqs,
+    return encode("step", step_id=int(plan.step_id), new_seqs=new_seqs, new_seq_token_ids=ids,
                   finished_seq_ids=[int(i) for i in plan.finished_seq_ids], **arrays)
 
 
 def plan_from_fields(fields: dict) -> StepPlan:
     """Rebuild a ``StepPlan`` from a decoded ``step`` message; ``MessageError`` if new_seqs are malformed."""
     new_seqs = []
+    ids = fields["new_seq_token_ids"]
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise MessageError("step: new_seq_token_ids must be a 1-D integer array")
+    ids = ids.tolist()
+    pos = 0
     for i, d in enumerate(fields["new_seqs"]):
         try:
+            n_p, n_o, n_e = (int(d[k]) for k in ("n_prompt", "n_output", "n_eos"))
+            if min(n_p, n_o, n_e) < 0 or pos + n_p + n_o + n_e > len(ids):
+                raise ValueError("token id counts exceed new_seq_token_ids")
             ns = NewSequence(
                 seq_id=int(d["seq_id"]),
-                prompt_token_ids=_ids(d["prompt_token_ids"]),
-                output_token_ids=_ids(d["output_token_ids"]),
+                prompt_token_ids=ids[pos:pos + n_p],
+                output_token_ids=ids[pos + n_p:pos + n_p + n_o],
                 sampling=dict(d["sampling"]),
                 seed=None if d["seed"] is None else int(d["seed"]),
-                eos_token_ids=_ids(d["eos_token_ids"]),
+                eos_token_ids=ids[pos + n_p + n_o:pos + n_p + n_o + n_e],
             )
+            pos += n_p + n_o + n_e
         except (KeyError, TypeError, ValueError) as e:
             raise MessageError(f"step: new_seqs[{i}] malformed: {e!r}") from None
         new_seqs.append(ns)
+    if pos != len(ids):
+        raise MessageError("step: new_seq_token_ids longer than the new_seqs counts")
     if not all(isinstance(x, int) for x in fields["finished_seq_ids"]):
         raise MessageError("step: finished_seq_ids must be ints")
     return StepPlan(step_id=fields["step_id"], new_seqs=new_seqs, finished_seq_ids=fields["finished_seq_ids"],
                     **{name: fields[name] for name in _PLAN_ARRAYS})
-
-
-def _ids(a) -> list[int]:
-    if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
-        raise TypeError("token ids must be a 1-D integer array")
-    return a.tolist()
 
 
 def encode_result(result: StepResult) -> list:

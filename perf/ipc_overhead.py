@@ -1,0 +1,98 @@
+"""The cost of the process boundary (issue 4, section 7).
+
+Runs the engine on a tiny random-weights Llama (2 layers, hidden 64, the default model's
+tokenizer and vocabulary) so the forward pass is small, with N = 1, 64, 256 running sequences in
+decode, twice: with the in-process ``ModelRunner`` and with ``ZmqExecutor`` (worker process).
+For each it reports engine steps per second and the per-step overhead, i.e. the wall time of
+``engine.step()`` minus the worker's forward + sampling time (as the worker measured it):
+
+  in-process overhead = scheduling, plan building, result processing, detokenizing;
+  zmq overhead        = the same plus encoding, the two socket hops and decoding;
+  process hop         = the difference.
+
+    python perf/ipc_overhead.py [--seqs 1 64 256] [--steps 50] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+
+def tiny_model_dir(device_vocab_from: str = "smollm2-135m-instruct") -> str:
+    """A folder with a tiny Llama config.json plus the default model's tokenizer files."""
+    from folio.model.registry import resolve_model
+    src = resolve_model(device_vocab_from)
+    d = tempfile.mkdtemp(prefix="folio-tiny-")
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16)
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name in ("special_tokens_map.json", "generation_config.json"):
+            shutil.copy(os.path.join(src, name), d)
+    return d
+
+
+def measure(engine, n_seqs: int, steps: int) -> dict:
+    from folio.runtime.sampling_params import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(n_seqs):
+        engine.add_request(f"r{n_seqs}-{i}", None, sp, prompt_token_ids=[1 + (i % 1000), 2, 3])
+    while engine.get_metrics()["num_running"] < n_seqs or engine.get_metrics()["num_waiting"]:
+        engine.step()                      # prefill until every sequence decodes
+    walls, overheads = [], []
+    for _ in range(steps):
+        f0, s0 = engine.stats["forward_time"], engine.stats["sample_time"]
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+        walls.append(wall)
+        overheads.append(wall - (engine.stats["forward_time"] - f0) - (engine.stats["sample_time"] - s0))
+    engine.abort_request([f"r{n_seqs}-{i}" for i in range(n_seqs)])
+    engine.step()
+    return {"seqs": n_seqs, "steps_per_s": 1.0 / statistics.mean(walls),
+            "overhead_us_mean": 1e6 * statistics.mean(overheads),
+            "overhead_us_median": 1e6 * statistics.median(overheads)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    from folio.ipc.executor import ZmqExecutor
+    from folio.runtime.config import EngineConfig
+    from folio.runtime.engine import LLMEngine
+    model = tiny_model_dir()
+    cfg = EngineConfig(model=model, device=a.device, load_format="dummy", max_num_seqs=max(a.seqs),
+                       max_model_len=256, max_num_batched_tokens=4096, num_gpu_blocks_override=8192,
+                       enable_prefix_caching=False)
+    rows = []
+    for mode in ("in-process", "zmq"):
+        executor = ZmqExecutor(cfg) if mode == "zmq" else None
+        engine = LLMEngine(cfg, executor=executor)
+        measure(engine, 1, 5)              # warm-up (JIT, first allocations)
+        for n in a.seqs:
+            r = measure(engine, n, a.steps)
+            r["mode"] = mode
+            rows.append(r)
+            print(f"{mode:10s} seqs={n:4d}  {r['steps_per_s']:8.1f} steps/s  overhead "
+                  f"{r['overhead_us_mean']:8.0f} us/step mean, {r['overhead_us_median']:8.0f} median", flush=True)
+        engine.shutdown()
+    by = {(r["mode"], r["seqs"]): r for r in rows}
+    for n in a.seqs:
+        hop = by[("zmq", n)]["overhead_us_median"] - by[("in-process", n)]["overhead_us_median"]
+        print(f"process hop at {n:4d} seqs: {hop:8.0f} us/step (median zmq overhead - median in-process overhead)")
+    shutil.rmtree(model, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
