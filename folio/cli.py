@@ -16,6 +16,7 @@ _COMMAND_MODULES = [
     "folio.cmd_convert",
     "folio.cmd_serve",
     "folio.cmd_repl",
+    "folio.cmd_bench",
 ]
 
 

@@ -330,9 +330,7 @@ STREAMING_CLIENT = textwrap.dedent("""
 
 
 def test_three_client_processes_match_offline_llm():
-    from folio.runtime.config import EngineConfig
-    from folio.runtime.engine import LLMEngine
-    from folio.runtime.sampling_params import SamplingParams
+    from folio import LLM, SamplingParams
     flags = ["--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(32 << 20),
              "--max-num-seqs", "32"]
     proc, addr = spawn_server(flags, startup_timeout=300)
@@ -347,17 +345,27 @@ def test_three_client_processes_match_offline_llm():
                 results[r["prompt"]] = r
     finally:
         assert stop_server(proc) == 0
-    # offline: the in-process engine on the same prompts and parameters
-    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=32))
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(**SP))
-    offline = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                offline[PROMPTS[int(o.request_id)]] = o.outputs[0]
-    engine.shutdown()
+    # offline: the in-process LLM on the same prompts and parameters
+    llm = LLM(device="cpu", max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=32)
+    outs = llm.generate(PROMPTS, SamplingParams(**SP), use_tqdm=False)
+    offline = {p: o.outputs[0] for p, o in zip(PROMPTS, outs)}
     assert len(results) == len(PROMPTS)
     for p in PROMPTS:
         assert results[p]["ids"] == offline[p].token_ids, p
         assert results[p]["text"] == offline[p].text, p
+
+
+# -- folio bench serve ---------------------------------------------------------------------------------
+
+def test_bench_serve_counts_every_token(echo_server):
+    from folio.bench_serve import random_workload, run_bench
+    _, addr = echo_server
+    work = random_workload(6, 4, 40, 2, 9, seed=3)
+    assert work == random_workload(6, 4, 40, 2, 9, seed=3)          # the same workload every run
+    assert all(4 <= len(ids) <= 40 and 2 <= n <= 9 and min(ids) >= 17 for ids, n in work)
+    for rate in (float("inf"), 50.0):
+        s = asyncio.run(run_bench(addr, work, rate, max_concurrency=3, seed=0, timeout=60))
+        assert s["successful_requests"] == 6 and s["failed_requests"] == 0
+        assert s["total_output_tokens"] == sum(n for _, n in work)
+        assert s["total_input_tokens"] == sum(len(ids) for ids, _ in work)
+        assert 0 < s["ttft_ms"]["median"] <= s["ttft_ms"]["p99"]
