@@ -1,0 +1,20 @@
+"""folio: a small LLM serving engine for Llama-architecture models.
+
+Offline: ``folio.LLM(model).generate(prompts, SamplingParams(...))``. Online: ``folio serve`` and
+``folio.Client`` / ``folio.AsyncClient``.
+"""
+
+from .llm import LLM
+from .runtime.config import EngineConfig
+from .runtime.outputs import CompletionOutput, RequestOutput
+from .runtime.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
+
+
+def __getattr__(name):
+    # the clients pull in ZeroMQ; load them only when asked for
+    if name in ("Client", "AsyncClient"):
+        from .ipc import client
+        return getattr(client, name)
+    raise AttributeError(f"module 'folio' has no attribute {name!r}")

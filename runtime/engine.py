@@ -43,8 +43,10 @@ class LLMEngine:
         self.executor = executor
         model_config = getattr(executor, "model_config", None)
         if tokenizer is None or model_config is None:
-            from ..model.registry import resolve_model
-            model_dir = resolve_model(config.model)
+            model_dir = getattr(executor, "model_dir", None)
+            if model_dir is None:
+                from ..model.registry import resolve_model
+                model_dir = resolve_model(config.model)
             if tokenizer is None:
                 from ..model.tokenizer import Tokenizer
                 tokenizer = Tokenizer.from_pretrained(model_dir)

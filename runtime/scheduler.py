@@ -15,6 +15,7 @@ bookkeeping lives in ``kv_cache_manager.py`` (as in vLLM V1's ``sched/scheduler.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# seq ids are unique in the process, so engines that share one worker never collide
+_SEQ_IDS = itertools.count()
+
+
 def derive_seed(seed: int | None, index: int, n: int) -> int | None:
     """The seed of sample ``index`` of a seeded request: the request's own seed for ``n == 1``,
     otherwise a sha256-derived 63-bit value per index (distinct, reproducible)."""
@@ -85,7 +90,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._next_seq_id = 0
         self._admit_counter = 0
         self._pending_finished_ids: list[int] = []
         self._static_batch: set[str] = set()
@@ -109,8 +113,7 @@ class Scheduler:
         self.waiting.extend(seqs)
 
     def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
+        return next(_SEQ_IDS)
 
     def finish_seq(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """End ``seq`` now: its blocks go back to the pool, the worker drops its state at the

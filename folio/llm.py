@@ -1,0 +1,148 @@
+"""The offline API: ``LLM(model).generate(prompts, sampling_params)``, shaped like vLLM's ``LLM``.
+
+All prompts of one call are queued at once and the engine's continuous batching runs them
+together; the call returns one finished ``RequestOutput`` per prompt, in prompt order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from .runtime.config import DEFAULT_MODEL, EngineConfig
+from .runtime.engine import LLMEngine
+from .runtime.outputs import RequestOutput
+from .runtime.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """An engine in this process.
+
+    Args:
+        model: a folio model name (default ``smollm2-135m-instruct``) or a Hugging Face Llama folder.
+        **engine_args: any ``EngineConfig`` field (``block_size``, ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``num_gpu_blocks_override``, ...).
+    Raises:
+        TypeError: an unknown engine argument. ValueError: an invalid value.
+    Attributes:
+        llm_engine: the ``LLMEngine`` (step-level access, e.g. for streaming).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, executor=None, **engine_args):
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.llm_engine = LLMEngine(self.config, executor=executor)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt.
+
+        Args:
+            prompts: a string, a dict ``{"prompt_token_ids": [...], "cache_salt": str}`` (or
+                ``{"prompt": str, "cache_salt": ...}``), or a list of these.
+            sampling_params: one ``SamplingParams`` for all prompts, a list with one per prompt,
+                or ``None`` (defaults: ``SamplingParams()``).
+            use_tqdm: show a progress bar of finished requests.
+        Returns:
+            one finished ``RequestOutput`` per prompt, in the order given.
+        Raises:
+            ValueError: a bad prompt or parameter (raised before anything runs; no request of
+                the call is left queued).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                rid = str(next(self._counter))
+                self._add(rid, prompt, sp)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            self._drain(set(ids))
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to chat conversations (the model's chat template makes the prompt).
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
+        Returns:
+            one ``RequestOutput`` per conversation.
+        """
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+        prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t)} for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> dict[str, Any]:
+        """The engine's counters (see ``LLMEngine.get_metrics``)."""
+        return self.llm_engine.get_metrics()
+
+    # helpers
+    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
+        if isinstance(prompt, str):
+            self.llm_engine.add_request(rid, prompt, sp)
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
+            self.llm_engine.add_request(rid, prompt.get("prompt"), sp,
+                                        prompt_token_ids=prompt.get("prompt_token_ids"),
+                                        cache_salt=prompt.get("cache_salt"))
+        else:
+            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                if not self.llm_engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(list(pending))
+            self._drain(pending)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]
+
+    def _drain(self, ids: set[str]) -> None:
+        """Let pending aborts take effect so no request of a failed call stays queued."""
+        try:
+            self.llm_engine.step()
+        except Exception:
+            pass
