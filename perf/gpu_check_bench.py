@@ -1,0 +1,222 @@
+"""Throughput benchmark for perf/gpu_check.sh: folio or Hugging Face transformers, one workload.
+
+The workload is nano-vllm's bench.py shape: ``--num-requests`` requests (default 256) of random
+prompt token ids, input and output lengths each uniform in [100, 1024], ``ignore_eos`` (every
+request produces exactly its output length), temperature 0.6. The same seed gives the same
+workload to both engines. Throughput = output tokens / wall seconds of the generate call (a short
+warm-up runs first and is not timed); total tokens/s (prompt + output) is reported too.
+
+Models: a folio model name or Hugging Face Llama folder, or one of the dummy-weight configs below
+(``llama-3.1-8b-dummy``, ``smollm2-135m-dummy``): a config.json is written to a temp folder and
+weights are random (folio: ``load_format="dummy"``; transformers: ``from_config`` on the GPU).
+
+Hugging Face runs the whole workload as one static batch (left-padded prompts, generation until
+the longest requested output, min_new_tokens = max_new_tokens so EOS never stops it); only each
+request's requested tokens count as output. ``--time-budget`` stops its generation early through a
+StoppingCriteria and the result then says ``"partial": true`` (tokens produced so far / time).
+
+Usage: python perf/gpu_check_bench.py --engine folio|hf --model M --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False,
+}
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+    "rope_scaling": None, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False,
+}
+DUMMY = {"llama-3.1-8b-dummy": LLAMA_31_8B, "smollm2-135m-dummy": SMOLLM2_135M}
+
+
+def workload(num_requests: int, seed: int, vocab: int, min_len: int = 100, max_len: int = 1024):
+    """``[(prompt_ids, max_tokens)]``: lengths uniform in [min_len, max_len], ids uniform in
+    [0, 10000)."""
+    rng = np.random.default_rng(seed)
+    hi = min(vocab, 10000)
+    out = []
+    for _ in range(num_requests):
+        n_in, n_out = int(rng.integers(min_len, max_len + 1)), int(rng.integers(min_len, max_len + 1))
+        out.append((rng.integers(0, hi, n_in).tolist(), n_out))
+    return out
+
+
+def synthetic_tokenizer(folder: str, vocab_size: int) -> None:
+    """A word-level tokenizer.json with exactly ``vocab_size`` ids ("t0", "t1", ...), so a dummy
+    model needs no tokenizer files from anywhere (benchmarks pass token ids; output text is
+    only decoded, never compared)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 131072}, f)
+
+
+def model_dir_for(model: str) -> tuple[str, bool, dict]:
+    """(path, dummy?, config dict). A dummy config gets a temp folder with its config.json and a
+    synthetic tokenizer."""
+    if model in DUMMY:
+        d = tempfile.mkdtemp(prefix=f"folio-{model}-")
+        cfg = DUMMY[model]
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        synthetic_tokenizer(d, cfg["vocab_size"])
+        return d, True, cfg
+    if os.path.isdir(model):
+        path = model
+    else:
+        from folio.model.registry import resolve_model
+
+        path = str(resolve_model(model))
+    with open(os.path.join(path, "config.json")) as f:
+        return path, False, json.load(f)
+
+
+def run_folio(path, dummy, cfg, reqs, args):
+    from folio import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=path, device=args.device, load_format="dummy" if dummy else "auto",
+              max_model_len=2048, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    load_s = time.perf_counter() - t0
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}] * 2, SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # warm-up: kernel compile, cuBLAS handles
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i)
+              for i, (_, n) in enumerate(reqs)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    expected = sum(n for _, n in reqs)
+    metrics = {}
+    try:
+        metrics = {k: v for k, v in llm.get_metrics().items() if isinstance(v, (int, float))}
+    except Exception:
+        pass
+    return {"load_seconds": round(load_s, 2), "elapsed_seconds": round(elapsed, 3),
+            "output_tokens": produced, "expected_output_tokens": expected, "partial": False,
+            "engine_metrics": metrics}
+
+
+def run_hf(path, dummy, cfg, reqs, args):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
+
+    t0 = time.perf_counter()
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    if dummy:
+        hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(hf_cfg, **{dtype_kw: torch.bfloat16})
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: torch.bfloat16}).cuda()
+    model.eval()
+    load_s = time.perf_counter() - t0
+    n = len(reqs)
+    max_in = max(len(ids) for ids, _ in reqs)
+    max_out = max(m for _, m in reqs)
+    pad = 0
+    input_ids = torch.full((n, max_in), pad, dtype=torch.long)
+    mask = torch.zeros((n, max_in), dtype=torch.long)
+    for i, (ids, _) in enumerate(reqs):  # left padding
+        input_ids[i, max_in - len(ids):] = torch.tensor(ids)
+        mask[i, max_in - len(ids):] = 1
+    input_ids, mask = input_ids.cuda(), mask.cuda()
+    deadline = [None]
+    steps = [0]
+
+    class Budget(StoppingCriteria):
+        def __call__(self, ids, scores, **kw):
+            steps[0] += 1
+            return torch.full((ids.shape[0],), deadline[0] is not None and time.perf_counter() > deadline[0],
+                              dtype=torch.bool, device=ids.device)
+
+    with torch.no_grad():
+        model.generate(input_ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4, min_new_tokens=4,
+                       do_sample=False, pad_token_id=pad)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        deadline[0] = t0 + args.time_budget if args.time_budget else None
+        steps[0] = 0
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
+                             do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=pad,
+                             stopping_criteria=StoppingCriteriaList([Budget()]))
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    made = out.shape[1] - max_in
+    produced = sum(min(m, made) for _, m in reqs)
+    return {"load_seconds": round(load_s, 2), "elapsed_seconds": round(elapsed, 3),
+            "output_tokens": produced, "expected_output_tokens": sum(m for _, m in reqs),
+            "partial": made < max_out, "generated_steps": made, "batch": n,
+            "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engine", choices=("folio", "hf"), required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--device", default="cuda", help="folio: cuda (cpu for a smoke test of this script)")
+    p.add_argument("--time-budget", type=float, default=0.0, help="hf: stop generating after S seconds")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    result = {"engine": args.engine, "model": args.model, "num_requests": args.num_requests, "seed": args.seed,
+              "lengths": [args.min_len, args.max_len]}
+    try:
+        path, dummy, cfg = model_dir_for(args.model)
+        reqs = workload(args.num_requests, args.seed, cfg["vocab_size"], args.min_len, args.max_len)
+        result["input_tokens"] = sum(len(ids) for ids, _ in reqs)
+        run = run_folio if args.engine == "folio" else run_hf
+        result.update(run(path, dummy, cfg, reqs, args))
+        s = result["elapsed_seconds"]
+        result["output_tokens_per_s"] = round(result["output_tokens"] / s, 1)
+        if not result["partial"]:
+            result["total_tokens_per_s"] = round((result["output_tokens"] + result["input_tokens"]) / s, 1)
+        result["ok"] = True
+    except Exception as e:  # recorded, so the other steps of gpu_check.sh still report
+        import traceback
+
+        result["ok"] = False
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "traceback"}))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
