@@ -68,7 +68,7 @@ class ZmqExecutor:
         self._hb_addr = private_ipc_address("heartbeat")
         self._sock = make_socket(self._ctx, zmq.DEALER)
         self._sock.bind(self._addr)
-        self._hb = make_socket(self._ctx, zmq.PULL)
+        self._hb = make_socket(self._ctx, zmq.PULL, hwm=8)   # stale beats are dropped, not hoarded
         self._hb.bind(self._hb_addr)
         self._closed = False
         cmd = [sys.executable, "-m", "folio.ipc.worker", "--address", self._addr,
@@ -78,7 +78,9 @@ class ZmqExecutor:
         self._last_beat = time.monotonic()
         try:
             send_frames(self._sock, M.encode("init", config=M.config_to_dict(config), parent_pid=os.getpid()))
-            msg_type, fields = self._wait_reply(startup_timeout, what="start-up")
+            # start-up (imports, weights, JIT compiles) gets a longer silence allowance than a step
+            msg_type, fields = self._wait_reply(startup_timeout, what="start-up",
+                                                heartbeat_timeout=max(heartbeat_timeout, 60.0))
             if msg_type == "error":
                 raise WorkerDiedError(fields["message"])
             if msg_type != "ready":
@@ -100,14 +102,15 @@ class ZmqExecutor:
     def is_alive(self) -> bool:
         return self.dead_reason is None and self.proc.poll() is None
 
-    def _check_alive(self, started: float, timeout: float | None, what: str) -> None:
+    def _check_alive(self, started: float, timeout: float | None, what: str,
+                     heartbeat_timeout: float | None = None) -> None:
         code = self.proc.poll()
         if code is not None:
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             self.dead_reason = f"worker process died ({how}) during {what}"
             raise WorkerDiedError(self.dead_reason)
         now = time.monotonic()
-        if now - self._last_beat > self.heartbeat_timeout:
+        if now - self._last_beat > (heartbeat_timeout or self.heartbeat_timeout):
             self.dead_reason = f"worker stopped answering (no heartbeat for {now - self._last_beat:.1f} s) " \
                                f"during {what}"
             self._kill()
@@ -125,7 +128,8 @@ class ZmqExecutor:
                 return
             self._last_beat = time.monotonic()
 
-    def _wait_reply(self, timeout: float | None, what: str, hooks: bool = False) -> tuple[str, dict]:
+    def _wait_reply(self, timeout: float | None, what: str, hooks: bool = False,
+                    heartbeat_timeout: float | None = None) -> tuple[str, dict]:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._hb, zmq.POLLIN)
@@ -144,7 +148,7 @@ class ZmqExecutor:
                 for s, cb in self.wait_hooks:
                     if s in ready:
                         cb()
-            self._check_alive(started, timeout, what)
+            self._check_alive(started, timeout, what, heartbeat_timeout)
 
     # -- Executor protocol --------------------------------------------------------------------------
     def execute(self, plan):

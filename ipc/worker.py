@@ -144,7 +144,9 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
     finally:
         stop.set()
         sock.close()
-        ctx.term() if not hb.is_alive() else None
+        hb.join(2 * heartbeat_interval + 1.0)
+        if not hb.is_alive():
+            ctx.term()
 
 
 def main(argv: list[str] | None = None) -> int:

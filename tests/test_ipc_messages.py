@@ -138,3 +138,15 @@ def test_check_address_loopback_by_default():
     for bad in ("http://x", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "ipc://"):
         with pytest.raises(ValueError):
             check_address(bad)
+
+
+def test_step_with_inconsistent_new_sequence_counts_is_rejected():
+    plan = _plan(np.random.default_rng(1))
+    frames = M.encode_plan(plan)
+    h = msgpack.unpackb(frames[0], raw=False)
+    h["new_seqs"][0]["n_prompt"] = 10_000
+    with pytest.raises(M.MessageError, match="new_seqs\\[0\\]"):
+        M.plan_from_fields(M.decode([msgpack.packb(h), *frames[1:]])[1])
+    h["new_seqs"][0]["n_prompt"] = 2                     # one id left over
+    with pytest.raises(M.MessageError, match="longer"):
+        M.plan_from_fields(M.decode([msgpack.packb(h), *frames[1:]])[1])
