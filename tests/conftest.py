@@ -9,3 +9,21 @@ def default_model_dir():
     from folio.model.registry import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    """``(LlamaForCausalLM, ModelConfig, model_dir)`` of the default model on CPU, float32, loaded once."""
+    from folio.model.loader import load_model
+
+    return load_model(str(default_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """The reference facts and golden outputs of the default model (tests/data/smollm2_135m.json, a copy of
+    shared/reference/smollm2_135m.json: Hugging Face transformers generations from the same GGUF)."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "data" / "smollm2_135m.json").read_text(encoding="utf-8"))
