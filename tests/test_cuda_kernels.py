@@ -121,11 +121,22 @@ def test_paged_attention_decode_batch_with_padding_and_partitions(kt):
         assert not got[4:].any()
 
 
-def test_paged_attention_head_dim_128(kt):
-    # Llama-3-8B-like head shape: head_dim 128, GQA 4, prefill chunk + decode
-    case = paged_attention_case(8, [(40, 21), (30, 1)], num_heads=8, num_kv_heads=2, head_dim=128)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_paged_attention_large_head_dim(kt, head_dim):
+    # Llama-3-8B's head shape (128, GQA 4) and the largest supported (256: the prefill tile needs
+    # more than 48 KiB of shared memory, the opt-in path); prefill chunk + decode, then decode only
+    case = paged_attention_case(8, [(40, 21), (30, 1)], num_heads=8, num_kv_heads=2, head_dim=head_dim)
     got, want = _attention(kt, case)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    case = paged_attention_case(9, [(70, 1), (3, 1)], num_heads=8, num_kv_heads=2, head_dim=head_dim)
+    got, want = _attention(kt, case, partition_size=32)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_paged_attention_rejects_unsupported_head_dim(kt):
+    case = paged_attention_case(8, [(5, 1)], num_heads=2, num_kv_heads=1, head_dim=48)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        _attention(kt, case)
 
 
 def test_paged_attention_unused_table_entries_ignored(kt):

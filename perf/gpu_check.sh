@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# perf/gpu_check.sh: everything folio checks on one NVIDIA GPU, in one run of under 8 minutes on an
+# H200 with no network. Results: $OUT/gpu_check.json (one object: environment, each step's exit
+# status and seconds, and its results) and $OUT/gpu_check.log (all output).
+#
+# Steps (each under its own time limit, so one slow step cannot sink the rest):
+#   install         make `import folio` work offline (pip install --no-deps --no-index -e .; wheels of
+#                   missing dependencies are taken from $FOLIO_WHEELS, default ./wheels, if present)
+#   kernels         NVRTC compile + every CUDA kernel test against kernels/reference.py on the GPU
+#                   (FOLIO_TEST_CUDA=1 pytest tests/test_cuda_kernels.py tests/test_nvrtc.py)
+#   golden          golden greedy cases of the default model through folio.LLM(device="cuda")
+#                   (skipped with the reason when the default model is not on the machine), and a
+#                   dummy SmolLM2-shaped forward pass on the GPU against the CPU forward
+#   bench_*         throughput, nano-vllm's workload (256 requests, in/out lengths uniform in
+#                   [100, 1024], ignore_eos): folio and Hugging Face transformers, on the default
+#                   model (or its dummy-weight twin when the model is absent) and on a dummy-weight
+#                   Llama-3.1-8B-shaped model.
+#
+# Usage: OUT=/some/dir perf/gpu_check.sh      (PYTHON=python3, NUM_REQUESTS=256 overridable)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+PY=${PYTHON:-python3}
+N=${NUM_REQUESTS:-256}
+mkdir -p "$OUT"
+WORK=$(mktemp -d)
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+T0=$(date +%s)
+
+step() {  # step NAME LIMIT_SECONDS CMD...: run with a time limit, record rc and seconds
+  local name=$1 limit=$2; shift 2
+  local s e rc
+  s=$(date +%s)
+  echo "=== $name (limit ${limit}s, at +$((s - T0))s): $*" | tee -a "$LOG"
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  e=$(date +%s)
+  echo "{\"rc\": $rc, \"seconds\": $((e - s)), \"limit\": $limit, \"timed_out\": $([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo true || echo false)}" >"$WORK/step_$name.json"
+  echo "=== $name: rc=$rc in $((e - s))s" | tee -a "$LOG"
+}
+
+# environment
+$PY - >"$WORK/env.json" 2>>"$LOG" <<'PYEOF'
+import json, platform, subprocess
+env = {"python": platform.python_version()}
+for mod in ("numpy", "cupy", "torch", "transformers", "numba", "tokenizers", "safetensors"):
+    try:
+        env[mod] = __import__(mod).__version__
+    except Exception as e:
+        env[mod] = f"missing ({type(e).__name__})"
+try:
+    env["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                        "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+except Exception as e:
+    env["nvidia_smi"] = str(e)
+print(json.dumps(env))
+PYEOF
+
+install() {
+  local wheels=${FOLIO_WHEELS:-wheels}
+  if [ -d "$wheels" ]; then
+    $PY -m pip install -q --no-index --find-links "$wheels" "$wheels"/*.whl || true
+  fi
+  $PY -c "import folio" 2>/dev/null && return 0
+  $PY -m pip install -q --no-deps --no-index --no-build-isolation -e . && $PY -c "import folio.kernels.cuda_ops"
+}
+step install 60 bash -c "$(declare -f install); PY=$PY; install"
+
+step kernels 90 env FOLIO_TEST_CUDA=1 $PY -m pytest -q -p no:cacheprovider \
+  --junitxml="$WORK/kernels.xml" tests/test_cuda_kernels.py tests/test_nvrtc.py
+
+step golden 75 $PY perf/gpu_check_golden.py --out "$WORK/golden.json"
+
+# the default model if it is here, else its dummy-weight twin (same shapes, same workload)
+SMALL=smollm2-135m-instruct
+$PY -c "from folio.model.registry import resolve_model; resolve_model('$SMALL')" >>"$LOG" 2>&1 || SMALL=smollm2-135m-dummy
+echo "small model: $SMALL" | tee -a "$LOG"
+
+step bench_folio_small 50 $PY perf/gpu_check_bench.py --engine folio --model "$SMALL" --num-requests "$N" \
+  --out "$WORK/bench_folio_small.json"
+step bench_hf_small 45 $PY perf/gpu_check_bench.py --engine hf --model "$SMALL" --num-requests "$N" \
+  --time-budget 25 --out "$WORK/bench_hf_small.json"
+step bench_folio_8b 120 $PY perf/gpu_check_bench.py --engine folio --model llama-3.1-8b-dummy \
+  --num-requests "$N" --out "$WORK/bench_folio_8b.json"
+step bench_hf_8b 75 $PY perf/gpu_check_bench.py --engine hf --model llama-3.1-8b-dummy --num-requests "$N" \
+  --time-budget 35 --out "$WORK/bench_hf_8b.json"
+
+# one JSON with everything
+$PY - "$WORK" "$OUT/gpu_check.json" "$SMALL" "$(( $(date +%s) - T0 ))" <<'PYEOF'
+import glob, json, os, sys
+import xml.etree.ElementTree as ET
+work, out, small, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+def load(p):
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except Exception as e:
+        return {"missing": f"{type(e).__name__}: {e}"}
+res = {"total_seconds": total, "small_model": small, "env": load(os.path.join(work, "env.json")), "steps": {}}
+for p in sorted(glob.glob(os.path.join(work, "step_*.json"))):
+    name = os.path.basename(p)[5:-5]
+    res["steps"][name] = load(p)
+    r = os.path.join(work, name + ".json")
+    if os.path.exists(r):
+        res["steps"][name]["result"] = load(r)
+try:
+    root = ET.parse(os.path.join(work, "kernels.xml")).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    res["steps"].setdefault("kernels", {})["result"] = {
+        k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {
+        "time": float(suite.get("time", 0)), "failed": failed}
+except Exception as e:
+    res["steps"].setdefault("kernels", {})["result"] = {"missing": str(e)}
+with open(out, "w") as f:
+    json.dump(res, f, indent=1)
+summary = {n: (s.get("rc"), s.get("seconds")) for n, s in res["steps"].items()}
+print(json.dumps({"total_seconds": total, "steps": summary}))
+for n in ("bench_folio_small", "bench_hf_small", "bench_folio_8b", "bench_hf_8b"):
+    r = res["steps"].get(n, {}).get("result", {})
+    print(n, r.get("output_tokens_per_s"), "output tok/s", "(partial)" if r.get("partial") else "", r.get("error", ""))
+PYEOF
+rm -rf "$WORK"
