@@ -90,12 +90,13 @@ def run(a: argparse.Namespace) -> int:
 
 
 def spawn_server(args: list[str], address: str | None = None, startup_timeout: float = 600.0,
-                 env: dict | None = None):
+                 env: dict | None = None, start_new_session: bool = False):
     """Start ``folio serve`` as a child process and wait for its ready line.
 
     Args:
         args: extra ``folio serve`` arguments (model, engine flags).
         address: bind address; default a fresh private ``ipc://`` path.
+        start_new_session: run it in its own session / process group (as a terminal job would be).
     Returns:
         ``(Popen, address)``; the child's stdout is a pipe (its ready line already read).
     Raises:
@@ -108,7 +109,8 @@ def spawn_server(args: list[str], address: str | None = None, startup_timeout: f
     from .ipc.transport import private_ipc_address
     address = address or private_ipc_address("serve")
     proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--address", address, *args],
-                            stdout=subprocess.PIPE, text=True, env=env or os.environ.copy())
+                            stdout=subprocess.PIPE, text=True, env=env or os.environ.copy(),
+                            start_new_session=start_new_session)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + startup_timeout

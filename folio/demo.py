@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model (default: the server's default model)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--address", default=None, help="use a running server instead of starting one")
     p.add_argument("--no-color", action="store_true")
     a = p.parse_args(argv)

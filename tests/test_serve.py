@@ -238,14 +238,18 @@ def test_worker_sigkill_fails_every_inflight_request_within_10s():
             proc.wait()
 
 
-def test_sigterm_leaves_no_folio_process_behind():
-    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.02), startup_timeout=120)
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_sigterm_leaves_no_folio_process_behind(how):
+    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.02), startup_timeout=120, start_new_session=True)
     try:
         with Client(addr, timeout=30) as c:
             worker = c.health()["worker_pid"]
             s = c.generate_stream(prompt_token_ids=[5], sampling_params={"max_tokens": 3000, "ignore_eos": True})
             next(s)
-            proc.send_signal(signal.SIGTERM)
+            if how == "SIGTERM":
+                proc.send_signal(signal.SIGTERM)
+            else:                                   # a terminal's Ctrl-C: SIGINT to the whole process group
+                os.killpg(proc.pid, signal.SIGINT)
             with pytest.raises(ServerError) as ei:      # the in-flight request is told, not left hanging
                 for _ in s:
                     pass
