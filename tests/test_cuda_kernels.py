@@ -25,7 +25,7 @@ from folio.kernels import cuda_ops, reference
 from folio.kernels.cuda_ops import CudaKernels, bf16_bits_to_float32, float32_to_bf16_bits
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from simt.runner import SimtModule  # noqa: E402
+from simt.runner import SimtModule, require_compiler  # noqa: E402
 
 ON_GPU = os.environ.get("FOLIO_TEST_CUDA", "") not in ("", "0")
 ATOL = 5e-5  # float32 accumulation vs the float64 reference, on bf16-exact inputs
@@ -53,6 +53,7 @@ def kt():
         from folio.kernels.cuda_ops import get_cuda_kernels
 
         return get_cuda_kernels()
+    require_compiler()
     return simt_kernels()
 
 
@@ -328,8 +329,15 @@ def test_table_has_contract_attributes(kt):
 def test_get_cuda_kernels_without_gpu_raises_clear_error():
     from folio.kernels import get_kernels
 
-    with pytest.raises(RuntimeError, match="cuda"):
+    with pytest.raises(RuntimeError, match="device 'cuda'.*use --device cpu"):
         get_kernels("cuda")
+
+
+def test_get_cuda_kernels_without_cupy_raises_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    monkeypatch.setattr(cuda_ops, "_TABLE", None)
+    with pytest.raises(RuntimeError, match="needs CuPy.*cupy-cuda12x or cupy-cuda13x"):
+        cuda_ops.get_cuda_kernels()
 
 
 def test_llama_forward_on_the_cuda_table_matches_cpu(kt):

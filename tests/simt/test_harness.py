@@ -8,13 +8,14 @@ import pathlib
 import numpy as np
 import pytest
 
-from .runner import SimtError, SimtModule
+from .runner import SimtError, SimtModule, require_compiler
 
 CASES = pathlib.Path(__file__).resolve().parent / "cases" / "harness_checks.cu"
 
 
 @pytest.fixture(scope="module")
 def mod():
+    require_compiler()
     return SimtModule(CASES)
 
 
