@@ -10,7 +10,12 @@ For each it reports engine steps per second and the per-step overhead, i.e. the 
   zmq overhead        = the same plus encoding, the two socket hops and decoding;
   process hop         = the difference.
 
-    python perf/ipc_overhead.py [--seqs 1 64 256] [--steps 50] [--device cpu]
+On a machine shared with other load the engine-level difference is dominated by wake-up latency
+of the two processes, so the script first measures the hop alone: ``ZmqExecutor`` round trips of
+decode-shaped plans (N sequences, 16-entry block tables) to a worker whose runner only echoes
+(``tests/ipc_fake_runner.EchoRunner``): encode + send + worker decode + reply + decode.
+
+    python perf/ipc_overhead.py [--seqs 1 64 256] [--steps 50] [--device cpu] [--hop-only]
 """
 
 from __future__ import annotations
@@ -37,6 +42,42 @@ def tiny_model_dir(device_vocab_from: str = "smollm2-135m-instruct") -> str:
         if name.startswith("tokenizer") or name in ("special_tokens_map.json", "generation_config.json"):
             shutil.copy(os.path.join(src, name), d)
     return d
+
+
+def decode_plan(step_id: int, n: int, max_blocks: int = 16):
+    import numpy as np
+    from folio.runtime.step import StepPlan
+    return StepPlan(step_id=step_id, input_ids=np.arange(n, dtype=np.int64), positions=np.full(n, 100, np.int64),
+                    slot_mapping=np.arange(n, dtype=np.int64), query_start_loc=np.arange(n + 1, dtype=np.int32),
+                    seq_lens=np.full(n, 101, np.int32),
+                    block_tables=np.arange(n * max_blocks, dtype=np.int32).reshape(n, max_blocks),
+                    seq_ids=np.arange(n, dtype=np.int64), logits_indices=np.arange(n, dtype=np.int64),
+                    sample_seq_ids=np.arange(n, dtype=np.int64))
+
+
+def measure_hop(seqs: list[int], steps: int) -> dict:
+    """Median / p90 microseconds of one ZmqExecutor round trip with an echoing worker."""
+    from folio.ipc.executor import ZmqExecutor
+    from folio.runtime.config import EngineConfig
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    ex = ZmqExecutor(EngineConfig(), runner="ipc_fake_runner:EchoRunner", env=env)
+    out = {}
+    try:
+        for n in seqs:
+            ts = []
+            for i in range(steps + 10):
+                plan = decode_plan(i, n)
+                t0 = time.perf_counter()
+                ex.execute(plan)
+                ts.append(time.perf_counter() - t0)
+            ts = sorted(ts[10:])
+            out[n] = (1e6 * ts[len(ts) // 2], 1e6 * ts[int(len(ts) * 0.9)])
+            print(f"hop only   seqs={n:4d}  {out[n][0]:8.0f} us median round trip, {out[n][1]:8.0f} us p90",
+                  flush=True)
+    finally:
+        ex.shutdown()
+    return out
 
 
 def measure(engine, n_seqs: int, steps: int) -> dict:
@@ -66,7 +107,11 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--hop-only", action="store_true", help="only the echo-worker round trip")
     a = p.parse_args(argv)
+    measure_hop(a.seqs, max(a.steps, 200))
+    if a.hop_only:
+        return 0
     from folio.ipc.executor import ZmqExecutor
     from folio.runtime.config import EngineConfig
     from folio.runtime.engine import LLMEngine
