@@ -108,25 +108,34 @@ inline size_t g_stack_threads = 0;
 
 Block& block() { return g_launch->b; }
 
-static void switch_to_fiber(int i) {
+// jump(from, to): save the running context as `from` and resume `to` (-1 = the scheduler).
+static void jump(int from, int to) {
     Launch& L = *g_launch;
-    L.b.cur = i;
-    threadIdx = L.b.fibers[i].tid;
-    ++L.switches;
+    Block& b = L.b;
+    if (to >= 0) {
+        b.cur = to;
+        threadIdx = b.fibers[to].tid;
+        ++L.switches;
+    }
 #if defined(__x86_64__)
-    simt_switch(&L.b.sched_sp, L.b.fibers[i].sp);
+    simt_switch(from < 0 ? &b.sched_sp : &b.fibers[from].sp, to < 0 ? b.sched_sp : b.fibers[to].sp);
 #else
-    swapcontext(&L.sched_ctx, &L.ctx[i]);
+    swapcontext(from < 0 ? &L.sched_ctx : &L.ctx[from], to < 0 ? &L.sched_ctx : &L.ctx[to]);
 #endif
 }
 
+// The running fiber waits (or has exited): resume the next ready fiber directly, round robin, or
+// hand back to the scheduler when none is ready (block finished, deadlock or error).
 void yield_to_scheduler() {
-    Launch& L = *g_launch;
-#if defined(__x86_64__)
-    simt_switch(&L.b.fibers[L.b.cur].sp, L.b.sched_sp);
-#else
-    swapcontext(&L.ctx[L.b.cur], &L.sched_ctx);
-#endif
+    Block& b = block();
+    const int me = b.cur;
+    int next = -1;
+    if (b.error.empty())
+        for (int k = 1; k <= b.n; ++k) {
+            const int i = (me + k) % b.n;
+            if (b.fibers[i].state == READY) { next = i; break; }
+        }
+    jump(me, next);
 }
 
 void fail(const std::string& msg) {
@@ -200,19 +209,13 @@ static bool run_block(Launch& L, int nthreads) {
         makecontext(&L.ctx[i], fiber_trampoline_uc, 0);
 #endif
         b.fibers[i].state = READY;
+        b.fibers[i].warp_ops = 0;
     }
-    while (b.done < nthreads) {
-        bool progressed = false;
-        for (int i = 0; i < nthreads; ++i) {
-            if (b.fibers[i].state != READY) continue;
-            switch_to_fiber(i);
-            progressed = true;
-            if (!b.error.empty()) return false;
-        }
-        if (!progressed && b.done < nthreads) {
-            b.error = describe_deadlock(b);
-            return false;
-        }
+    jump(-1, 0);  // fibers switch among themselves; back here when none is ready
+    if (!b.error.empty()) return false;
+    if (b.done < nthreads) {
+        b.error = describe_deadlock(b);
+        return false;
     }
     for (int i = 0; i < nthreads; ++i) {
         unsigned long long c;

@@ -94,13 +94,14 @@ struct Fiber {
     void* sp;
     FiberState state;
     uint3 tid;
+    unsigned warp_ops;  // warp-synchronous ops done: picks the exchange buffer (parity)
 };
 
 struct Warp {
     int lanes = 0;    // threads of the block in this warp
     int live = 0;     // of which not exited
     int arrived = 0;  // waiting at the current warp barrier
-    unsigned long long slot[32];
+    unsigned long long slot[2][32];  // double-buffered: one warp barrier per exchange
 };
 
 struct Block {
@@ -164,23 +165,31 @@ inline void warp_barrier(const char* what) {
     yield_to_scheduler();
 }
 
+// Exchange through the warp's slots: write, one warp barrier, read. Two buffers alternate, so a
+// lane can write the next exchange while slower lanes still read this one: it cannot get two
+// exchanges ahead, since the next barrier waits for every lane.
+inline unsigned long long* exchange(unsigned long long bits, const char* what) {
+    Block& b = block();
+    Fiber& f = b.fibers[b.cur];
+    unsigned long long* slots = b.warps[b.cur / 32].slot[f.warp_ops++ & 1];
+    slots[lane_id()] = bits;
+    warp_barrier(what);
+    return slots;
+}
+
 template <class T>
 inline T shuffle_from(T v, int src_of_lane(int lane, int arg, int width), int arg, int width, const char* what) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
-    Block& b = block();
-    Warp& w = b.warps[b.cur / 32];
-    const int lane = lane_id();
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    w.slot[lane] = bits;
-    warp_barrier(what);
+    const unsigned long long* slots = exchange(bits, what);
+    Block& b = block();
+    const int lane = lane_id();
     int src = src_of_lane(lane, arg, width);
     const int seg = lane - lane % width;
-    if (src < seg || src >= seg + width || src >= w.lanes) src = lane;
+    if (src < seg || src >= seg + width || src >= b.warps[b.cur / 32].lanes) src = lane;
     T r;
-    bits = w.slot[src];
-    std::memcpy(&r, &bits, sizeof(T));
-    warp_barrier(what);
+    std::memcpy(&r, &slots[src], sizeof(T));
     return r;
 }
 
@@ -190,14 +199,11 @@ inline int src_up(int lane, int d, int width) { return lane % width >= d ? lane 
 inline int src_idx(int lane, int s, int width) { return lane - lane % width + s % width; }
 
 inline unsigned vote_ballot(bool pred) {
+    const unsigned long long* slots = exchange(pred ? 1 : 0, "__ballot_sync");
     Block& b = block();
-    Warp& w = b.warps[b.cur / 32];
-    w.slot[lane_id()] = pred ? 1 : 0;
-    warp_barrier("__ballot_sync");
     unsigned r = 0;
-    for (int i = 0; i < w.lanes; ++i)
-        if (w.slot[i]) r |= 1u << i;
-    warp_barrier("__ballot_sync");
+    for (int i = 0; i < b.warps[b.cur / 32].lanes; ++i)
+        if (slots[i]) r |= 1u << i;
     return r;
 }
 
