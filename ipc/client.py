@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -95,7 +96,7 @@ def _request_frames(request_id: str, prompt, prompt_token_ids, sampling_params, 
         return M.encode("chat", request_id=request_id, messages=list(messages), sampling=sp, cache_salt=cache_salt)
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
-    ids = None if prompt_token_ids is None else __import__("numpy").asarray(prompt_token_ids, dtype="int64")
+    ids = None if prompt_token_ids is None else np.asarray(prompt_token_ids, dtype=np.int64)
     return M.encode("generate", request_id=request_id, prompt=prompt, prompt_token_ids=ids, sampling=sp,
                     cache_salt=cache_salt)
 

@@ -93,32 +93,7 @@ class Server:
         self.max_message_bytes = max_message_bytes
         self.exit_grace = exit_grace
         self.executor = None
-        if engine is None:
-            from ..runtime.engine import LLMEngine
-            from .executor import ZmqExecutor
-            self.executor = ZmqExecutor(config, runner=runner, heartbeat_timeout=heartbeat_timeout,
-                                        max_message_bytes=max(M.DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes))
-            try:
-                engine = LLMEngine(config, executor=self.executor)
-            except BaseException:
-                self.executor.shutdown()
-                raise
         self.engine = engine
-        self.tokenizer = getattr(engine, "tokenizer", None)
-
-        self._ctx = zmq.Context.instance()
-        self.sock = make_socket(self._ctx, zmq.ROUTER, linger_ms=2000)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)  # beyond this zmq drops the peer
-        try:
-            self.sock.bind(self.address)
-        except zmq.ZMQError as e:
-            self.close()
-            raise ValueError(f"cannot bind {self.address}: {e}") from None
-        if self.executor is not None:
-            self.executor.wait_hooks = [(self.sock, self._on_client_readable)]
-            self.executor.on_plan_sent = self._flush
-
         self._requests: dict[str, _Request] = {}       # engine request id -> state
         self._pending_adds: list[_Pending] = []
         self._pending_aborts: list[str] = []
@@ -130,7 +105,30 @@ class Server:
         self.stats = {"num_steps": 0, "step_time_s": 0.0, "ipc_time_s": 0.0, "num_requests": 0,
                       "num_finished": 0, "num_aborted": 0, "num_errors": 0, "num_streamed_tokens": 0,
                       "num_bad_messages": 0, "num_vanished_clients": 0}
-        self._idle_blocks = None
+        # bind first: a busy address fails at once, before any model is loaded
+        self._ctx = zmq.Context.instance()
+        self.sock = make_socket(self._ctx, zmq.ROUTER, linger_ms=2000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)  # beyond this zmq drops the peer
+        try:
+            self.sock.bind(self.address)
+        except zmq.ZMQError as e:
+            self.sock.close(0)
+            raise ValueError(f"cannot bind {self.address}: {e}") from None
+        if engine is None:
+            from ..runtime.engine import LLMEngine
+            from .executor import ZmqExecutor
+            try:
+                self.executor = ZmqExecutor(config, runner=runner, heartbeat_timeout=heartbeat_timeout,
+                                            max_message_bytes=max(M.DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes))
+                self.engine = LLMEngine(config, executor=self.executor)
+            except BaseException:
+                self.close()
+                raise
+        self.tokenizer = getattr(self.engine, "tokenizer", None)
+        if self.executor is not None:
+            self.executor.wait_hooks = [(self.sock, self._on_client_readable)]
+            self.executor.on_plan_sent = self._flush
 
     # -- public ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -164,7 +162,7 @@ class Server:
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None
-        elif hasattr(self.engine, "shutdown"):
+        elif self.engine is not None and hasattr(self.engine, "shutdown"):
             try:
                 self.engine.shutdown()
             except Exception:
