@@ -39,9 +39,12 @@ def _numpy_gemm(xb, w, out):
 
 def simt_kernels() -> CudaKernels:
     """The CUDA kernel table over NumPy, every kernel run by the SIMT emulator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(cuda_ops.KERNEL_FILES)) as pool:  # g++ runs in parallel
+        mods = list(pool.map(lambda f: SimtModule(cuda_ops.CUDA_DIR / f), cuda_ops.KERNEL_FILES))
     names = {}
-    for f in cuda_ops.KERNEL_FILES:
-        mod = SimtModule(cuda_ops.CUDA_DIR / f)
+    for mod in mods:
         for k in mod.kernels:
             names[k] = mod
     return CudaKernels(np, lambda n: names[n].get_function(n), gemm=_numpy_gemm, smem_limit=227 * 1024)

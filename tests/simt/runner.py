@@ -59,7 +59,8 @@ _CTYPE = {
 _GLOBAL_RE = re.compile(r"__global__\s+void\s+(\w+)\s*\(")
 _DYN_SMEM_RE = re.compile(r"extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([A-Za-z_][\w\s]*?)\s+(\w+)\s*\[\s*\]")
 _INCLUDE_RE = re.compile(r'#include\s+"([^"]+)"')
-_lock = threading.Lock()
+_locks: dict = {}
+_locks_guard = threading.Lock()
 
 
 class SimtError(RuntimeError):
@@ -113,13 +114,15 @@ def build(cu: str | os.PathLike) -> pathlib.Path:
     h.update(tu.encode())
     h.update(" ".join([cxx, *flags]).encode())
     out = cache_dir() / f"{cu.stem}-{h.hexdigest()[:16]}.so"
-    with _lock:
+    with _locks_guard:
+        lock = _locks.setdefault(out, threading.Lock())
+    with lock:
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
-        src = out.with_suffix(f".{os.getpid()}.cpp")
+        src = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.cpp")
         src.write_text(tu)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         cmd = [cxx, *flags, f"-I{HERE}", f"-I{HERE / 'include'}", f"-I{cu.parent}", str(src), "-o", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         src.unlink(missing_ok=True)
