@@ -125,51 +125,75 @@ def _flat_index(arrays: list[np.ndarray], V: int) -> np.ndarray:
     return rows * V + np.concatenate(arrays).astype(np.int64)
 
 
-def token_counts(arrays: list[np.ndarray], V: int, xp=np):
-    """``[len(arrays), V]`` int32 occurrence counts of the ids of each row (one bincount)."""
-    flat = xp.asarray(_flat_index(arrays, V))
-    counts = xp.bincount(flat, minlength=len(arrays) * V) if flat.size else \
-        xp.zeros(len(arrays) * V, dtype=xp.int64)
-    return counts.reshape(len(arrays), V).astype(xp.int32)
-
-
 def apply_penalties(logits, prompt_ids: list[np.ndarray], output_ids: list[np.ndarray],
                     repetition, frequency, presence, xp=np):
     """Penalised copy of ``logits [R, V]`` float32 (vLLM's ``apply_penalties`` semantics).
+
+    Only the (row, token) pairs present in a row's history change, so the work is sparse: the
+    histories are flattened to indices ``row * V + token`` and counted with one ``unique``
+    (no dense ``[R, V]`` count matrix, no Python loop over the vocabulary).
 
     Args:
         prompt_ids, output_ids: per row, the prompt's and the generated token ids (int64).
         repetition, frequency, presence: ``[R]`` float32 xp arrays.
     """
-    V = logits.shape[1]
-    out_counts = token_counts(output_ids, V, xp)
-    prompt_seen = token_counts(prompt_ids, V, xp) > 0
-    out_seen = out_counts > 0
-    scale = xp.where(prompt_seen | out_seen, repetition[:, None], xp.float32(1.0))
-    logits = xp.where(logits > 0, logits / scale, logits * scale)
-    logits = logits - frequency[:, None] * out_counts.astype(xp.float32)
-    logits = logits - presence[:, None] * out_seen.astype(xp.float32)
-    return logits.astype(xp.float32)
+    R, V = logits.shape
+    flat = logits.astype(xp.float32, copy=True).reshape(-1)
+    out_idx, out_counts = xp.unique(xp.asarray(_flat_index(output_ids, V)), return_counts=True)
+    seen = xp.unique(xp.concatenate([xp.asarray(_flat_index(prompt_ids, V)), out_idx]))
+    if seen.size:
+        rep = repetition[seen // V]
+        v = flat[seen]
+        flat[seen] = xp.where(v > 0, v / rep, v * rep)
+    if out_idx.size:
+        row = out_idx // V
+        flat[out_idx] -= frequency[row] * out_counts.astype(xp.float32) + presence[row]
+    return flat.reshape(R, V)
 
 
-def _top_k_top_p_threshold(logits, top_k: np.ndarray, top_p: np.ndarray, xp=np):
+# top-k / top-p look at this many of the largest logits first (an O(V) partition instead of a sort
+# of the whole vocabulary); rows whose nucleus is not inside them fall back to a full sort
+TOP_CANDIDATES = 1024
+
+
+def _top_k_top_p_threshold(logits, top_k: np.ndarray, top_p: np.ndarray, xp=np,
+                           candidates: int | None = None):
     """Per row, the smallest logit kept by top-k then top-p (``[R, 1]``); ties are kept.
 
-    ``top_k`` ``[R]`` int (<= 0 = off), ``top_p`` ``[R]`` float (1 = off).
+    ``top_k`` ``[R]`` int (<= 0 = off), ``top_p`` ``[R]`` float (1 = off). Top-p acts on the
+    top-k renormalised distribution (vLLM's order).
     """
     R, V = logits.shape
-    s = -xp.sort(-logits, axis=1)  # descending
-    col = xp.arange(V)[None, :]
-    k = xp.asarray(np.where(top_k > 0, np.minimum(top_k, V), V))[:, None]
-    s = xp.where(col < k, s, xp.float32(_MASK))
-    p = xp.exp(s - s[:, :1])
-    p = p / p.sum(axis=1, keepdims=True)
-    mass_before = xp.cumsum(p, axis=1) - p
+    kk = np.where(top_k > 0, np.minimum(top_k, V), V)
     top_p = np.where(top_p >= 1.0, np.inf, top_p).astype(np.float32)  # off: rounding must not cut
-    keep = (mass_before < xp.asarray(top_p)[:, None]) & (col < k)
+    candidates = TOP_CANDIDATES if candidates is None else candidates
+    M = min(V, max(candidates, int(kk[kk < V].max()) if (kk < V).any() else 0))
+    if M < V:
+        s = -xp.sort(-xp.partition(logits, V - M, axis=1)[:, V - M:], axis=1)  # top M, descending
+    else:
+        s = -xp.sort(-logits, axis=1)
+    col = xp.arange(M)[None, :]
+    k = xp.asarray(np.minimum(kk, M))[:, None]
+    s = xp.where(col < k, s, xp.float32(_MASK))
+    # normaliser: over the top-k set when top-k is on (it lies inside the candidates), else the row
+    m = logits.max(axis=1, keepdims=True)
+    full = m + xp.log(xp.exp(logits - m).sum(axis=1, keepdims=True))
+    part = s[:, :1] + xp.log(xp.exp(s - s[:, :1]).sum(axis=1, keepdims=True))
+    lse = xp.where(xp.asarray(kk < V)[:, None], part, full)
+    p = xp.exp(s - lse)
+    cum = xp.cumsum(p, axis=1)
+    tp = xp.asarray(top_p)[:, None]
+    keep = ((cum - p) < tp) & (col < k)
     keep[:, 0] = True
     last = keep.sum(axis=1) - 1  # kept entries form a prefix of the sorted row
-    return xp.take_along_axis(s, last[:, None], axis=1)
+    thresh = xp.take_along_axis(s, last[:, None], axis=1)
+    if M < V:
+        # top-k off and the candidates' mass below top_p: the cut lies further down
+        short = np.nonzero(to_numpy((xp.asarray(kk >= V)[:, None] & (cum[:, -1:] < tp))[:, 0]))[0]
+        if len(short):
+            idx = xp.asarray(short)
+            thresh[idx] = _top_k_top_p_threshold(logits[idx], top_k[short], top_p[short], xp, candidates=V)
+    return thresh
 
 
 def sample(logits, states: list[SamplingState], xp=np) -> SamplerOutput:

@@ -210,3 +210,25 @@ def test_logprobs_are_raw_top_k_plus_sampled():
 def test_no_logprobs_when_none_asked():
     out = sample(np.zeros((2, V), np.float32), [state(0, temperature=0.0), state(1, seed=1)])
     assert out.logprobs is None and out.logprob_token_ids is None
+
+
+@pytest.mark.parametrize("scale", [6.0, 0.05])  # peaked: nucleus inside the candidates; flat: fallback
+def test_large_vocab_candidate_path_matches_reference(scale):
+    import folio.runtime.sampler as sampler_mod
+    Vb = 3000
+    assert sampler_mod.TOP_CANDIDATES < Vb
+    rng = np.random.default_rng(9)
+    R = 8
+    logits = (rng.normal(size=(R, Vb)) * scale).astype(np.float32)
+    kws = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_p=0.5),
+           dict(temperature=1.0, top_k=1500, top_p=0.99), dict(temperature=1.0, top_k=20),
+           dict(temperature=1.0, top_p=0.999), dict(temperature=1.3, top_p=0.8, min_p=0.01),
+           dict(temperature=1.0, top_k=2000), dict(temperature=1.0)]
+    states = [state(i, seed=300 + i, **kw) for i, kw in enumerate(kws)]
+    got = sample(logits, states).token_ids
+    for i, kw in enumerate(kws):
+        u = 1.0 - np.random.default_rng(300 + i).random()
+        probs = ref_probs(logits[i].astype(np.float64), kw["temperature"], kw.get("top_k", 0),
+                          kw.get("top_p", 1.0), kw.get("min_p", 0.0))
+        assert probs[got[i]] > 0
+        assert got[i] == ref_inverse_cdf(probs, u)
