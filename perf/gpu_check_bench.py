@@ -10,9 +10,9 @@ Models: a folio model name or Hugging Face Llama folder, or one of the dummy-wei
 (``llama-3.1-8b-dummy``, ``smollm2-135m-dummy``): a config.json is written to a temp folder and
 weights are random (folio: ``load_format="dummy"``; transformers: ``from_config`` on the GPU).
 
-Hugging Face runs the whole workload as one static batch (left-padded prompts, generation until
-the longest requested output, min_new_tokens = max_new_tokens so EOS never stops it); only each
-request's requested tokens count as output. ``--time-budget`` stops its generation early through a
+Hugging Face runs the workload as static batches of ``--hf-batch`` requests (left-padded prompts,
+generation until the batch's longest requested output, min_new_tokens = max_new_tokens so EOS
+never stops it); only each request's requested tokens count as output. ``--time-budget`` stops its generation early through a
 StoppingCriteria and the result then says ``"partial": true`` (tokens produced so far / time).
 
 Usage: python perf/gpu_check_bench.py --engine folio|hf --model M --out result.json
@@ -127,54 +127,61 @@ def run_folio(path, dummy, cfg, reqs, args):
 def run_hf(path, dummy, cfg, reqs, args):
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
+    from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     t0 = time.perf_counter()
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     if dummy:
-        hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
+        hf_cfg = AutoConfig.from_pretrained(path)  # the config.json written for folio, read the HF way
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(hf_cfg, **{dtype_kw: torch.bfloat16})
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **{dtype_kw: torch.bfloat16}).cuda()
     model.eval()
     load_s = time.perf_counter() - t0
-    n = len(reqs)
-    max_in = max(len(ids) for ids, _ in reqs)
-    max_out = max(m for _, m in reqs)
     pad = 0
-    input_ids = torch.full((n, max_in), pad, dtype=torch.long)
-    mask = torch.zeros((n, max_in), dtype=torch.long)
-    for i, (ids, _) in enumerate(reqs):  # left padding
-        input_ids[i, max_in - len(ids):] = torch.tensor(ids)
-        mask[i, max_in - len(ids):] = 1
-    input_ids, mask = input_ids.cuda(), mask.cuda()
     deadline = [None]
-    steps = [0]
 
     class Budget(StoppingCriteria):
         def __call__(self, ids, scores, **kw):
-            steps[0] += 1
-            return torch.full((ids.shape[0],), deadline[0] is not None and time.perf_counter() > deadline[0],
-                              dtype=torch.bool, device=ids.device)
+            stop = deadline[0] is not None and time.perf_counter() > deadline[0]
+            return torch.full((ids.shape[0],), stop, dtype=torch.bool, device=ids.device)
+
+    def batch_tensors(batch):
+        max_in = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), max_in), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), max_in), dtype=torch.long)
+        for i, (ids, _) in enumerate(batch):  # left padding
+            input_ids[i, max_in - len(ids):] = torch.tensor(ids)
+            mask[i, max_in - len(ids):] = 1
+        return input_ids.cuda(), mask.cuda(), max_in
 
     with torch.no_grad():
-        model.generate(input_ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4, min_new_tokens=4,
-                       do_sample=False, pad_token_id=pad)  # warm-up
+        ids, mask, _ = batch_tensors(reqs[:2])
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                       pad_token_id=pad)  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         deadline[0] = t0 + args.time_budget if args.time_budget else None
-        steps[0] = 0
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
-                             do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=pad,
-                             stopping_criteria=StoppingCriteriaList([Budget()]))
+        produced, partial, done = 0, False, 0
+        for b0 in range(0, len(reqs), args.hf_batch):
+            batch = reqs[b0:b0 + args.hf_batch]
+            ids, mask, max_in = batch_tensors(batch)
+            max_out = max(m for _, m in batch)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
+                                 do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=pad,
+                                 stopping_criteria=StoppingCriteriaList([Budget()]))
+            made = out.shape[1] - max_in
+            produced += sum(min(m, made) for _, m in batch)
+            done += len(batch)
+            if made < max_out or (deadline[0] is not None and time.perf_counter() > deadline[0]):
+                partial = made < max_out or done < len(reqs)
+                break
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    made = out.shape[1] - max_in
-    produced = sum(min(m, made) for _, m in reqs)
     return {"load_seconds": round(load_s, 2), "elapsed_seconds": round(elapsed, 3),
             "output_tokens": produced, "expected_output_tokens": sum(m for _, m in reqs),
-            "partial": made < max_out, "generated_steps": made, "batch": n,
+            "partial": partial, "requests_started": done, "hf_batch": args.hf_batch,
             "transformers": transformers.__version__, "torch": torch.__version__}
 
 
@@ -188,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--device", default="cuda", help="folio: cuda (cpu for a smoke test of this script)")
     p.add_argument("--time-budget", type=float, default=0.0, help="hf: stop generating after S seconds")
+    p.add_argument("--hf-batch", type=int, default=256, help="hf: requests per static batch")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
