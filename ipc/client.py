@@ -328,6 +328,10 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        try:
+            os.write(self._wake_w, b"x")        # wake the I/O thread so it sees _closed at once
+        except OSError:
+            pass
         self._thread.join(2.0)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
