@@ -154,13 +154,17 @@ class CudaKernels:
 
     # ---- weights -------------------------------------------------------------------------------
     def prepare_weight(self, w, chunk_elems: int = 1 << 26):
-        """Host weight -> device bf16 (uint16 bit patterns), same shape.
+        """Weight -> device bf16 (uint16 bit patterns), same shape.
 
         Args:
-            w: NumPy float32 (or float16/float64, cast) ``[out, in]`` or ``[n]``; a uint16 array is
-                taken as bf16 bits already. Converted on the device in chunks of ``chunk_elems``
-                so a large matrix needs only a chunk of float32 staging memory.
+            w: NumPy float32 (float16/float64 are cast) ``[out, in]`` or ``[n]``, converted on the
+                device in chunks of ``chunk_elems`` so a large matrix needs only a chunk of float32
+                staging memory; or an array already on this backend (float: cast on the device;
+                uint16: taken as bf16 bits and returned as is). A uint16 NumPy array is taken as
+                bf16 bits too.
         """
+        if not isinstance(w, np.ndarray) and hasattr(w, "dtype"):  # already a device array
+            return w if w.dtype == np.uint16 else self.float32_to_bf16(w)
         w = np.asarray(w)
         if w.dtype == np.uint16:
             return self.xp.asarray(np.ascontiguousarray(w))
@@ -221,7 +225,8 @@ class CudaKernels:
 
     # ---- per-token layer ops -------------------------------------------------------------------
     def _weight(self, w):
-        return w if w.dtype == np.uint16 else self.prepare_weight(self.to_numpy(w))
+        return w if w.dtype == np.uint16 and not (isinstance(w, np.ndarray) and self.xp is not np) \
+            else self.prepare_weight(w)
 
     def rms_norm(self, x, weight, eps):
         """Spec: reference.rms_norm. x ``[T, hidden]`` float32, weight bf16 ``[hidden]``."""

@@ -296,8 +296,10 @@ def test_prepare_weight_and_random_weight(kt):
     dev = kt.prepare_weight(w)
     assert dev.shape == w.shape and dev.dtype == np.uint16
     np.testing.assert_array_equal(kt.to_numpy(dev), float32_to_bf16_bits(w))
-    # chunked conversion gives the same bits
+    # chunked conversion gives the same bits; so does a float32 array already on the device
     np.testing.assert_array_equal(kt.to_numpy(kt.prepare_weight(w, chunk_elems=100)), float32_to_bf16_bits(w))
+    if kt.xp is not np:
+        np.testing.assert_array_equal(kt.to_numpy(kt.prepare_weight(kt.xp.asarray(w))), float32_to_bf16_bits(w))
     r = kt.random_weight((64, 128), seed=3, std=0.5, mean=1.0)
     assert r.shape == (64, 128) and r.dtype == np.uint16
     vals = bf16_bits_to_float32(kt.to_numpy(r))
