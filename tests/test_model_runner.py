@@ -209,19 +209,43 @@ def test_kv_sizing_arithmetic():
         num_kv_blocks(1000, **kw)
 
 
-def test_runner_sizes_cpu_cache(runner, default_model_dir):
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024, "bos_token_id": 1,
+        "eos_token_id": 2, "tie_word_embeddings": True}
+
+
+def test_runner_sizes_cpu_cache(runner, tmp_path, monkeypatch):
     cfg = runner.model_config
     per_block = BS * cfg.kv_bytes_per_token(4)
     assert per_block == BS * 2 * 30 * 3 * 64 * 4
     assert runner.num_blocks == NUM_BLOCKS and runner.kv_caches[0][0].shape == (NUM_BLOCKS, BS, 3, 64)
     assert len(runner.kv_caches) == cfg.num_hidden_layers
     assert mem_available_bytes() > 0
-    r = ModelRunner(EngineConfig(model=str(default_model_dir), device="cpu", max_model_len=64, max_num_seqs=2,
-                                 load_format="dummy"))
-    # RAM share is far larger than 2 x 64 tokens: the cap wins
-    assert r.num_blocks == max_useful_blocks(2, 64, BS) == 10
-    r.shutdown()
-    r = ModelRunner(EngineConfig(model=str(default_model_dir), device="cpu", kv_cache_memory=per_block * 5 + 1,
-                                 load_format="dummy"))
-    assert r.num_blocks == 5
-    r.shutdown()
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    tiny_block = BS * 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, float32
+    mk = lambda **kw: ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", load_format="dummy", **kw))  # noqa
+    # RAM share far larger than 2 sequences x 64 tokens: the cap wins
+    r = mk(max_model_len=64, max_num_seqs=2)
+    assert r.bytes_per_block == tiny_block and r.num_blocks == max_useful_blocks(2, 64, BS) == 10
+    # default max_model_len = max_position_embeddings
+    assert r.max_model_len == 64 and mk(max_num_seqs=1).max_model_len == 1024
+    assert mk(kv_cache_memory=tiny_block * 5 + 1).num_blocks == 5
+    assert mk(num_gpu_blocks_override=3).kv_caches[0][0].shape == (3, BS, 2, 16)
+    # the RAM share: cpu_kv_cache_fraction of MemAvailable
+    import folio.runtime.model_runner as mr
+    monkeypatch.setattr(mr, "mem_available_bytes", lambda: tiny_block * 40)
+    assert mk(cpu_kv_cache_fraction=0.5, max_num_seqs=8).num_blocks == 20
+    monkeypatch.setattr(mr, "mem_available_bytes", lambda: tiny_block // 2)
+    with pytest.raises(ValueError, match="no block"):
+        mk()
+
+
+def test_mem_available_parsing(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       32000000 kB\nMemFree:  1000 kB\nMemAvailable:   23245000 kB\n")
+    assert mem_available_bytes(str(f)) == 23245000 * 1024
+    f.write_text("MemTotal: 1 kB\n")
+    with pytest.raises(RuntimeError, match="MemAvailable"):
+        mem_available_bytes(str(f))
