@@ -12,6 +12,15 @@ ATOL = 2e-5
 RTOL = 2e-5
 
 
+@pytest.fixture(autouse=True, params=["auto", "parallel"])
+def drivers(request, monkeypatch):
+    """Run every test with the size-based choice of driver, and again with the parallel drivers forced."""
+    if request.param == "parallel":
+        monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(cpu, "_PARALLEL_MIN_WORK", 0)
+    return request.param
+
+
 def _ids(cases):
     return [c[0] for c in cases]
 
@@ -138,7 +147,7 @@ def test_linear_embedding_prepare_weight():
     w64 = rng.standard_normal((48, 32))
     w = cpu.prepare_weight(w64[:, ::1].T.T)  # any float input -> contiguous float32
     assert w.dtype == np.float32 and w.flags.c_contiguous
-    for T in (1, 5):
+    for T in (1, 5, 8, 9, 40):  # Numba matrix-vector path and BLAS path
         x = rng.standard_normal((T, 32)).astype(np.float32)
         y = cpu.linear(x, w)
         assert y.dtype == np.float32 and y.shape == (T, 48)
