@@ -64,6 +64,8 @@ def register(subparsers) -> None:
                    help="largest client message accepted (bigger ones get an error reply)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds of worker silence that count as worker death")
+    p.add_argument("--exit-grace", type=float, default=2.0,
+                   help="after the worker died: seconds to keep answering (unhealthy, errors) before exiting 3")
     p.add_argument("--worker-runner", default="folio.runtime.model_runner:ModelRunner", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
@@ -72,7 +74,8 @@ def run(a: argparse.Namespace) -> int:
     from .ipc.server import Server
     config = engine_config_from_args(a)
     server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,
-                    max_message_bytes=a.max_message_bytes, heartbeat_timeout=a.heartbeat_timeout)
+                    max_message_bytes=a.max_message_bytes, heartbeat_timeout=a.heartbeat_timeout,
+                    exit_grace=a.exit_grace)
 
     def on_signal(signum, frame):
         server.stop()

@@ -214,7 +214,7 @@ def test_client_abort_call_and_asyncio_cancellation_abort_on_the_server(echo_ser
 # -- worker death, SIGTERM -----------------------------------------------------------------------------
 
 def test_worker_sigkill_fails_every_inflight_request_within_10s():
-    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.02), startup_timeout=120)
+    proc, addr = spawn_server(ECHO + ["--exit-grace", "3"], env=echo_env(step_s=0.02), startup_timeout=120)
     try:
         with Client(addr, timeout=30) as c:
             worker = c.health()["worker_pid"]
@@ -230,6 +230,10 @@ def test_worker_sigkill_fails_every_inflight_request_within_10s():
                         pass
                 assert ei.value.code == "worker_died" and "worker" in ei.value.message
             assert time.monotonic() - t0 < 10.0
+            h = c.health(timeout=5)                   # unhealthy, with the reason, until it exits
+            assert not h["healthy"] and "worker" in h["reason"]
+            with pytest.raises(ServerError, match="unhealthy"):
+                c.generate("hi", {"max_tokens": 2}, timeout=5)
         assert proc.wait(30) == 3                     # the scheduler exits (no restart), see ipc/server.py
         assert pid_gone(worker)
     finally:
