@@ -77,6 +77,7 @@ class LLMEngine:
         Raises:
             ValueError: duplicate id, no prompt, empty prompt, a token id outside the vocabulary,
                 prompt + max_tokens over ``max_model_len``, more KV blocks than the whole cache,
+                a prompt over ``max_num_batched_tokens`` when chunked prefill is off,
                 or a bad cache_salt / sampling_params type.
         """
         if sampling_params is None:
@@ -109,6 +110,9 @@ class LLMEngine:
         elif num_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
                              f"{num_prompt + max_tokens} exceeds max_model_len ({self.max_model_len})")
+        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {num_prompt} tokens; without chunked prefill it must fit "
+                             f"max_num_batched_tokens ({self.config.max_num_batched_tokens})")
         need = cdiv(num_prompt + max_tokens, self.config.block_size)
         if need > self.scheduler.kv.num_total_blocks:
             raise ValueError(f"the request needs {need} KV blocks but the whole cache has "
