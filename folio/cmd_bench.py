@@ -11,6 +11,8 @@ import importlib
 # Benchmark modules, in the order `folio bench --help` lists them.
 _BENCH_MODULES = [
     "folio.bench_serve",
+    "folio.bench.cmd_throughput",
+    "folio.bench.cmd_report",
 ]
 
 

@@ -1,0 +1,48 @@
+"""``folio bench throughput``: offline throughput of a random workload, peers in the same run."""
+
+from __future__ import annotations
+
+import json
+
+from .cmd_args import add_common, positive, with_threads
+
+
+def add_parser(bench_subparsers) -> None:
+    p = bench_subparsers.add_parser(
+        "throughput", help="offline throughput (random token-id prompts, ignore_eos), optionally with peers",
+        description="Offline throughput: NUM_PROMPTS requests with prompt/output lengths uniform in the given "
+                    "ranges, random token ids, ignore_eos, fixed seed; prints requests/s, output and total "
+                    "tokens/s, KV slots holding tokens vs allocated; --peer runs the same workload through "
+                    "transformers (static batches of 16) or llama-cpp-python in the same run.")
+    add_common(p)
+    p.add_argument("--num-prompts", type=positive, default=64)
+    p.add_argument("--input-len", type=positive, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX] (random token ids)")
+    p.add_argument("--output-len", type=positive, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="output lengths, uniform in [MIN, MAX] (ignore_eos)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=positive, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
+    p.add_argument("--num-blocks", type=positive, default=None,
+                   help="KV blocks (default: enough for every request at once)")
+    p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama-cpp"],
+                   help="also run the workload through this peer in the same run (repeatable)")
+    p.add_argument("--tf-batch-size", type=positive, default=16, help="transformers static batch size")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.set_defaults(func=with_threads(run))
+
+
+def run(args) -> int:
+    if args.input_len[0] > args.input_len[1] or args.output_len[0] > args.output_len[1]:
+        raise ValueError("length ranges need MIN <= MAX")
+    from .throughput import format_throughput, run_throughput
+    out = run_throughput(model=args.model, num_prompts=args.num_prompts, input_len=tuple(args.input_len),
+                         output_len=tuple(args.output_len), seed=args.seed, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                         peers=tuple(dict.fromkeys(args.peer)), threads=args.threads,
+                         tf_batch_size=args.tf_batch_size, progress=not args.no_progress)
+    print(format_throughput(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
