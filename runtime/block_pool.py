@@ -80,12 +80,17 @@ class BlockPool:
         return out
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            self.drop_hash(block)
+            self.num_evictions += 1
+
+    def drop_hash(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s prefix-cache entry (its content can no longer be trusted)."""
         if block.block_hash is None:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
-        self.num_evictions += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero join the back of the free

@@ -224,8 +224,15 @@ class LLMEngine:
         )
 
     def _undo_schedule(self, sched: SchedulerOutput) -> None:
-        """After a failed step: preempt what ran so the requests are recomputed later, and make
-        sure the worker hears about finished sequences again."""
+        """After a failed step: forget the hashes of blocks this step was to fill, preempt what
+        ran so the requests are recomputed later, and make sure the worker hears about finished
+        sequences again."""
+        kv = self.scheduler.kv
+        for item in sched.scheduled:
+            seq = item.seq
+            first = seq.num_computed_tokens // self.config.block_size
+            for block in kv.seq_blocks.get(seq.seq_id, [])[first:]:
+                kv.pool.drop_hash(block)
         for item in sched.scheduled:
             if item.seq in self.scheduler.running:
                 self.scheduler.preempt(item.seq, count=False)

@@ -324,3 +324,30 @@ def test_metrics_counters_and_request_times():
                 "prefix_cache_hits", "num_preemptions", "kv_tokens_held", "kv_tokens_allocated"):
         assert key in m
     assert m["prefix_cache_queries"] == 10
+
+
+class FailingOnce(FakeExecutor):
+    def __init__(self, *a, fail_at=2, **kw):
+        super().__init__(*a, **kw)
+        self.fail_at = fail_at
+
+    def execute(self, plan):
+        if len(self.plans) + 1 == self.fail_at:
+            self.plans.append(None)
+            return StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, np.int64), error="boom")
+        return super().execute(plan)
+
+
+def test_failed_step_raises_and_requests_recover():
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8)
+    ex = FailingOnce(32, 4)
+    engine = LLMEngine(config, executor=ex, tokenizer=FakeTokenizer())
+    p = prompt(14)
+    engine.add_request("a", None, SamplingParams(max_tokens=3), prompt_token_ids=p)
+    engine.step()
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()  # this chunk's blocks were never written: their hashes must not be served
+    ex.history.clear()  # the worker restarts from the resent sampling state
+    final = run(engine)
+    assert final["a"].outputs[0].token_ids == expected(p, 3)
+    assert_idle(engine)
