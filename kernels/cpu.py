@@ -46,7 +46,7 @@ _F32 = np.float32
 # below these sizes a kernel runs on the calling thread (see the note above the row kernels)
 _PARALLEL_MIN_ELEMENTS = 1 << 16     # row ops: elements of the input
 _PARALLEL_MIN_WORK = 1 << 20         # paged attention: multiply-adds of QK^T (same again for PV)
-_GEMV_MAX_ROWS = 8                   # linear: up to this many tokens use the Numba kernel, else BLAS
+_GEMV_MAX_ROWS = 4                   # linear: up to this many tokens use the Numba kernel, else BLAS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,7 +410,7 @@ def _linear_parallel(x, weight, out, n_chunks):
 def linear(x, weight):
     """``x [T, in]`` float32 @ ``weight [out, in]``.T -> ``[T, out]`` float32.
 
-    Few rows (decode, ``T <= 8``): a Numba matrix-vector kernel that streams each weight row once
+    Few rows (decode steps, ``T <= 4``): a Numba matrix-vector kernel that streams each weight row once
     (the step is bound by reading the weights from memory); more rows: NumPy's BLAS sgemm.
     """
     T = x.shape[0]

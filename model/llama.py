@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels import reference
 from .attention import AttentionMetadata
 from .config import ModelConfig
 
@@ -89,8 +90,9 @@ class LlamaForCausalLM:
                 gate_up_proj=prep(np.concatenate([gate, up], axis=0)),
                 down_proj=prep(self._check(weights, p + "mlp.down_proj.weight", (hid, inter))),
             ))
-        inv_freq = kernels.rope_inv_freq(D, c.rope_theta, c.rope_scaling)
-        self.cos_sin_cache = self.xp.asarray(kernels.rope_cos_sin_cache(inv_freq, c.max_position_embeddings))
+        # RoPE table built once on the host (float64 math, float32 result) and moved to the device
+        inv_freq = reference.rope_inv_freq(D, c.rope_theta, c.rope_scaling)
+        self.cos_sin_cache = self.xp.asarray(reference.rope_cos_sin_cache(inv_freq, c.max_position_embeddings))
         self.scale = float(D ** -0.5)
 
     @staticmethod

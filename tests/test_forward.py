@@ -211,11 +211,29 @@ def test_golden_top5_logits(default_model, golden):
     np.testing.assert_allclose(logits[top5], ref["top5_logits"], atol=1e-3, rtol=0)
 
 
-def test_prefill_chunked_and_token_by_token_agree(default_model, golden):
-    model, config, _ = default_model
+def _prompt_300(golden):
     prompt = next(c for c in golden["greedy_cases"] if c["id"] == "d")["prompt_ids"]
     assert len(prompt) == 300
-    whole = run_paged(model, config, prompt, 300)
-    for chunk, shuffle in [(7, None), (1, None), (300, 11), (7, 12), (1, 13)]:
-        got = run_paged(model, config, prompt, chunk, shuffle_seed=shuffle)
-        np.testing.assert_allclose(got, whole, rtol=0, atol=1e-4, err_msg=f"chunk={chunk} shuffle={shuffle}")
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def whole_prefill_logits(default_model, golden):
+    model, config, _ = default_model
+    return run_paged(model, config, _prompt_300(golden), 300)
+
+
+@pytest.mark.parametrize("chunk,shuffle", [(7, None), (1, 13), (300, 11), (7, 12)],
+                         ids=["chunks7", "token_by_token_shuffled", "prefill_shuffled", "chunks7_shuffled"])
+def test_prefill_chunked_and_token_by_token_agree(default_model, golden, whole_prefill_logits, chunk, shuffle):
+    # all 300 rows of logits of each schedule against one whole prefill with blocks 0..18
+    model, config, _ = default_model
+    got = run_paged(model, config, _prompt_300(golden), chunk, shuffle_seed=shuffle)
+    np.testing.assert_allclose(got, whole_prefill_logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_token_by_token_contiguous_agrees(default_model, golden, whole_prefill_logits):
+    model, config, _ = default_model
+    got = run_paged(model, config, _prompt_300(golden), 1)
+    np.testing.assert_allclose(got, whole_prefill_logits, rtol=0, atol=1e-4)
