@@ -166,5 +166,6 @@ def run(a: argparse.Namespace) -> int:
     print_summary(s, a.request_rate)
     if a.result_file:
         with open(a.result_file, "w") as f:
-            json.dump({"request_rate": a.request_rate, "num_prompts": a.num_prompts, **s}, f, indent=1)
+            rate = a.request_rate if a.request_rate != float("inf") else "inf"   # strict JSON has no Infinity
+            json.dump({"request_rate": rate, "num_prompts": a.num_prompts, **s}, f, indent=1)
     return 0 if s["failed_requests"] == 0 else 1
