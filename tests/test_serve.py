@@ -151,7 +151,7 @@ def test_abort_and_killed_client_free_their_blocks_and_spare_other_streams(echo_
         # an untouched stream running across both disturbances
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("out", c.generate(
-            prompt_token_ids=[1000, 1001], sampling_params={"max_tokens": 400, "ignore_eos": True,
+            prompt_token_ids=[1000, 1001], sampling_params={"max_tokens": 1000, "ignore_eos": True,
                                                              "temperature": 0.0})))
         t.start()
         # 1) abort by leaving the stream early
@@ -163,7 +163,7 @@ def test_abort_and_killed_client_free_their_blocks_and_spare_other_streams(echo_
         p = subprocess.Popen([sys.executable, "-c", VANISHING_CLIENT, addr], stdout=subprocess.PIPE, text=True)
         try:
             assert p.stdout.readline().strip() == "streaming"
-            assert c.get_metrics()["num_running"] >= 2
+            assert t.is_alive()                  # the untouched stream is still running when the client dies
             p.kill()
             p.wait(10)
         finally:
@@ -171,7 +171,7 @@ def test_abort_and_killed_client_free_their_blocks_and_spare_other_streams(echo_
                 p.kill()
         t.join(120)
         out = result["out"]
-        assert out.outputs[0].token_ids == echo_chain(1001, 400) and out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == echo_chain(1001, 1000) and out.outputs[0].finish_reason == "length"
         m = poll_until(lambda: (lambda m: m if m["num_free_blocks"] == idle and m["num_requests_in_flight"] == 0
                                 else None)(c.get_metrics()), 30, "free blocks back to the idle count")
         assert m["num_aborted"] >= 2 and m["num_vanished_clients"] >= 1 and m["num_running"] == 0
