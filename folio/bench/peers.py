@@ -114,3 +114,61 @@ def run_llama_cpp(gguf_path, requests: list[BenchRequest], threads: int = 1, pro
     return {"wall_s": wall, "requests": len(requests), "output_tokens": produced,
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "load_s": load_s,
             "threads": threads, "gguf": str(gguf_path), "versions": {"llama_cpp_python": llama_cpp.__version__}}
+
+
+def run_isolated(name: str, spec: dict, timeout: float | None = None) -> dict:
+    """Run peer ``name`` on the workload ``spec`` in a child process (``python -m folio.bench.peers``).
+
+    A peer that crashes the interpreter (a llama.cpp build using instructions the CPU or VM does not
+    allow dies with SIGILL) then costs only its own figures. ``spec``: num_prompts, input_len,
+    output_len, seed, model_dir, gguf, batch_size, threads, progress.
+    Returns:
+        the peer's figures, or ``{"skipped": reason}`` when the child failed.
+    """
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        cmd = [sys.executable, "-m", "folio.bench.peers", name, json.dumps(spec), f.name]
+        try:
+            # with progress bars the child's stderr is live (its errors appear above the report's)
+            p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None if spec.get("progress") else subprocess.PIPE,
+                               text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"skipped": f"timed out after {timeout} s"}
+        if p.returncode != 0:
+            import signal
+            how = (f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0
+                   else f"exit code {p.returncode}")
+            tail = " ".join((p.stderr or "").strip().splitlines()[-2:])[-300:]
+            return {"skipped": f"the {name} peer failed ({how}) {tail}".strip()}
+        return json.loads(open(f.name).read())
+
+
+def _main(argv) -> int:
+    import json
+
+    from .common import random_requests
+    name, spec, out = argv[0], json.loads(argv[1]), argv[2]
+    reqs = random_requests(spec["num_prompts"], tuple(spec["input_len"]), tuple(spec["output_len"]), spec["seed"])
+    bar = None
+    if spec.get("progress"):
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(reqs), desc=name, dynamic_ncols=True)
+    if name == "transformers":
+        r = run_transformers(spec["model_dir"], reqs, batch_size=spec["batch_size"], threads=spec["threads"],
+                             progress=bar)
+    elif name == "llama-cpp":
+        r = run_llama_cpp(spec["gguf"], reqs, threads=spec["threads"], progress=bar)
+    else:
+        raise SystemExit(f"unknown peer {name!r}")
+    with open(out, "w") as f:
+        json.dump(r, f)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(_main(sys.argv[1:]))

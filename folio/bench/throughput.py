@@ -86,14 +86,16 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         if not ok:
             out["peers"][name] = {"skipped": why}
             continue
-        bar = tqdm(total=len(requests), desc=name, disable=not progress, dynamic_ncols=True)
-        if name == "transformers":
-            r = peers_mod.run_transformers(host.model_dir, requests, batch_size=tf_batch_size, threads=threads,
-                                           progress=bar)
-        else:
+        spec = {"num_prompts": num_prompts, "input_len": list(input_len), "output_len": list(output_len),
+                "seed": seed, "model_dir": str(host.model_dir), "batch_size": tf_batch_size, "threads": threads,
+                "progress": progress, "gguf": None}
+        if name == "llama-cpp":
             from ..model.registry import find_packaged_gguf
-            r = peers_mod.run_llama_cpp(find_packaged_gguf(model), requests, threads=threads, progress=bar)
-        bar.close()
+            spec["gguf"] = str(find_packaged_gguf(model))
+        r = peers_mod.run_isolated(name, spec)
+        if "skipped" in r:
+            out["peers"][name] = r
+            continue
         out["peers"][name] = peer_figures(r)
     return out
 

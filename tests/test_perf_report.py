@@ -1,0 +1,158 @@
+"""The perf report (folio/bench/) at tiny sizes, so its code cannot rot.
+
+One tiny report (all seven sections) is run once per module on the real default model; the tests
+check its figures against expectations computed independently (block arithmetic, config
+arithmetic, the contiguous allocator worked by hand) and that the two ways of measuring KV waste
+agree. Peers (transformers, llama-cpp-python) run only where installed (the ``perf`` extra).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from folio.bench import peers
+from folio.bench.common import BenchRequest, random_requests
+from folio.bench.kv_replay import simulate_contiguous
+from folio.bench.report import ReportSize
+from folio.runtime.kv_cache_manager import cdiv
+
+TINY = ReportSize.tiny()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, default_model_dir):
+    """The tiny report through the CLI (a fresh process sizes its thread pools to --threads 1)."""
+    out = tmp_path_factory.mktemp("perf")
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "report", "--tiny", "--out", str(out),
+                        "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_workload_is_reproducible_and_in_range():
+    a = random_requests(20, (32, 512), (16, 256), seed=3)
+    b = random_requests(20, (32, 512), (16, 256), seed=3)
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b]
+    assert all(32 <= len(r.prompt_token_ids) <= 512 and 16 <= r.output_len <= 256 for r in a)
+    assert all(100 <= t < 49152 - 100 for r in a for t in r.prompt_token_ids)
+    with pytest.raises(ValueError):
+        random_requests(2, (5, 4), (1, 2), seed=0)
+
+
+def test_contiguous_allocator_by_hand():
+    # capacity 100 slots, reservation 50 each: two of three requests fit; the third waits.
+    reqs = [BenchRequest([1] * 10, 3), BenchRequest([1] * 20, 2), BenchRequest([1] * 5, 1)]
+    r = simulate_contiguous(reqs, 100, lambda q: 50, max_num_seqs=8, max_num_batched_tokens=100)
+    # step 1: both prefill (10 + 20 held), request 1 (2 tokens) still needs one more
+    # step 2: 11 + 21 held, request 1 done; step 3: request 0 at 12 done and request 2 prefilled (5)
+    assert r["held"] == [30, 32, 17]
+    assert r["reserved"] == [100, 100, 100]
+    assert r["running"] == [2, 2, 2]
+    assert r["num_steps"] == 3
+
+
+def test_report_has_every_section_and_plots(report):
+    out, data = report
+    md = (out / "REPORT.md").read_text()
+    for n, title in enumerate(["KV memory waste", "Continuous versus static", "Throughput against peers",
+                               "Parallel sampling", "Prefix caching", "Chunked prefill", "KV sizing"], 1):
+        assert f"## {n}. {title}" in md
+        assert f"folio bench report --sections {n} --tiny" in md
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert len(pngs) >= 5
+    for p in pngs:
+        assert f"({p})" in md
+    assert json.loads((out / "report.json").read_text())["sections"].keys() == {str(i) for i in range(1, 8)}
+
+
+def test_section1_paged_beats_max_len_reservation_and_matches_section3(report):
+    _, data = report
+    s = data["sections"]["1"]["poisson"]["summary"]
+    paged, maxlen = s["paged (folio block pool)"], s["contiguous, max_model_len"]
+    assert paged["waste"] < maxlen["waste"]
+    assert paged["batch_size_max"] > maxlen["batch_size_max"]
+    # reserving max_model_len in capacity C allows exactly C // max_model_len requests at once
+    assert maxlen["batch_size_max"] <= TINY.s1_num_blocks * 16 // TINY.s1_max_model_len
+    # the model-free replay and the real run's block-pool counters agree exactly (ignore_eos)
+    c = data["consistency"]
+    assert c["match"], c
+
+
+def test_section3_counts_every_token(report):
+    _, data = report
+    r = data["sections"]["3"]
+    want = sum(q.output_len for q in random_requests(TINY.s3_num_prompts, TINY.s3_input_len, TINY.s3_output_len,
+                                                     seed=0))
+    assert r["folio"]["output_tokens"] == want
+    assert r["folio"]["output_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("peer", peers.PEERS)
+def test_section3_peer(report, peer):
+    ok, why = peers.available(peer)
+    if not ok:
+        pytest.skip(f"{peer} peer: {why}")
+    p = report[1]["sections"]["3"]["peers"][peer]
+    assert "skipped" not in p, p
+    assert p["output_tokens"] == report[1]["sections"]["3"]["folio"]["output_tokens"]
+    assert p["output_tokens_per_s"] > 0
+
+
+def test_section4_block_counts(report):
+    _, data = report
+    P, O = TINY.s4_prompt_len, TINY.s4_output_len
+    shared_full = (P - 1) // 16  # blocks never written after the fork
+    per_seq = cdiv(P + O - 1, 16)  # the last sampled token is never computed
+    for row in data["sections"]["4"]["rows"]:
+        n = row["n"]
+        assert row["separate"]["peak_blocks"] == n * per_seq * TINY.s4_num_prompts
+        assert row["shared"]["peak_blocks"] == (shared_full + n * (per_seq - shared_full)) * TINY.s4_num_prompts
+        assert row["shared"]["output_tokens"] == row["separate"]["output_tokens"] == n * O * TINY.s4_num_prompts
+
+
+def test_section5_hits_and_changed_token(report):
+    _, data = report
+    r = data["sections"]["5"]
+    assert r["off"]["hit_rate"] == 0 and r["off"]["cached_tokens"] == 0
+    assert r["on"]["hit_rate"] > 0
+    # all but the first question reuse the system prompt's full blocks
+    assert r["on"]["cached_tokens"] >= (TINY.s5_num_questions - 1) * (TINY.s5_system_len // 16) * 16
+    for c in r["changed_token"]:
+        assert c["cached_tokens"] == (c["position"] // 16) * 16
+    assert r["unchanged"]["cached_tokens"] == (TINY.s5_system_len // 16) * 16
+
+
+def test_section6_streams_complete(report):
+    _, data = report
+    r = data["sections"]["6"]
+    assert [x["budget"] for x in r["rows"]] == list(TINY.s6_budgets) + ["unchunked"]
+    for x in r["rows"]:
+        assert len(x["itls"]) == TINY.s6_num_streams * (TINY.s6_stream_output_len - 1)
+        assert x["long_ttft_s"] > 0 and x["itl_p99_s"] >= x["itl_median_s"] > 0
+
+
+def test_section7_sizes(report):
+    rows = {x["model"]: x for x in report[1]["sections"]["7"]["rows"]}
+    assert rows["Llama 3.1 8B"]["kv_bytes_per_token_bf16"] == 128 * 1024
+    assert rows["Llama 3.1 70B"]["kv_bytes_per_token_bf16"] == 2 * 80 * 8 * 128 * 2
+    assert rows["SmolLM2-135M (default)"]["kv_bytes_per_token_bf16"] == 2 * 30 * 3 * 64 * 2
+    assert abs(rows["Llama 3.1 8B"]["params"] - 8.03e9) < 0.01e9  # published 8.03B
+    assert abs(rows["Llama 3.1 70B"]["params"] - 70.55e9) < 0.05e9  # published 70.6B
+    assert not rows["Llama 3.1 70B"]["fits"]
+    x = rows["Llama 3.1 8B"]
+    assert x["tokens_in_80gb"] == (80 * 2**30 - x["weights_bytes_bf16"]) // x["kv_bytes_per_token_bf16"]
+
+
+def test_cli_throughput_prints_figures(default_model_dir):
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "throughput", "--num-prompts", "3",
+                        "--input-len", "8", "16", "--output-len", "2", "4", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "command: folio bench throughput --num-prompts 3" in out
+    assert "folio (continuous batching)" in out and "mean waste" in out
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "throughput", "--input-len", "9", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "MIN <= MAX" in r.stderr
