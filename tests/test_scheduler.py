@@ -351,3 +351,20 @@ def test_failed_step_raises_and_requests_recover():
     final = run(engine)
     assert final["a"].outputs[0].token_ids == expected(p, 3)
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("plen,num_blocks", [(1, 64), (9, 64), (9, 7), (8, 7)])
+def test_n_samples_under_pressure_and_short_prompts(plen, num_blocks):
+    # (9, 7) and (8, 7): four samples of 9 + 12 tokens cannot all hold their blocks: forked
+    # samples are preempted and recomputed, shared prompt blocks included
+    engine, ex = make_engine(num_blocks=num_blocks)
+    p = prompt(plen, 3)
+    engine.add_request("n", None, SamplingParams(n=4, seed=9, max_tokens=12), prompt_token_ids=p)
+    engine.add_request("o", None, SamplingParams(max_tokens=5), prompt_token_ids=prompt(5, 1))
+    final = run(engine)
+    for o in final["n"].outputs:
+        assert o.token_ids == expected(p, 12, derive_seed(9, o.index, 4))
+    assert final["o"].outputs[0].token_ids == expected(prompt(5, 1), 5)
+    if num_blocks == 7:
+        assert engine.get_metrics()["num_preemptions"] > 0
+    assert_idle(engine)
