@@ -1,8 +1,8 @@
 """``folio bench serve``: load a running ``folio serve`` like ``vllm bench serve`` does.
 
-Requests from a random workload (random token-id prompts with lengths uniform in
-[min_input_len, max_input_len], output lengths uniform in [min_output_len, max_output_len] with
-``ignore_eos``, fixed seed) are sent at a Poisson rate (``--request-rate``, requests/s; ``inf`` =
+Requests from the offline benchmark's random workload (``folio.bench.common.random_requests``:
+random token-id prompts with lengths uniform in [min_input_len, max_input_len], output lengths
+uniform in [min_output_len, max_output_len] with ``ignore_eos``, fixed seed) are sent at a Poisson rate (``--request-rate``, requests/s; ``inf`` =
 all at once), optionally capped at ``--max-concurrency`` in flight, all streamed over one
 ``AsyncClient``. It prints, as vLLM's benchmark does: successful requests, duration, request
 throughput, output and total token throughput, and mean / median / P99 of TTFT (arrival of the
@@ -26,13 +26,13 @@ import numpy as np
 
 
 def random_workload(num_prompts: int, min_input_len: int, max_input_len: int, min_output_len: int,
-                    max_output_len: int, seed: int = 0, vocab_size: int = 49152, first_id: int = 17):
-    """``[(prompt_token_ids, output_len)]``: ids uniform in ``[first_id, vocab_size)`` (skipping the
-    control tokens), lengths uniform in the inclusive ranges; deterministic in ``seed``."""
-    rng = np.random.default_rng(seed)
-    in_lens = rng.integers(min_input_len, max_input_len + 1, num_prompts)
-    out_lens = rng.integers(min_output_len, max_output_len + 1, num_prompts)
-    return [(rng.integers(first_id, vocab_size, int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
+                    max_output_len: int, seed: int = 0):
+    """``[(prompt_token_ids, output_len)]``: the offline benchmark's workload
+    (``folio.bench.common.random_requests``: random token ids, lengths uniform in the inclusive
+    ranges, deterministic in ``seed``), so online and offline figures share their requests."""
+    from .bench.common import random_requests
+    reqs = random_requests(num_prompts, (min_input_len, max_input_len), (min_output_len, max_output_len), seed)
+    return [(r.prompt_token_ids, r.output_len) for r in reqs]
 
 
 @dataclass
@@ -73,16 +73,21 @@ async def _one(client, ids, out_len, sem) -> _Result:
 async def run_bench(address: str, workload, request_rate: float, max_concurrency: int | None, seed: int,
                     timeout: float) -> dict:
     from .ipc.client import AsyncClient
-    rng = np.random.default_rng(seed + 1)
+    from .bench.common import BenchRequest, poisson_arrivals
+    arrivals = [0.0] * len(workload)
+    if request_rate != float("inf"):     # Poisson arrivals, as the offline benchmark draws them
+        arrivals = [r.arrival for r in poisson_arrivals([BenchRequest(ids, n) for ids, n in workload],
+                                                         request_rate, seed)]
     sem = asyncio.Semaphore(max_concurrency or len(workload) or 1)
     async with AsyncClient(address, timeout=timeout) as client:
         await client.health()
         tasks = []
         t0 = time.perf_counter()
-        for ids, out_len in workload:
+        for (ids, out_len), at in zip(workload, arrivals):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(_one(client, ids, out_len, sem)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / request_rate))   # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     return summarize(results, duration)
