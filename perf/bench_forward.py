@@ -10,7 +10,8 @@ prompt (context prompt_len .. prompt_len + decode_tokens), EOS ignored, best of 
 Decode of a float32 model reads every weight once per step, so its bound is
 ``weight bytes / memory bandwidth``; the bandwidth is measured here with a NumPy copy of a
 512 MiB array (bytes read + bytes written per second), which a pure read stream may exceed.
-The machine's load average is printed because on a shared machine the figures move with it.
+The machine's load average and the CPU time this process got per wall-clock second are printed
+because on a shared machine the figures move with them.
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ def main(argv=None) -> int:
 
     generate_ids(model, config, prompt[:20], max_tokens=3, ignore_eos=True)  # compile / warm caches
     prefill_s, decode_tps = float("inf"), 0.0
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(args.repeat):
         out = generate_ids(model, config, prompt, max_tokens=args.decode_tokens + 1, ignore_eos=True)
         prefill_s = min(prefill_s, out["prefill_seconds"])
         decode_tps = max(decode_tps, out["decode_tokens_per_s"])
+    # CPU seconds this process got per wall second (all its threads); < threads when others compete
+    cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
 
     bw = memory_bandwidth_gbs() if args.device == "cpu" else None
     wbytes = weight_bytes(model)
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
         "env": {k: os.environ[k] for k in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
                 if k in os.environ},
         "load_average_1m": os.getloadavg()[0],
+        "cpu_seconds_per_wall_second": round(cpu_share, 2),
         "prompt_len": args.prompt_len,
         "prefill_seconds": round(prefill_s, 4),
         "prefill_tokens_per_s": round(args.prompt_len / prefill_s, 1),
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
     else:
         print(f"command: {result['command']}")
         print(f"machine: {result['cpu_count']} cores, numba threads {result['numba_threads']}, env {result['env']}, "
-              f"load average {result['load_average_1m']:.2f}")
+              f"load average {result['load_average_1m']:.2f}, this process got {cpu_share:.2f} CPU-s per wall-s")
         print(f"prefill ({args.prompt_len} tokens): {result['prefill_tokens_per_s']} tokens/s "
               f"({result['prefill_seconds']} s)")
         print(f"decode (1 sequence, context {result['decode_context']}): {result['decode_tokens_per_s']} tokens/s")
