@@ -109,12 +109,13 @@ def _run(args) -> int:
     from .model.loader import load_model
     from .model.tokenizer import Tokenizer
 
+    ids_arg = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None  # fail before loading
     t0 = time.perf_counter()
     model, config, model_dir = load_model(args.model, device=args.device)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     load_s = time.perf_counter() - t0
-    if args.prompt_ids is not None:
-        prompt_ids = _parse_ids(args.prompt_ids)
+    if ids_arg is not None:
+        prompt_ids = ids_arg
         bad = [t for t in prompt_ids if not 0 <= t < config.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {config.vocab_size}): {bad[:5]}")

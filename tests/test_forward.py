@@ -237,3 +237,27 @@ def test_token_by_token_contiguous_agrees(default_model, golden, whole_prefill_l
     model, config, _ = default_model
     got = run_paged(model, config, _prompt_300(golden), 1)
     np.testing.assert_allclose(got, whole_prefill_logits, rtol=0, atol=1e-4)
+
+
+def test_cli_generate_json(golden, default_model_dir, capsys):
+    import json
+
+    from folio.cli import main
+
+    case = next(c for c in golden["greedy_cases"] if c["id"] == "a")
+    rc = main(["generate", "--model", str(default_model_dir), "--prompt", case["prompt_text"], "--max-tokens", "6",
+               "--ignore-eos", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_ids"] == case["prompt_ids"]
+    assert out["generated_ids"] == case["generated_ids_32_ignore_eos"][:6]
+    assert out["finish_reason"] == "length"
+    assert out["text"].startswith(" Paris.")
+    assert out["timings"]["prefill_seconds"] > 0 and out["timings"]["decode_tokens_per_s"] > 0
+
+
+def test_cli_generate_rejects_bad_ids(default_model_dir, capsys):
+    from folio.cli import main
+
+    assert main(["generate", "--model", str(default_model_dir), "--prompt-ids", "1,x"]) == 1
+    assert "--prompt-ids" in capsys.readouterr().err
