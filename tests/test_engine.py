@@ -155,9 +155,9 @@ def test_prefix_caching_on_equals_off(runner, llm):
     prompts = [base + tail for tail in ([11], [12, 13], [14, 15, 16])]
     off = make_llm(runner, enable_prefix_caching=False)
     on = make_llm(runner)
-    res_off = off.generate([{"prompt_token_ids": p} for p in prompts], GREEDY4, use_tqdm=False)
-    res_on = on.generate([{"prompt_token_ids": p} for p in prompts], GREEDY4, use_tqdm=False)
-    res_on2 = on.generate([{"prompt_token_ids": p} for p in prompts], GREEDY4, use_tqdm=False)
+    res_off = off.generate([{"prompt_token_ids": p} for p in prompts], GREEDY2, use_tqdm=False)
+    res_on = on.generate([{"prompt_token_ids": p} for p in prompts], GREEDY2, use_tqdm=False)
+    res_on2 = on.generate([{"prompt_token_ids": p} for p in prompts], GREEDY2, use_tqdm=False)
     assert off.get_metrics()["prefix_cache_hits"] == 0
     assert all(o.num_cached_tokens == 32 for o in res_on2)
     for a, b, c in zip(res_off, res_on, res_on2):
@@ -167,16 +167,16 @@ def test_prefix_caching_on_equals_off(runner, llm):
 def test_same_prompt_twice_in_one_call(runner, llm):
     p = _long_prompt(llm, 50)
     fresh = make_llm(runner)
-    a, b = fresh.generate([{"prompt_token_ids": p}, {"prompt_token_ids": p}], GREEDY4, use_tqdm=False)
+    a, b = fresh.generate([{"prompt_token_ids": p}, {"prompt_token_ids": p}], GREEDY2, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert [a.outputs[0].token_ids] == alone(llm, p, GREEDY4)
+    assert [a.outputs[0].token_ids] == alone(llm, p, GREEDY2)
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 48  # same-step hit
 
 
 def test_fully_cached_two_block_prompt_three_times(runner, llm):
     p = _long_prompt(llm, 32)
     fresh = make_llm(runner)
-    runs = [fresh.generate({"prompt_token_ids": p}, GREEDY4, use_tqdm=False)[0] for _ in range(3)]
+    runs = [fresh.generate({"prompt_token_ids": p}, GREEDY2, use_tqdm=False)[0] for _ in range(3)]
     assert len({tuple(r.outputs[0].token_ids) for r in runs}) == 1
     # the last prompt token is always computed: one block of two comes from the cache
     assert [r.num_cached_tokens for r in runs] == [0, 16, 16]
@@ -187,7 +187,7 @@ def test_fully_cached_two_block_prompt_three_times(runner, llm):
 def test_cache_salt_separates_tenants(runner, llm):
     p = _long_prompt(llm, 40)
     fresh = make_llm(runner)
-    outs = [fresh.generate({"prompt_token_ids": p, "cache_salt": s}, GREEDY4, use_tqdm=False)[0]
+    outs = [fresh.generate({"prompt_token_ids": p, "cache_salt": s}, GREEDY2, use_tqdm=False)[0]
             for s in ("a", "b", "a")]
     assert [o.num_cached_tokens for o in outs] == [0, 0, 32]
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
@@ -327,9 +327,16 @@ def test_edge_inputs_and_engine_keeps_serving(runner, llm):
 
 
 def test_chat_and_metrics(llm):
-    out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0.0, max_tokens=4),
-                   use_tqdm=False)[0]
+    out = llm.chat([{"role": "user", "content": "Say hi."}],
+                   SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), use_tqdm=False)[0]
     assert out.prompt.startswith("<|im_start|>system") and out.finished
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids)
+    for tok_id, entry in zip(comp.token_ids, comp.logprobs):
+        best = max(entry, key=lambda t: entry[t].logprob)
+        assert best == tok_id and entry[tok_id].rank == 1  # greedy: the sampled token is the top-1
+        assert len(entry) == 2 and all(lp.logprob <= 0 for lp in entry.values())
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
     assert out.metrics.arrival_time <= out.metrics.first_token_time <= out.metrics.finished_time
     m = llm.get_metrics()
     for key in ("num_total_blocks", "num_free_blocks", "prefix_cache_queries", "prefix_cache_hits",
