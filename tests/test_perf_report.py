@@ -156,3 +156,12 @@ def test_cli_throughput_prints_figures(default_model_dir):
     r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "throughput", "--input-len", "9", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "MIN <= MAX" in r.stderr
+
+
+def test_rerender_from_json_gives_the_same_report(report):
+    from folio.bench.report import rerender
+    out, _ = report
+    before = (out / "REPORT.md").read_text()
+    (out / "REPORT.md").unlink()
+    rerender(out)
+    assert (out / "REPORT.md").read_text() == before

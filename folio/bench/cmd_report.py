@@ -27,11 +27,17 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--sections", type=_sections, default=list(range(1, 8)), help="e.g. 1,3,7 (default all)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (seconds; what the tests run)")
     p.add_argument("--no-peers", action="store_true", help="section 3 without transformers / llama.cpp")
+    p.add_argument("--rerender", action="store_true",
+                   help="only redraw the plots and rewrite REPORT.md from OUT/report.json (no measurement)")
     p.set_defaults(func=with_threads(run))
 
 
 def run(args) -> int:
-    from .report import ReportSize, run_report
+    from .report import ReportSize, rerender, run_report
+    if args.rerender:
+        rerender(args.out)
+        print(f"rewrote {args.out}/REPORT.md and the plots from {args.out}/report.json")
+        return 0
     size = ReportSize.tiny() if args.tiny else ReportSize.full()
     if args.no_peers:
         size.s3_peers = ()
