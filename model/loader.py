@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..kernels import get_kernels
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .weights import weight_shapes
 
 
 def resolve_device(device: str) -> str:
@@ -50,9 +53,34 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
     kernels = get_kernels(resolve_device(device))
     model_dir = Path(resolve_model(name_or_path))
     config = ModelConfig.from_pretrained(model_dir)
-    weights = load_weights(model_dir, config) if load_format == "auto" else dummy_weights(config, seed=0)
+    if load_format == "auto":
+        weights = load_weights(model_dir, config)
+    elif hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
+        weights = _DeviceDummyWeights(config, kernels)
+    else:
+        weights = dummy_weights(config, seed=0)
     model = LlamaForCausalLM(config, weights, kernels)
     return model, config, model_dir
+
+
+class _DeviceDummyWeights(Mapping):
+    """``dummy_weights``' names, shapes and distribution, each tensor made on the kernel table's
+    device when first read (``kernels.random_weight``), with a seed derived from its name."""
+
+    def __init__(self, config: ModelConfig, kernels):
+        self._shapes = weight_shapes(config)
+        self._kernels = kernels
+
+    def __getitem__(self, name):
+        shape = self._shapes[name]
+        seed = zlib.crc32(name.encode())
+        return self._kernels.random_weight(shape, seed=seed, std=0.02, mean=1.0 if len(shape) == 1 else 0.0)
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self):
+        return len(self._shapes)
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, kernels) -> list:

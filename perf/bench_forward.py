@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
 
-    from folio.cmd_generate import generate_ids
+    from folio.model.simple_generate import generate_ids
     from folio.model.loader import load_model
 
     model, config, _ = load_model(args.model, device=args.device)

@@ -178,7 +178,7 @@ def test_missing_tensor_is_named(tiny):
 
 def greedy(model, config, prompt_ids, max_tokens, stop_at_eos):
     """Greedy generation through the paged cache: one prefill step then one decode step per token."""
-    from folio.cmd_generate import generate_ids
+    from folio.model.simple_generate import generate_ids
 
     return generate_ids(model, config, prompt_ids, max_tokens=max_tokens, temperature=0.0,
                         ignore_eos=not stop_at_eos)["generated_ids"]
@@ -253,7 +253,7 @@ def test_cli_generate_json(golden, default_model_dir, capsys):
     assert out["generated_ids"] == case["generated_ids_32_ignore_eos"][:6]
     assert out["finish_reason"] == "length"
     assert out["text"].startswith(" Paris.")
-    assert out["timings"]["prefill_seconds"] > 0 and out["timings"]["decode_tokens_per_s"] > 0
+    assert out["timings"]["ttft_seconds"] > 0 and out["timings"]["decode_tokens_per_s"] > 0
 
 
 def test_cli_generate_rejects_bad_ids(default_model_dir, capsys):
