@@ -106,13 +106,18 @@ class ModelRunner:
 
     Raises:
         ValueError / FileNotFoundError / RuntimeError: from loading or sizing (bad model, no
-        memory for a single block, cuda without a GPU).
+        memory for a single block, cuda without a GPU, a dtype the device does not run: CPU
+        runs float32 weights and activations, CUDA bfloat16 weights with float32 math).
     """
 
     def __init__(self, engine_config: EngineConfig):
         cfg = engine_config
         self.config = cfg
         self.device = resolve_device(cfg.device)
+        native = {"cpu": "float32", "cuda": "bfloat16"}[self.device]
+        if cfg.dtype not in ("auto", native):
+            raise ValueError(f"dtype {cfg.dtype!r} is not available on {self.device} (it runs {native}); "
+                             "use --dtype auto")
         self.kernels = get_kernels(self.device)
         self.xp = self.kernels.xp
         self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format)
