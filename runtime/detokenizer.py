@@ -120,6 +120,9 @@ class IncrementalDetokenizer:
     # --- stop strings ----------------------------------------------------------------------------
     def _after_new_text(self, start_len: int) -> str | None:
         text = self._text
+        if not self._stops:  # nothing to match or hold back
+            self._released = len(text)
+            return None
         if self._stops and self.num_output_tokens >= self.params.min_tokens and len(text) > start_len:
             best, best_stop = -1, None
             for s in self._stops:

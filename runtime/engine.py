@@ -10,6 +10,7 @@ free what finished -> ``RequestOutput`` per request that progressed. The executo
 from __future__ import annotations
 
 import time
+from itertools import chain
 from typing import Any, Iterable
 
 import numpy as np
@@ -176,51 +177,51 @@ class LLMEngine:
         return outputs
 
     def _build_plan(self, sched: SchedulerOutput) -> StepPlan:
-        """Flatten the scheduled sequences into the plan's arrays (see runtime/step.py)."""
+        """Flatten the scheduled sequences into the plan's arrays (see runtime/step.py).
+
+        One pass over the sequences gathers their per-sequence numbers and new token ids; every
+        per-token array is then computed with NumPy (block tables are rows the KV cache manager
+        keeps up to date, so they are one gather)."""
         bs = self.config.block_size
         kv = self.scheduler.kv
-        ids, pos, slots, tables = [], [], [], []
-        qsl = [0]
-        logits_idx, sample_ids = [], []
-        for item in sched.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            p = np.arange(start, start + n, dtype=np.int64)
-            table = np.asarray(kv.get_block_ids(seq), dtype=np.int64)
-            ids.append(np.asarray(seq.all_token_ids[start:start + n], dtype=np.int64))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            tables.append(table)
-            qsl.append(qsl[-1] + n)
-            if item.sample:
-                logits_idx.append(qsl[-1] - 1)
-                sample_ids.append(seq.seq_id)
-        S = len(sched.scheduled)
-        block_tables = np.zeros((S, max(len(t) for t in tables)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
+        items = sched.scheduled
+        S = len(items)
+        seqs = [item.seq for item in items]
+        num_new = np.fromiter((item.num_new_tokens for item in items), dtype=np.int64, count=S)
+        start = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=S)
+        seq_ids = np.fromiter((seq.seq_id for seq in seqs), dtype=np.int64, count=S)
+        sample = np.fromiter((item.sample for item in items), dtype=bool, count=S)
+        ids = list(chain.from_iterable(seq.all_token_ids[c:c + n] for seq, c, n
+                                       in zip(seqs, start.tolist(), num_new.tolist())))
+        # per token: its sequence, position and KV slot
+        query_start_loc = np.zeros(S + 1, dtype=np.int32)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        seq_lens = start + num_new
+        token_seq = np.repeat(np.arange(S), num_new)
+        positions = np.arange(len(ids), dtype=np.int64) + np.repeat(start - query_start_loc[:-1], num_new)
+        width = max(len(kv.seq_blocks[i]) for i in seq_ids.tolist())
+        block_tables = kv.block_table[kv.block_table_rows(seq_ids.tolist()), :width]
+        slot_mapping = block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
         new_seqs = [NewSequence(seq_id=s.seq_id, prompt_token_ids=list(s.request.prompt_token_ids),
                                 output_token_ids=list(s.output_token_ids),
                                 sampling=s.request.sampling_params.to_dict(), seed=s.seed,
                                 eos_token_ids=list(s.request.eos_token_ids))
                     for s in sched.new_seqs]
-        copies = np.asarray(sched.block_copies, dtype=np.int64).reshape(-1, 2)
         self._step_id += 1
         return StepPlan(
             step_id=self._step_id,
-            input_ids=np.concatenate(ids),
-            positions=np.concatenate(pos),
-            slot_mapping=np.concatenate(slots),
-            query_start_loc=np.asarray(qsl, dtype=np.int32),
-            seq_lens=np.asarray([i.seq.num_computed_tokens + i.num_new_tokens for i in sched.scheduled],
-                                dtype=np.int32),
+            input_ids=np.asarray(ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens.astype(np.int32),
             block_tables=block_tables,
-            seq_ids=np.asarray([i.seq.seq_id for i in sched.scheduled], dtype=np.int64),
-            logits_indices=np.asarray(logits_idx, dtype=np.int64),
-            sample_seq_ids=np.asarray(sample_ids, dtype=np.int64),
+            seq_ids=seq_ids,
+            logits_indices=(query_start_loc[1:][sample] - 1).astype(np.int64),
+            sample_seq_ids=seq_ids[sample],
             new_seqs=new_seqs,
             finished_seq_ids=list(sched.finished_seq_ids),
-            block_copies=copies,
+            block_copies=np.asarray(sched.block_copies, dtype=np.int64).reshape(-1, 2),
         )
 
     def _undo_schedule(self, sched: SchedulerOutput) -> None:
@@ -242,19 +243,19 @@ class LLMEngine:
     def _apply_result(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.time()
         sampled = [item.seq for item in sched.scheduled if item.sample]
-        token_ids = np.asarray(result.sampled_token_ids).reshape(-1)
-        if len(token_ids) != len(sampled):
-            raise RuntimeError(f"the worker returned {len(token_ids)} tokens for {len(sampled)} rows")
+        tokens = np.asarray(result.sampled_token_ids).reshape(-1).tolist()
+        if len(tokens) != len(sampled):
+            raise RuntimeError(f"the worker returned {len(tokens)} tokens for {len(sampled)} rows")
+        self.stats["num_generated_tokens"] += len(tokens)
+        with_logprobs = result.logprobs is not None
         touched: dict[str, Request] = {}
-        for row, seq in enumerate(sampled):
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
             request = seq.request
-            token = int(token_ids[row])
-            seq.append_token(token)
-            self.stats["num_generated_tokens"] += 1
+            seq.all_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            if request.sampling_params.logprobs is not None and result.logprobs is not None:
+            if with_logprobs and request.sampling_params.logprobs is not None:
                 self._record_logprobs(seq, result, row)
             self._check_stop(seq, token)
             touched[request.request_id] = request
@@ -294,12 +295,13 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         """Stop conditions in vLLM's order: EOS (unless ignore_eos), stop_token_ids, stop strings,
         max_tokens, max_model_len. None but the last two before ``min_tokens`` tokens are out."""
-        params = seq.request.sampling_params
-        detok = self._detokenizer(seq)
-        n_out = seq.num_output_tokens
+        request = seq.request
+        params = request.sampling_params
+        detok = seq.detokenizer or self._detokenizer(seq)
+        n_out = len(seq.all_token_ids) - seq.num_prompt_tokens
         may_stop = n_out >= params.min_tokens
         reason, stop_reason = None, None
-        if may_stop and not params.ignore_eos and token in seq.request.eos_token_ids:
+        if may_stop and not params.ignore_eos and token in request.eos_token_ids:
             reason = "stop"
         elif may_stop and token in params.stop_token_ids:
             reason, stop_reason = "stop", token
@@ -308,9 +310,9 @@ class LLMEngine:
         matched = detok.update([token], stop_terminated=reason is not None)
         if reason is None and matched is not None:
             reason, stop_reason = "stop", matched
-        if reason is None and n_out >= seq.request.max_tokens:
+        if reason is None and n_out >= request.max_tokens:
             reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len:
+        if reason is None and len(seq.all_token_ids) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             detok.finish()
@@ -318,7 +320,7 @@ class LLMEngine:
 
     def _make_output(self, request: Request, finished: bool, force_reason: str | None = None) -> RequestOutput:
         completions = []
-        seqs = sorted(request.seqs, key=lambda s: s.index) if request.seqs else []
+        seqs = request.seqs if len(request.seqs) <= 1 else sorted(request.seqs, key=lambda s: s.index)
         if not seqs:  # never ran (max_tokens=0)
             completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason=force_reason)
                            for i in range(request.n)]
@@ -329,7 +331,7 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=seq.index,
                 text=detok.output_text if detok is not None else "",
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,  # a fresh list (a slice)
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason,

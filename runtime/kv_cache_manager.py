@@ -9,6 +9,8 @@ a ``(src, dst)`` block copy that the worker performs before the forward pass.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .block_pool import BlockPool
 from .kv_cache_utils import KVCacheBlock
 from .sequence import Sequence
@@ -28,6 +30,10 @@ class KVCacheManager:
     Attributes:
         prefix_cache_queries: prompt tokens looked up in the prefix cache (counted per lookup).
         prefix_cache_hits: of those, tokens served from cached blocks.
+        block_table: ``[rows, cols]`` int32 block ids, one row per sequence holding blocks (see
+            ``block_table_rows``); entries past a sequence's blocks are 0. Kept up to date as
+            blocks are allocated, copied on write, shared and freed, so a step's block tables are
+            one gather, not a rebuild. Grows by doubling.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
@@ -36,6 +42,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.seq_blocks: dict[int, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[int, int] = {}  # per seq: blocks already registered
+        self.block_table = np.zeros((16, 16), dtype=np.int32)
+        self._row: dict[int, int] = {}  # seq_id -> its row of block_table
+        self._free_rows: list[int] = list(range(15, -1, -1))
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -76,10 +85,18 @@ class KVCacheManager:
             the ``(src, dst)`` block copies to do before the forward pass (possibly empty), or
             ``None`` when the pool cannot supply the blocks (then nothing changed).
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.seq_blocks.setdefault(seq.seq_id, [])
         bs = self.block_size
-        num_computed = seq.num_computed_tokens + len(new_computed_blocks) * bs
+        blocks = self.seq_blocks.setdefault(seq.seq_id, [])
+        num_computed = seq.num_computed_tokens
+        total = num_computed + num_new_tokens
+        # decode fast path: the new tokens fit the blocks held, the first one's block is private
+        if not new_computed_blocks and total <= len(blocks) * bs and (
+                num_new_tokens == 0 or blocks[num_computed // bs].ref_cnt == 1):
+            if self.enable_caching and total >= (self._num_cached_blocks.get(seq.seq_id, 0) + 1) * bs:
+                self._cache_full_blocks(seq, blocks, total)
+            return []
+        new_computed_blocks = new_computed_blocks or []
+        num_computed += len(new_computed_blocks) * bs
         total = num_computed + num_new_tokens
         num_new_blocks = max(0, cdiv(total, bs) - len(blocks) - len(new_computed_blocks))
         # copy-on-write: the block receiving the first new token is shared by another sequence
@@ -93,19 +110,24 @@ class KVCacheManager:
                 del self.seq_blocks[seq.seq_id]
             return None
 
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
         copies: list[tuple[int, int]] = []
-        if needs_cow:
-            src = blocks[cow_index]
-            (dst,) = self.pool.get_new_blocks(1)
-            self.pool.free_blocks([src])
-            blocks[cow_index] = dst
-            copies.append((src.block_id, dst.block_id))
-        if num_new_blocks:
-            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
-        self._cache_full_blocks(seq, blocks, total)
+        if new_computed_blocks or needs_cow or num_new_blocks:
+            first_changed = len(blocks)
+            if new_computed_blocks:
+                self.pool.touch(new_computed_blocks)
+                blocks.extend(new_computed_blocks)
+            if needs_cow:
+                src = blocks[cow_index]
+                (dst,) = self.pool.get_new_blocks(1)
+                self.pool.free_blocks([src])
+                blocks[cow_index] = dst
+                copies.append((src.block_id, dst.block_id))
+                first_changed = cow_index
+            if num_new_blocks:
+                blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+            self._write_row(seq.seq_id, blocks, first_changed)
+        if self.enable_caching and total >= (self._num_cached_blocks.get(seq.seq_id, 0) + 1) * bs:
+            self._cache_full_blocks(seq, blocks, total)
         return copies
 
     def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
@@ -128,15 +150,47 @@ class KVCacheManager:
         self.pool.touch(blocks)
         self.seq_blocks[child.seq_id] = blocks
         self._num_cached_blocks[child.seq_id] = self._num_cached_blocks.get(parent.seq_id, 0)
+        self._write_row(child.seq_id, blocks, 0)
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so the chain's tail is evicted first."""
         blocks = self.seq_blocks.pop(seq.seq_id, [])
         self._num_cached_blocks.pop(seq.seq_id, None)
         self.pool.free_blocks(reversed(blocks))
+        row = self._row.pop(seq.seq_id, None)
+        if row is not None:
+            self.block_table[row] = 0
+            self._free_rows.append(row)
 
     def get_block_ids(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.seq_blocks.get(seq.seq_id, [])]
+
+    # block table rows
+    def block_table_rows(self, seq_ids: list[int]) -> np.ndarray:
+        """``[S]`` int64 rows of ``block_table`` holding these sequences' block ids (each must
+        hold blocks). ``block_table[rows, :w]`` is their block table (padding 0)."""
+        row = self._row
+        return np.fromiter((row[i] for i in seq_ids), dtype=np.int64, count=len(seq_ids))
+
+    def _write_row(self, seq_id: int, blocks: list[KVCacheBlock], first: int) -> None:
+        """Copy ``blocks[first:]`` into the sequence's row (taking a row, and growing the table,
+        as needed)."""
+        row = self._row.get(seq_id)
+        if row is None:
+            if not self._free_rows:
+                old = self.block_table.shape[0]
+                self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+                self._free_rows = list(range(2 * old - 1, old - 1, -1))
+            row = self._row[seq_id] = self._free_rows.pop()
+            first = 0
+        cols = self.block_table.shape[1]
+        if len(blocks) > cols:
+            while cols < len(blocks):
+                cols *= 2
+            grown = np.zeros((self.block_table.shape[0], cols), dtype=np.int32)
+            grown[:, :self.block_table.shape[1]] = self.block_table
+            self.block_table = grown
+        self.block_table[row, first:len(blocks)] = [b.block_id for b in blocks[first:]]
 
     # counters
     @property

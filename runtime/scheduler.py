@@ -159,14 +159,16 @@ class Scheduler:
         scheduled_ids: set[int] = set()
 
         # running sequences: decodes first, then chunked prefills in progress, oldest first
-        queue = sorted(self.running, key=lambda s: (s.prefill_target - s.num_computed_tokens > 1,
-                                                    s.admit_order))
-        for seq in queue:
+        # (``running`` is kept in admission order, so a stable partition is that order)
+        todo = [(seq, seq.prefill_target - seq.num_computed_tokens) for seq in self.running]
+        queue = [t for t in todo if t[1] <= 1] + [t for t in todo if t[1] > 1]
+        running = SequenceStatus.RUNNING
+        for seq, num_left in queue:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this pass
-            num_new = min(seq.prefill_target - seq.num_computed_tokens, budget)
+            num_new = min(num_left, budget)
             if num_new <= 0:
                 continue
             while True:
@@ -178,9 +180,10 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            out.block_copies.extend(copies)
+            if copies:
+                out.block_copies.extend(copies)
             self._add(out, seq, num_new, scheduled_ids)
             budget -= num_new
 

@@ -142,5 +142,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return bool(self.seqs) and all(s.is_finished for s in self.seqs) and \
-            (len(self.seqs) == self.n or self.aborted)
+        for seq in self.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return bool(self.seqs) and (len(self.seqs) == self.n or self.aborted)
