@@ -7,8 +7,10 @@ keeps changing and the detokenizer does real work), with N running sequences in 
   in-process: the echo runner called directly (pure engine overhead);
   zmq:        the echo runner in a worker process behind ``ZmqExecutor`` (+ the process hop).
 
-Per mode and N it prints the median and mean wall time of ``engine.step()`` in microseconds, and
-with ``--profile`` a cProfile listing of the in-process steps at the largest N.
+Per mode and N it prints the median and mean wall time of ``engine.step()`` in microseconds, the
+median CPU time of the engine's thread per step (``time.thread_time``: on a shared, loaded
+machine this is the steadier figure; it leaves out the worker process and time spent waiting for
+a core), and with ``--profile`` a cProfile listing of the in-process steps at the largest N.
 
     python perf/engine_overhead.py [--seqs 1 64 256] [--steps 100] [--modes in-process zmq] [--profile]
 """
@@ -42,8 +44,10 @@ def make_engine(mode: str, max_seqs: int):
     return LLMEngine(cfg, executor=executor)
 
 
-def measure(engine, n_seqs: int, steps: int, profiler: cProfile.Profile | None = None) -> list[float]:
-    """Seconds per ``engine.step()`` over ``steps`` decode steps of ``n_seqs`` sequences."""
+def measure(engine, n_seqs: int, steps: int, profiler: cProfile.Profile | None = None
+            ) -> tuple[list[float], list[float]]:
+    """(wall seconds, thread CPU seconds) per ``engine.step()`` over ``steps`` decode steps of
+    ``n_seqs`` sequences."""
     from folio.runtime.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     ids = [f"r{n_seqs}-{i}" for i in range(n_seqs)]
@@ -52,18 +56,19 @@ def measure(engine, n_seqs: int, steps: int, profiler: cProfile.Profile | None =
         engine.add_request(rid, None, sp, prompt_token_ids=prompt)
     while engine.get_metrics()["num_running"] < n_seqs or engine.get_metrics()["num_waiting"]:
         engine.step()                      # prefill until every sequence decodes
-    ts = []
+    ts, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if profiler is not None:
             profiler.enable()
         engine.step()
         if profiler is not None:
             profiler.disable()
         ts.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     engine.abort_request(ids)
     engine.step()
-    return ts
+    return ts, cpu
 
 
 def main(argv=None) -> int:
@@ -80,9 +85,10 @@ def main(argv=None) -> int:
         measure(engine, 4, 5)              # warm-up
         for n in a.seqs:
             prof = cProfile.Profile() if a.profile and mode == "in-process" and n == max(a.seqs) else None
-            ts = measure(engine, n, a.steps, prof)
-            print(f"{mode:10s} seqs={n:4d}  {1e6 * statistics.median(ts):8.0f} us/step median  "
-                  f"{1e6 * statistics.mean(ts):8.0f} mean  {1.0 / statistics.mean(ts):8.1f} steps/s", flush=True)
+            ts, cpu = measure(engine, n, a.steps, prof)
+            print(f"{mode:10s} seqs={n:4d}  wall {1e6 * statistics.median(ts):8.0f} us/step median "
+                  f"{1e6 * statistics.mean(ts):8.0f} mean  {1.0 / statistics.mean(ts):8.1f} steps/s  "
+                  f"engine CPU {1e6 * statistics.median(cpu):8.0f} us/step median", flush=True)
             if prof is not None:
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)

@@ -64,6 +64,7 @@ class LLMEngine:
         self._step_id = 0
         self._pending_aborts: list[str] = []
         self._immediate: list[Request] = []  # max_tokens=0: finished without running
+        self._token_text: dict[bool, dict[int, str]] = {}  # skip_special_tokens -> single-token texts
         self.stats = {"num_steps": 0, "forward_time": 0.0, "sample_time": 0.0,
                       "num_scheduled_tokens": 0, "num_generated_tokens": 0}
 
@@ -288,8 +289,10 @@ class LLMEngine:
     def _detokenizer(self, seq: Sequence):
         if seq.detokenizer is None:
             from .detokenizer import IncrementalDetokenizer
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.request.prompt_token_ids,
-                                                     seq.request.sampling_params)
+            params = seq.request.sampling_params
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.request.prompt_token_ids, params,
+                token_text_cache=self._token_text.setdefault(params.skip_special_tokens, {}))
         return seq.detokenizer
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
