@@ -310,7 +310,7 @@ class LLMEngine:
             reason, stop_reason = "stop", token
         # the detokenizer leaves a stopping token's text out unless include_stop_str_in_output,
         # and checks stop strings only once min_tokens are out
-        matched = detok.update([token], stop_terminated=reason is not None)
+        matched = detok.update((token,), reason is not None)
         if reason is None and matched is not None:
             reason, stop_reason = "stop", matched
         if reason is None and n_out >= request.max_tokens:
@@ -327,28 +327,24 @@ class LLMEngine:
         if not seqs:  # never ran (max_tokens=0)
             completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason=force_reason)
                            for i in range(request.n)]
+        # positional arguments, in field order: this runs for every request in every step, and
+        # keyword calls cost about twice as much
         for seq in seqs:
             if seq.is_parent:  # not forked yet: nothing generated
                 continue
             detok = seq.detokenizer
             completions.append(CompletionOutput(
-                index=seq.index,
-                text=detok.output_text if detok is not None else "",
-                token_ids=seq.output_token_ids,  # a fresh list (a slice)
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
-        metrics = RequestMetrics(arrival_time=request.arrival_time,
-                                 first_scheduled_time=request.first_scheduled_time,
-                                 first_token_time=request.first_token_time,
-                                 last_token_time=request.last_token_time,
-                                 finished_time=request.finished_time)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=list(request.prompt_token_ids), outputs=completions,
-                             finished=finished, num_cached_tokens=max(0, request.num_cached_tokens),
-                             metrics=metrics)
+                seq.index,
+                detok.output_text if detok is not None else "",          # text
+                seq.output_token_ids,                                     # token_ids (a fresh slice)
+                seq.cumulative_logprob,
+                list(seq.logprobs) if seq.logprobs is not None else None,  # logprobs
+                seq.finish_reason,
+                seq.stop_reason))
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                 request.last_token_time, request.finished_time)
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
+                             finished, max(0, request.num_cached_tokens), metrics)
 
     # counters
     def get_metrics(self) -> dict[str, Any]:
