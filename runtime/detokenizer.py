@@ -103,7 +103,7 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return None
-        ids = [int(t) for t in new_token_ids]
+        ids = list(map(int, new_token_ids))
         self.num_output_tokens += len(ids)
         if stop_terminated and ids and not self._include_stop:
             ids = ids[:-1]
