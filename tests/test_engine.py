@@ -5,7 +5,7 @@ One ``ModelRunner`` (weights + KV cache) is shared by every engine configuration
 scheduler-side settings (token budget, chunking, prefix caching, max_model_len, pool size) live in
 the ``LLMEngine``, so each configuration is a new engine over the same worker. The reference for
 "equals" is always the same request run alone on an engine with default settings, and for the
-golden prompt the token ids in shared/reference/smollm2_135m.json (an independent implementation).
+golden prompt the token ids in tests/data/smollm2_135m.json (an independent implementation).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from folio import LLM, SamplingParams
 from folio.runtime.config import EngineConfig
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "reference" / "smollm2_135m.json"
+GOLDEN = Path(__file__).resolve().parent / "data" / "smollm2_135m.json"
 NUM_BLOCKS = 256
 
 
