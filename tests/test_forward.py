@@ -192,7 +192,9 @@ def test_golden_greedy_ignore_eos(default_model, golden, case_id):
     assert greedy(model, config, case["prompt_ids"], len(want), stop_at_eos=False) == want
 
 
-@pytest.mark.parametrize("case_id", ["a", "b", "d", "e"])
+# b and d meet no EOS within 32 tokens (their until-EOS run equals the ignore-EOS one): slow only
+@pytest.mark.parametrize("case_id", ["a", "e", pytest.param("b", marks=pytest.mark.slow),
+                                     pytest.param("d", marks=pytest.mark.slow)])
 def test_golden_greedy_until_eos(default_model, golden, case_id):
     model, config, _ = default_model
     case = next(c for c in golden["greedy_cases"] if c["id"] == case_id)
@@ -223,7 +225,8 @@ def whole_prefill_logits(default_model, golden):
     return run_paged(model, config, _prompt_300(golden), 300)
 
 
-@pytest.mark.parametrize("chunk,shuffle", [(7, None), (1, 13), (300, 11), (7, 12)],
+# contiguous chunks of 7 are covered by the shuffled run; kept as a slow test
+@pytest.mark.parametrize("chunk,shuffle", [pytest.param(7, None, marks=pytest.mark.slow), (1, 13), (300, 11), (7, 12)],
                          ids=["chunks7", "token_by_token_shuffled", "prefill_shuffled", "chunks7_shuffled"])
 def test_prefill_chunked_and_token_by_token_agree(default_model, golden, whole_prefill_logits, chunk, shuffle):
     # all 300 rows of logits of each schedule against one whole prefill with blocks 0..18
