@@ -299,7 +299,8 @@ def test_repl_in_a_pseudo_terminal(echo_server, tmp_path):
         child.sendline("/params max_tokens=3000 ignore_eos=true")
         child.expect_exact(">>> ")
         child.sendline("Tell me a long story.")
-        child.expect(r"\S+")                     # the answer is streaming ...
+        child.expect_exact("Tell me a long story.")  # the terminal's echo of the line, then
+        child.expect(r"\S")                      # ... the answer is streaming ...
         child.sendintr()                         # ... Ctrl-C stops it, the REPL stays
         child.expect_exact("[interrupted]")
         child.expect_exact(">>> ")
