@@ -29,5 +29,21 @@ repl: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# perf extra: torch (CPU wheel), transformers, llama-cpp-python built for plain AVX2 (a native
+# build can emit AMX/AVX-512 code that some VMs trap with SIGILL). pip's wheel cache ignores CMAKE_ARGS.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+PERF_STAMP := $(VENV)/.folio-perf-installed
+$(PERF_STAMP): $(STAMP) pyproject.toml
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir -e '.[perf]'
+	touch $(PERF_STAMP)
+
+# The perf report (issue 6): perf/REPORT.md, perf/report.json, perf/fig*.png
+report: $(PERF_STAMP)
+	$(VENV)/bin/folio bench report --out perf
+
+# Offline throughput with both peers in the same run (issue 3, section 7)
+bench: $(PERF_STAMP)
+	$(VENV)/bin/folio bench throughput --peer transformers --peer llama-cpp
+
 clean:
 	rm -rf $(VENV) build *.egg-info
