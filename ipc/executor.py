@@ -151,13 +151,34 @@ class ZmqExecutor:
             self._check_alive(started, timeout, what, heartbeat_timeout)
 
     # -- Executor protocol --------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Between steps (the server calls it while idle): raise ``WorkerDiedError`` if the worker
+        exited or its heartbeat stopped, so a death is reported before the next request needs it."""
+        if self.dead_reason is not None:
+            raise WorkerDiedError(self.dead_reason)
+        self._drain_heartbeats()
+        self._check_alive(time.monotonic(), None, "idle")
+
+    def _send_plan(self, frames, what: str) -> None:
+        # a DEALER with no connected worker blocks on send: wait for writability while checking
+        # that the worker is alive, instead of blocking forever on a dead one
+        started = time.monotonic()
+        while True:
+            try:
+                send_frames(self._sock, frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                self._drain_heartbeats()
+                self._check_alive(started, self.step_timeout, what)
+                self._sock.poll(50, zmq.POLLOUT)
+
     def execute(self, plan):
         """Run one plan on the worker. Raises ``WorkerDiedError`` if the worker is gone or silent,
         ``RuntimeError`` if the worker rejected the message."""
         if self.dead_reason is not None:
             raise WorkerDiedError(self.dead_reason)
         t0 = time.perf_counter()
-        send_frames(self._sock, M.encode_plan(plan))
+        self._send_plan(M.encode_plan(plan), f"step {plan.step_id}")
         if self.on_plan_sent is not None:
             self.on_plan_sent()
         t1 = time.perf_counter()

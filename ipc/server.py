@@ -153,6 +153,11 @@ class Server:
                 else:
                     self._flush()
                     self._poll_clients(100)
+                    if self.executor is not None:
+                        try:
+                            self.executor.check_health()   # a worker that died while idle
+                        except Exception as e:
+                            return self._fail_all(e)
             self._shutdown_requests("server shutting down")
             return 0
         finally:

@@ -242,6 +242,25 @@ def test_worker_sigkill_fails_every_inflight_request_within_10s():
             proc.wait()
 
 
+def test_worker_sigkill_while_idle_is_noticed_without_a_request():
+    proc, addr = spawn_server(ECHO + ["--exit-grace", "5"], env=echo_env(step_s=0.02), startup_timeout=120)
+    try:
+        with Client(addr, timeout=30) as c:
+            worker = c.health()["worker_pid"]
+            os.kill(worker, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while c.health(timeout=5)["healthy"]:        # the idle server notices on its own
+                assert time.monotonic() < deadline, "idle server did not notice its worker died"
+            with pytest.raises(ServerError) as ei:      # a request now fails at once, never hangs
+                c.generate("hi", {"max_tokens": 2}, timeout=5)
+            assert ei.value.code == "worker_died"
+        assert proc.wait(30) == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
 def test_sigterm_leaves_no_folio_process_behind(how):
     proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.02), startup_timeout=120, start_new_session=True)
