@@ -142,12 +142,17 @@ class Tokenizer:
         ``encode(text)`` (no added special tokens: the template writes them).
 
         Raises:
-            ValueError: the folder has no chat template, or the template raised (e.g. bad roles).
+            ValueError: the folder has no chat template, a message is not a dict with string
+                ``role`` and ``content``, or the template raised (e.g. bad roles).
         """
         import jinja2
 
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json chat_template)")
+        if not isinstance(messages, (list, tuple)) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError('messages must be a list of {"role": str, "content": str} dicts')
         variables = {k: _token_content(self.config.get(k)) for k in
                      ("bos_token", "eos_token", "unk_token", "pad_token")}
         variables.update(tools=None, documents=None)  # defined, as transformers passes them

@@ -95,7 +95,13 @@ class LLMEngine:
                 raise ValueError("a request needs a prompt or prompt_token_ids")
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text (lone surrogate at {e.start})") from None
             prompt_token_ids = self.tokenizer.encode(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if not prompt_token_ids:
             raise ValueError("the prompt is empty (0 tokens); at least one token is needed")

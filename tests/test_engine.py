@@ -342,3 +342,13 @@ def test_chat_and_metrics(llm):
     for key in ("num_total_blocks", "num_free_blocks", "prefix_cache_queries", "prefix_cache_hits",
                 "num_preemptions"):
         assert key in m
+
+
+def test_mistyped_prompts_are_value_errors_and_engine_keeps_serving(llm):
+    # found by a fresh-clone trial: these raised TypeError (or were accepted) instead of a clear ValueError
+    for bad in ({"prompt_token_ids": [504.0]}, {"prompt_token_ids": [True]}, "a\udcff"):
+        with pytest.raises(ValueError):
+            llm.generate(bad, GREEDY2, use_tqdm=False)
+    with pytest.raises(ValueError):
+        llm.chat([{"role": "user", "content": 5}], GREEDY2, use_tqdm=False)
+    assert len(llm.generate("Hi", GREEDY2, use_tqdm=False)[0].outputs[0].token_ids) == 2

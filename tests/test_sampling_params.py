@@ -77,3 +77,20 @@ def test_from_dict_rejects_unknown_keys():
 def test_from_dict_validates():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams.from_dict({"temperature": -1.0})
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": float("nan")}, {"temperature": float("inf")}, {"repetition_penalty": float("inf")},
+    {"top_p": float("nan")}, {"logprobs": 21}, {"logprobs": 10**6}, {"seed": 2**70}, {"seed": -1},
+    {"stop": 5}, {"stop": [5]}, {"stop_token_ids": 7},
+])
+def test_non_finite_oversized_and_mistyped_values_are_value_errors(kwargs):
+    # found by a fresh-clone trial: NaN temperature sampled garbage, logprobs=10**6 slowed the server,
+    # seed=2**70 broke msgpack on the client, stop=5 raised TypeError
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_largest_allowed_values_still_work():
+    sp = SamplingParams(logprobs=20, seed=2**63 - 1, stop=("a", "b"), stop_token_ids=(1, 2))
+    assert sp.stop == ["a", "b"] and sp.stop_token_ids == [1, 2]
