@@ -6,6 +6,14 @@ with ``xp`` (numpy or cupy) and the operations of ``reference.py`` plus ``linear
 """
 
 
+import numpy as np
+
+
+def to_numpy(a) -> np.ndarray:
+    """A host NumPy array of ``a`` (copied from the device for a CuPy array, as is for NumPy)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
 def get_kernels(device: str):
     """The kernel table for ``device`` (``"cpu"`` or ``"cuda"``).
 

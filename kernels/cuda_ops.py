@@ -30,7 +30,7 @@ import re
 
 import numpy as np
 
-from . import reference
+from . import reference, to_numpy
 
 CUDA_DIR = pathlib.Path(__file__).resolve().parent / "cuda"
 KERNEL_FILES = ("layer.cu", "cache.cu", "attention.cu")
@@ -132,7 +132,7 @@ class CudaKernels:
 
     def to_numpy(self, a) -> np.ndarray:
         """Device array -> NumPy array."""
-        return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+        return to_numpy(a)
 
     def bf16_to_float32(self, a):
         """uint16 bf16 array on this backend -> float32 array of the same shape."""

@@ -11,12 +11,9 @@ import time
 
 import numpy as np
 
+from ..kernels import to_numpy
 from .attention import AttentionMetadata
 from .loader import allocate_kv_caches
-
-
-def _to_numpy(xp, a) -> np.ndarray:
-    return a.get() if hasattr(a, "get") and xp is not np else np.asarray(a)
 
 
 def generate_ids(model, config, prompt_ids, max_tokens=32, temperature=0.0, ignore_eos=False,
@@ -62,7 +59,7 @@ def generate_ids(model, config, prompt_ids, max_tokens=32, temperature=0.0, igno
             block_tables=block_table, max_query_len=n, max_seq_len=start + n)
         logits = model.forward(xp.asarray(np.asarray(ids, dtype=np.int64)), xp.asarray(pos), md, caches,
                                xp.asarray(np.array([n - 1], dtype=np.int64)))
-        row = _to_numpy(xp, logits)[0].astype(np.float64)
+        row = to_numpy(logits)[0].astype(np.float64)
         if temperature == 0:
             return int(np.argmax(row))
         p = np.exp((row - row.max()) / temperature)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels import to_numpy
 from .sampling_params import SamplingParams
 
 _MASK = -np.inf
@@ -102,11 +103,6 @@ class SamplerOutput:
     token_ids: np.ndarray
     logprobs: np.ndarray | None = None
     logprob_token_ids: np.ndarray | None = None
-
-
-def to_numpy(a) -> np.ndarray:
-    """Host copy of an xp array (cupy arrays have ``.get()``)."""
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
 def log_softmax(x, xp=np):
