@@ -4,17 +4,17 @@ Every public function has the signature of its reference twin (see that module f
 KV-cache and slot-mapping conventions) and is tested against it in ``tests/test_kernels_cpu.py``.
 The compiled bodies are ``@njit(cache=True)`` so that the second process start reuses the machine
 code; each has a serial driver and a ``parallel=True`` / ``prange`` driver, and the parallel one
-runs only when the call has enough work to pay for the thread pool. Matrix products
-(``linear``) use NumPy's BLAS, except matrix-vector products of decode steps (a Numba kernel).
-Parallel drivers use Numba's thread pool (``NUMBA_NUM_THREADS``; 1 = everything serial); on a
-machine shared with other busy processes, ``NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` avoids
-parallel regions stalling on a descheduled worker thread.
+runs only when the call has enough work to pay for waking the thread pool.
 
-``CPU_KERNELS`` is the kernel table the forward pass (``model/llama.py``) is written against.
+The parts: paged attention in ``cpu_attention.py``, matrix products (``linear``) in
+``cpu_linear.py``, the vectorised ``exp2`` in ``cpu_math.py``, and the threading policy all of
+them follow in ``cpu_threads.py`` (one pool, Numba's, sized to the cores this process may run
+on; BLAS held at one thread and called per tile from that pool; work items taken from a shared
+counter). This module holds the cache copies, the row kernels and ``CPU_KERNELS``, the kernel
+table the forward pass (``model/llama.py``) is written against.
 
-Sources: PagedAttention (Kwon et al., SOSP 2023); the online ("streaming") softmax of Milakov &
-Gimelshein 2018, as used by FlashAttention (Dao et al., 2022), applied one KV block at a time;
-Numba's parallel ``prange`` (numba.readthedocs.io, "Automatic parallelization with @jit").
+Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021), SwiGLU (Shazeer 2020); Numba's
+parallel ``prange`` (numba.readthedocs.io, "Automatic parallelization with @jit").
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from . import reference
+from .cpu_attention import paged_attention
+from .cpu_linear import linear
+from .cpu_math import LOG2E, exp2
+from .cpu_threads import fetch_add, num_threads
 
 __all__ = [
     "paged_attention",
@@ -43,124 +46,8 @@ __all__ = [
 ]
 
 _F32 = np.float32
-# below these sizes a kernel runs on the calling thread (see the note above the row kernels)
-_PARALLEL_MIN_ELEMENTS = 1 << 16     # row ops: elements of the input
-_PARALLEL_MIN_WORK = 1 << 20         # paged attention: multiply-adds of QK^T (same again for PV)
-_GEMV_MAX_ROWS = 4                   # linear: up to this many tokens use the Numba kernel, else BLAS
-
-
-# ----------------------------------------------------------------------------------------------
-# attention
-# ----------------------------------------------------------------------------------------------
-
-
-@njit(cache=True, fastmath=True)
-def _attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                    t, s, kvh):
-    # token t of sequence s, the `group` query heads sharing kv head kvh: each K/V row is read
-    # once for the group. Online softmax, one KV block (<= block_size keys) at a time.
-    H, D = q.shape[1], q.shape[2]
-    block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
-    group = H // Hkv
-    q_start = query_start_loc[s]
-    q_len = query_start_loc[s + 1] - q_start
-    pos = seq_lens[s] - q_len + (t - q_start)  # attends to keys 0..pos
-    h0 = kvh * group
-    qs = np.empty((group, D), np.float32)
-    for g in range(group):
-        for d in range(D):
-            qs[g, d] = q[t, h0 + g, d] * scale
-    m = np.full(group, -np.inf, np.float32)
-    l = np.zeros(group, np.float32)
-    acc = np.zeros((group, D), np.float32)
-    scores = np.empty((group, block_size), np.float32)
-    n_keys = pos + 1
-    n_blocks = (n_keys + block_size - 1) // block_size
-    for bi in range(n_blocks):
-        b = block_tables[s, bi]
-        nk = min(block_size, n_keys - bi * block_size)
-        for g in range(group):
-            mx = m[g]
-            for o in range(nk):
-                sc = np.float32(0.0)
-                for d in range(D):
-                    sc += qs[g, d] * key_cache[b, o, kvh, d]
-                scores[g, o] = sc
-                if sc > mx:
-                    mx = sc
-            corr = math.exp(m[g] - mx)
-            m[g] = mx
-            lsum = l[g] * corr
-            for d in range(D):
-                acc[g, d] *= corr
-            for o in range(nk):
-                p = math.exp(scores[g, o] - mx)
-                lsum += p
-                for d in range(D):
-                    acc[g, d] += p * value_cache[b, o, kvh, d]
-            l[g] = lsum
-    for g in range(group):
-        inv = np.float32(1.0) / l[g]
-        for d in range(D):
-            out[t, h0 + g, d] = acc[g, d] * inv
-
-
-@njit(cache=True)
-def _token_seq(query_start_loc):
-    S = query_start_loc.shape[0] - 1
-    tok_seq = np.empty(query_start_loc[S], np.int64)
-    for s in range(S):
-        for t in range(query_start_loc[s], query_start_loc[s + 1]):
-            tok_seq[t] = s
-    return tok_seq
-
-
-@njit(cache=True)
-def _paged_attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                            out):
-    Hkv = key_cache.shape[2]
-    tok_seq = _token_seq(query_start_loc)
-    for item in range(tok_seq.shape[0] * Hkv):
-        t = item // Hkv
-        _attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                        t, tok_seq[t], item - t * Hkv)
-
-
-@njit(parallel=True, cache=True)
-def _paged_attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                              out):
-    Hkv = key_cache.shape[2]
-    tok_seq = _token_seq(query_start_loc)
-    for item in prange(tok_seq.shape[0] * Hkv):
-        t = item // Hkv
-        _attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                        t, tok_seq[t], item - t * Hkv)
-
-
-def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    max_query_len=None, max_seq_len=None):
-    """Causal attention of a flattened varlen batch over a paged KV cache (GQA aware).
-
-    Same contract as ``reference.paged_attention``: ``q [T, num_heads, head_dim]`` float32,
-    caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32, ``block_tables [S,
-    max_blocks]``, ``seq_lens [S]``, ``query_start_loc [S+1]`` (int, converted to int32/int64),
-    ``scale`` float. Returns ``[T, num_heads, head_dim]`` float32; rows at or past
-    ``query_start_loc[S]`` are zero. Decode (one query per sequence) and prefill chunks (many
-    queries after a cached context) go through the same kernel, parallel over (token, kv head).
-    ``max_query_len`` and ``max_seq_len`` are accepted for signature compatibility with the CUDA
-    table and unused.
-    """
-    out = np.zeros(q.shape, dtype=_F32)
-    seq_lens = np.asarray(seq_lens, dtype=np.int32)
-    query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
-    q_lens = np.diff(query_start_loc).astype(np.int64)
-    # multiply-adds of QK^T and PV: sum over new tokens of their context, times heads x head_dim
-    work = int(np.dot(q_lens, seq_lens.astype(np.int64) - (q_lens - 1) // 2)) * q.shape[1] * q.shape[2]
-    parallel = work >= _PARALLEL_MIN_WORK and numba.get_num_threads() > 1
-    kernel = _paged_attention_parallel if parallel else _paged_attention_serial
-    kernel(np.asarray(q, dtype=_F32), key_cache, value_cache, np.asarray(block_tables, dtype=np.int32),
-           seq_lens, query_start_loc, _F32(scale), out)
-    return out
+_PARALLEL_MIN_ELEMENTS = 1 << 16     # row ops: below this many input elements, the calling thread
+_ROWS_PER_ITEM = 16                  # row ops: rows per work item of a parallel region
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,10 +105,9 @@ def copy_blocks(key_caches, value_caches, block_mapping):
 # ----------------------------------------------------------------------------------------------
 
 
-# Each row kernel is a body over rows [t0, t1) plus a serial and a parallel driver; the wrapper
-# picks the parallel one only when there is enough work to pay for waking the thread pool (a
-# decode step's rows are tiny, and on a loaded machine a parallel region can wait a whole
-# scheduler time slice for a descheduled worker).
+# Each row kernel is a body over rows [t0, t1) plus a serial and a parallel driver; the parallel
+# one runs only when there is enough work to pay for waking the pool (a decode step's rows are
+# tiny) and splits the rows into items of _ROWS_PER_ITEM taken from a shared counter.
 
 
 @njit(cache=True, fastmath=True)
@@ -238,10 +124,14 @@ def _rms_norm_rows(x, weight, eps, out, t0, t1):
 
 
 @njit(parallel=True, cache=True)
-def _rms_norm_parallel(x, weight, eps, out, n_chunks):
+def _rms_norm_parallel(x, weight, eps, out, rows, n_tasks, counter):
     T = x.shape[0]
-    for c in prange(n_chunks):
-        _rms_norm_rows(x, weight, eps, out, c * T // n_chunks, (c + 1) * T // n_chunks)
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _rms_norm_rows(x, weight, eps, out, i * rows, min(T, (i + 1) * rows))
 
 
 @njit(cache=True, fastmath=True)
@@ -260,18 +150,26 @@ def _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, t0, t1
 
 
 @njit(parallel=True, cache=True)
-def _fused_add_rms_norm_parallel(x, residual, weight, eps, out, new_residual, n_chunks):
+def _fused_add_rms_norm_parallel(x, residual, weight, eps, out, new_residual, rows, n_tasks, counter):
     T = x.shape[0]
-    for c in prange(n_chunks):
-        _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual,
-                                 c * T // n_chunks, (c + 1) * T // n_chunks)
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, i * rows, min(T, (i + 1) * rows))
 
 
-def _n_chunks(n_elements: int, n_rows: int) -> int:
-    """1 (run serially) for small work, else a few chunks per thread."""
-    if n_elements < _PARALLEL_MIN_ELEMENTS or n_rows < 2 or numba.get_num_threads() < 2:
+def _tasks(n_elements: int, n_rows: int) -> int:
+    """1 (run on the calling thread) for small work, else one task per thread."""
+    threads = num_threads()
+    if n_elements < _PARALLEL_MIN_ELEMENTS or n_rows < 2 or threads < 2:
         return 1
-    return min(n_rows, 4 * numba.get_num_threads())
+    return threads
+
+
+def _counter():
+    return np.zeros(1, np.int64)
 
 
 def rms_norm(x, weight, eps):
@@ -280,11 +178,11 @@ def rms_norm(x, weight, eps):
     ``x [T, hidden]`` float32, ``weight [hidden]`` float32; returns ``[T, hidden]`` float32.
     """
     out = np.empty(x.shape, dtype=_F32)
-    n = _n_chunks(x.size, x.shape[0])
+    n = _tasks(x.size, x.shape[0])
     if n == 1:
         _rms_norm_rows(x, weight, float(eps), out, 0, x.shape[0])
     else:
-        _rms_norm_parallel(x, weight, float(eps), out, n)
+        _rms_norm_parallel(x, weight, float(eps), out, _ROWS_PER_ITEM, n, _counter())
     return out
 
 
@@ -295,11 +193,12 @@ def fused_add_rms_norm(x, residual, weight, eps):
     """
     out = np.empty(x.shape, dtype=_F32)
     new_residual = np.empty(x.shape, dtype=_F32)
-    n = _n_chunks(x.size, x.shape[0])
+    n = _tasks(x.size, x.shape[0])
     if n == 1:
         _fused_add_rms_norm_rows(x, residual, weight, float(eps), out, new_residual, 0, x.shape[0])
     else:
-        _fused_add_rms_norm_parallel(x, residual, weight, float(eps), out, new_residual, n)
+        _fused_add_rms_norm_parallel(x, residual, weight, float(eps), out, new_residual, _ROWS_PER_ITEM, n,
+                                     _counter())
     return out, new_residual
 
 
@@ -320,10 +219,14 @@ def _rotary_rows(positions, x, cos_sin_cache, out, t0, t1):
 
 
 @njit(parallel=True, cache=True)
-def _rotary_parallel(positions, x, cos_sin_cache, out, n_chunks):
+def _rotary_parallel(positions, x, cos_sin_cache, out, rows, n_tasks, counter):
     T = x.shape[0]
-    for c in prange(n_chunks):
-        _rotary_rows(positions, x, cos_sin_cache, out, c * T // n_chunks, (c + 1) * T // n_chunks)
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _rotary_rows(positions, x, cos_sin_cache, out, i * rows, min(T, (i + 1) * rows))
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
@@ -338,45 +241,50 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     outs = []
     for x in (q, k):
         out = np.empty(x.shape, dtype=_F32)
-        n = _n_chunks(x.size, T)
+        n = _tasks(x.size, T)
         if n == 1:
             _rotary_rows(pos, x, cos_sin_cache, out, 0, T)
         else:
-            _rotary_parallel(pos, x, cos_sin_cache, out, n)
+            _rotary_parallel(pos, x, cos_sin_cache, out, _ROWS_PER_ITEM, n, _counter())
         outs.append(out)
     return outs[0], outs[1]
 
 
 @njit(cache=True, fastmath=True)
 def _silu_and_mul_rows(x, out, t0, t1):
+    # silu(g) = g / (1 + e^-g), e^-g = 2^(-g log2 e) (vectorised, see cpu_math)
     inter = out.shape[1]
     for t in range(t0, t1):
         for i in range(inter):
             g = x[t, i]
-            out[t, i] = g / (np.float32(1.0) + math.exp(-g)) * x[t, inter + i]
+            out[t, i] = g / (_F32(1.0) + exp2(g * _F32(-LOG2E))) * x[t, inter + i]
 
 
 @njit(parallel=True, cache=True)
-def _silu_and_mul_parallel(x, out, n_chunks):
+def _silu_and_mul_parallel(x, out, rows, n_tasks, counter):
     T = x.shape[0]
-    for c in prange(n_chunks):
-        _silu_and_mul_rows(x, out, c * T // n_chunks, (c + 1) * T // n_chunks)
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _silu_and_mul_rows(x, out, i * rows, min(T, (i + 1) * rows))
 
 
 def silu_and_mul(x):
     """SwiGLU activation (Shazeer 2020): ``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32."""
     T = x.shape[0]
     out = np.empty((T, x.shape[1] // 2), dtype=_F32)
-    n = _n_chunks(x.size, T)
+    n = _tasks(x.size, T)
     if n == 1:
         _silu_and_mul_rows(x, out, 0, T)
     else:
-        _silu_and_mul_parallel(x, out, n)
+        _silu_and_mul_parallel(x, out, _ROWS_PER_ITEM, n, _counter())
     return out
 
 
 # ----------------------------------------------------------------------------------------------
-# dense ops (NumPy BLAS)
+# weights and embeddings (matrix products: kernels/cpu_linear.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -385,46 +293,6 @@ def prepare_weight(w):
     ``[n]``). Linear weights stay ``[out, in]``: the decode kernel then streams contiguous rows and
     BLAS takes ``W.T`` as a transpose flag (a pre-transposed copy measured no faster for prefill)."""
     return np.ascontiguousarray(w, dtype=_F32)
-
-
-@njit(cache=True, fastmath=True)
-def _linear_rows(x, weight, out, r0, r1):
-    # out[:, r0:r1] = x @ weight[r0:r1].T; each weight row is read once for all T tokens.
-    # float64 accumulation: free in a memory-bound step, and it keeps decode logits within
-    # float32 rounding of the (blocked sgemm) prefill logits of the same tokens
-    T, K = x.shape
-    for r in range(r0, r1):
-        for t in range(T):
-            acc = 0.0
-            for k in range(K):
-                acc += np.float64(x[t, k]) * np.float64(weight[r, k])
-            out[t, r] = acc
-
-
-@njit(parallel=True, cache=True)
-def _linear_parallel(x, weight, out, n_chunks):
-    R = weight.shape[0]
-    for c in prange(n_chunks):
-        _linear_rows(x, weight, out, c * R // n_chunks, (c + 1) * R // n_chunks)
-
-
-def linear(x, weight):
-    """``x [T, in]`` float32 @ ``weight [out, in]``.T -> ``[T, out]`` float32.
-
-    Few rows (decode steps, ``T <= 4``): a Numba matrix-vector kernel that streams each weight row once
-    (the step is bound by reading the weights from memory); more rows: NumPy's BLAS sgemm.
-    """
-    T = x.shape[0]
-    if T > _GEMV_MAX_ROWS:
-        return x @ weight.T
-    out = np.empty((T, weight.shape[0]), dtype=_F32)
-    x = np.ascontiguousarray(x, dtype=_F32)
-    n = _n_chunks(weight.size, weight.shape[0])
-    if n == 1:
-        _linear_rows(x, weight, out, 0, weight.shape[0])
-    else:
-        _linear_parallel(x, weight, out, n)
-    return out
 
 
 def embedding(ids, table):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
 
-from folio.kernels import cpu, get_kernels, reference
+from folio.kernels import cpu, cpu_attention, cpu_linear, get_kernels, reference
 
 ATOL = 2e-5
 RTOL = 2e-5
@@ -17,7 +17,9 @@ def drivers(request, monkeypatch):
     """Run every test with the size-based choice of driver, and again with the parallel drivers forced."""
     if request.param == "parallel":
         monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(cpu, "_PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)  # several work items per call
+        monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
     return request.param
 
 

@@ -1,0 +1,117 @@
+"""Matrix products of the CPU forward pass: ``out = x @ weight.T`` for ``weight [out, in]``.
+
+Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads``' policy:
+
+* **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): the product is bound by reading the
+  weights from memory (2 T flops per 4-byte weight). A Numba kernel streams each weight row once
+  and takes its dot product with every token (float32, vectorised by LLVM into 8-lane partial
+  sums that are added at the end: a blocked summation whose rounding error grows with
+  ``K / lanes`` terms, not ``K``). Tasks take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
+* **More rows** (prefill chunks, batched decode): BLAS ``sgemm`` on 2-D tiles of the output
+  (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken
+  by the threads from a shared counter. Each call packs its own weight tile; tiles are large
+  enough (>= 64 x 64 outputs over the whole ``K``) that the packing stays a small share.
+
+Source: the GotoBLAS/BLIS layered GEMM (Goto & van de Geijn 2008, "Anatomy of High-Performance
+Matrix Multiplication") for why tiles of the output are independent units of work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, sgemm
+
+__all__ = ["linear", "GEMV_MAX_ROWS"]
+
+_F32 = np.float32
+GEMV_MAX_ROWS = 4          # up to this many tokens: the streaming kernel, else sgemm tiles
+GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
+_PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
+
+
+@njit(cache=True, fastmath=True)
+def _gemv_rows(x, weight, out, r0, r1):
+    # out[:, r0:r1] = x @ weight[r0:r1].T, each weight row read once for all T tokens
+    T, K = x.shape
+    for r in range(r0, r1):
+        for t in range(T):
+            acc = np.float32(0.0)
+            for k in range(K):
+                acc += x[t, k] * weight[r, k]
+            out[t, r] = acc
+
+
+@njit(parallel=True, cache=True)
+def _gemv_parallel(x, weight, out, n_tasks, counter):
+    R = weight.shape[0]
+    n_items = (R + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= n_items:
+                break
+            _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(R, (i + 1) * GEMV_BLOCK_ROWS))
+
+
+@njit(cache=True)
+def _gemm_tile(x, weight, out, m0, m1, n0, n1):
+    K, N = x.shape[1], weight.shape[0]
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, m1 - m0, n1 - n0, K, _F32(1.0), ptr(x, m0 * K), K, ptr(weight, n0 * K), K,
+          _F32(0.0), ptr(out, m0 * N + n0), N)
+
+
+@njit(parallel=True, cache=True)
+def _gemm_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
+    T, N = x.shape[0], weight.shape[0]
+    n_m = (T + tile_m - 1) // tile_m
+    n_items = n_m * ((N + tile_n - 1) // tile_n)
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= n_items:
+                break
+            jn = i // n_m   # column-tile major: consecutive items share one weight tile
+            im = i - jn * n_m
+            _gemm_tile(x, weight, out, im * tile_m, min(T, (im + 1) * tile_m), jn * tile_n,
+                       min(N, (jn + 1) * tile_n))
+
+
+def gemm_tiles(T: int, N: int, threads: int) -> tuple[int, int]:
+    """``(tile_m, tile_n)`` of an ``[T, N]`` output for ``threads`` threads: whole rows up to 512
+    tokens (else 256-token tiles), and weight-row tiles (multiples of 16, 64..512) cut so that
+    there are about 4 tiles per thread when the output allows it (dynamic balance)."""
+    tile_m = T if T <= 512 else 256
+    n_m = -(-T // tile_m)
+    per_col = max(1, -(-4 * threads // n_m))
+    tile_n = -(-N // per_col)
+    tile_n = min(512, max(64, -(-tile_n // 16) * 16))
+    return tile_m, tile_n
+
+
+def linear(x, weight):
+    """``x [T, in]`` float32 @ ``weight [out, in]``.T -> ``[T, out]`` float32 (C-contiguous).
+
+    ``T <= GEMV_MAX_ROWS``: the weight-streaming kernel; more rows: sgemm tiles (see the module
+    docstring). ``weight`` must be C-contiguous float32 (``prepare_weight``); ``x`` may be any
+    float32 view (copied to contiguous rows if needed).
+    """
+    x = np.ascontiguousarray(x, dtype=_F32)
+    T, N = x.shape[0], weight.shape[0]
+    out = np.empty((T, N), dtype=_F32)
+    if T == 0:
+        return out
+    threads = num_threads()
+    parallel = threads > 1 and weight.size >= _PARALLEL_MIN_WEIGHTS
+    if T <= GEMV_MAX_ROWS:
+        if parallel:
+            _gemv_parallel(x, weight, out, threads, np.zeros(1, np.int64))
+        else:
+            _gemv_rows(x, weight, out, 0, N)
+    elif parallel:
+        tile_m, tile_n = gemm_tiles(T, N, threads)
+        _gemm_parallel(x, weight, out, tile_m, tile_n, threads, np.zeros(1, np.int64))
+    else:
+        _gemm_tile(x, weight, out, 0, T, 0, N)
+    return out

@@ -1,0 +1,172 @@
+"""The CPU engine's threading policy: one thread pool, Numba's, for the whole forward pass.
+
+Every parallel kernel of ``kernels/cpu*.py`` runs in a Numba ``prange`` region with one task per
+thread of Numba's pool; matrix products are split into tiles that those same threads compute
+with *single-threaded* BLAS ``sgemm`` calls. So there is exactly one set of worker threads:
+
+* **Numba threads**: ``NUMBA_NUM_THREADS``, whose default (Numba's own) is the number of cores
+  this process may run on (``os.sched_getaffinity``). ``folio bench --threads N`` and the
+  ``NUMBA_NUM_THREADS`` environment variable choose another count.
+* **BLAS threads**: held at one with ``threadpoolctl`` when the CPU kernel table is first used
+  (``apply_thread_policy``). A multi-threaded OpenBLAS next to a Numba pool means two sets of
+  threads on the same cores; OpenBLAS's idle workers keep spinning after each call, so the
+  Numba region that follows ran with one core missing (issue 9 measured attention 2.6x slower
+  with 2 threads than with 1).
+* **Dynamic work distribution**: a region's tasks take work items (tiles, KV-head groups, weight
+  row blocks) from one shared atomic counter (``fetch_add``), largest items first where sizes
+  differ. A thread that the OS delays (a busy machine) holds back only the item it is on, not a
+  fixed share of the region.
+* **No allocation inside regions**: per-thread scratch buffers are allocated by the caller and
+  indexed by task number.
+
+``sgemm`` is BLAS's ``cblas_sgemm`` (row-major, 64-bit integers) called from compiled code
+without the GIL. It is the one that NumPy itself loaded (found with ``threadpoolctl``: NumPy's
+PyPI wheels carry an ILP64 OpenBLAS whose symbols are ``scipy_cblas_sgemm64_`` (NumPy 2) or
+``cblas_sgemm64_`` (NumPy 1.2x)); when none is found, a plain Numba loop with the same
+signature takes its place (correct, slower), and ``blas_name()`` says which one runs.
+
+Sources: Numba's threading layers and ``numba.set_num_threads`` (numba.readthedocs.io, "The
+Threading Layers", "Setting the Number of Threads"); threadpoolctl (github.com/joblib/
+threadpoolctl); the CBLAS interface (netlib BLAS, "C interface to the Legacy BLAS").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+# Before Numba starts its OpenMP pool (at the first parallel call): threads that finish a region
+# sleep at once instead of spinning (GNU OpenMP spins by default). Measured on the shared 2-core
+# machine (load ~4.4, a 2-thread region of ~30 us of work): default policy median 17 us but mean
+# 2.8 ms (p90 8 ms: a spinning thread holds the core its partner needs); passive: median 37 us,
+# p99 52 us. The user's own setting wins. ``OMP_WAIT_POLICY_SET_BY_FOLIO`` tells child processes
+# (benchmark peers) to drop it again.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    os.environ["OMP_WAIT_POLICY_SET_BY_FOLIO"] = "1"
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm_binding
+from numba import cfunc, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "blas_name", "sgemm", "ptr",
+           "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]
+
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enum values
+
+_SGEMM_SYMBOL = "folio_cblas_sgemm"
+# void cblas_sgemm(order, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), 64-bit ints
+_i32, _i64, _f32 = types.int32, types.int64, types.float32
+_SGEMM_SIG = types.void(_i32, _i32, _i32, _i64, _i64, _i64, _f32, types.voidptr, _i64, types.voidptr, _i64,
+                        _f32, types.voidptr, _i64)
+_BLAS_CANDIDATES = ("scipy_cblas_sgemm64_", "cblas_sgemm64_")
+
+sgemm = types.ExternalFunction(_SGEMM_SYMBOL, _SGEMM_SIG)
+"""``cblas_sgemm`` callable from ``@njit`` code: ``sgemm(ROW_MAJOR, ta, tb, M, N, K, alpha, ptr(A, i),
+lda, ptr(B, j), ldb, beta, ptr(C, k), ldc)``; computes ``C = alpha op(A) op(B) + beta C`` in float32."""
+
+
+@intrinsic
+def ptr(typingctx, arr, offset):
+    """``void*`` address of element ``offset`` (counted in elements, row-major) of array ``arr``."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t)
+    return types.voidptr(arr, types.int64), codegen
+
+
+@intrinsic
+def fetch_add(typingctx, counter, value):
+    """Atomically add ``value`` to ``counter[0]`` (int64 array) and return the old value."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", a.data, args[1], "monotonic")
+    return types.int64(counter, types.int64), codegen
+
+
+@cfunc(_SGEMM_SIG, nopython=True, fastmath=True, cache=True)
+def _sgemm_fallback(order, transa, transb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc):
+    # row-major only (the kernels never ask for another order); float32 sums in k order
+    A = numba.carray(a, (M * lda if transa == NO_TRANS else K * lda,), np.float32)
+    B = numba.carray(b, (K * ldb if transb == NO_TRANS else N * ldb,), np.float32)
+    C = numba.carray(c, (M * ldc,), np.float32)
+    for i in range(M):
+        for j in range(N):
+            acc = np.float32(0.0)
+            for k in range(K):
+                av = A[i * lda + k] if transa == NO_TRANS else A[k * lda + i]
+                bv = B[k * ldb + j] if transb == NO_TRANS else B[j * ldb + k]
+                acc += av * bv
+            prev = C[i * ldc + j] * beta if beta != 0 else np.float32(0.0)
+            C[i * ldc + j] = alpha * acc + prev
+
+
+def _find_blas_sgemm():
+    """(address, description) of the cblas_sgemm NumPy loaded, or (None, reason)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:  # pragma: no cover - a dependency
+        return None, "threadpoolctl missing"
+    for info in threadpool_info():
+        if info.get("user_api") != "blas":
+            continue
+        try:
+            lib = ctypes.CDLL(info["filepath"])
+        except OSError:
+            continue
+        for name in _BLAS_CANDIDATES:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                return ctypes.cast(fn, ctypes.c_void_p).value, f"{info.get('internal_api')} {info.get('version')} " \
+                    f"({os.path.basename(info['filepath'])}:{name})"
+    return None, "no ILP64 cblas_sgemm in the BLAS NumPy loaded"
+
+
+_addr, _blas_desc = _find_blas_sgemm()
+if _addr is None:
+    _blas_desc = f"Numba loop fallback ({_blas_desc})"
+    _addr = _sgemm_fallback.address
+llvm_binding.add_symbol(_SGEMM_SYMBOL, _addr)
+
+# OpenMP first (the measured layer); TBB's spinning work-stealing pool last
+if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
+
+_limits = None
+
+
+def blas_name() -> str:
+    """Which ``sgemm`` the kernels call (library, version, file and symbol, or the fallback)."""
+    return _blas_desc
+
+
+def default_num_threads() -> int:
+    """The cores this process may run on (``os.sched_getaffinity``), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def num_threads() -> int:
+    """Threads the CPU kernels' parallel regions use in the calling thread (Numba's setting)."""
+    return numba.get_num_threads()
+
+
+def apply_thread_policy() -> None:
+    """Hold every BLAS pool loaded in this process at one thread (idempotent). Runs when this
+    module is imported, i.e. whenever folio's CPU kernels are loaded.
+
+    NumPy's own matrix products in this process then run on one thread too; folio's products
+    go through ``kernels.cpu_linear``, which splits them over Numba's threads.
+    """
+    global _limits
+    if _limits is None:
+        from threadpoolctl import threadpool_limits
+        _limits = threadpool_limits(limits=1, user_api="blas")
+
+
+apply_thread_policy()
