@@ -12,6 +12,7 @@ import importlib
 _BENCH_MODULES = [
     "folio.bench_serve",
     "folio.bench.cmd_throughput",
+    "folio.bench.cmd_kernels",
     "folio.bench.cmd_report",
 ]
 

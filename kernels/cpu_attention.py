@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_math import LOG2E, exp2
-from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, sgemm
+from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, sgemm
 
 __all__ = ["paged_attention", "attention_items"]
 
@@ -48,23 +48,24 @@ _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastma
 
 
 @njit(cache=True, fastmath=True)
-def _exp2_row(row, n, mx):
-    # row[:n] = 2^(row[:n] - mx) in place, returns their sum
+def _exp2_row(sc, r, n, mx):
+    # sc[r, :n] = 2^(sc[r, :n] - mx) in place, returns their sum
     total = _F32(0.0)
     for j in range(n):
-        v = exp2(row[j] - mx)
-        row[j] = v
+        v = exp2(sc[r, j] - mx)
+        sc[r, j] = v
         total += v
     return total
 
 
 @njit(cache=True, fastmath=True)
-def _softmax_step(sc, R, nk, c0, first_pos, group, m, l, acc):
-    # one chunk of keys c0..c0+nk for rows 0..R of an item: scores sc[r, :nk] -> weights
-    # (causal: row r sees keys <= first_pos + r // group), update m, l and rescale acc
+def _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc):
+    # one chunk of keys c0..c0+nk for rows 0..R of an item, whose row r is query token
+    # (r % Rh) // group of the item: scores sc[r, :nk] -> weights (causal: the row sees keys
+    # <= its position), update the running max m, sum l, and rescale acc when m grows
     D = acc.shape[1]
     for r in range(R):
-        nv = min(nk, first_pos + r // group + 1 - c0)
+        nv = min(nk, first_pos + (r % Rh) // group + 1 - c0)
         if nv <= 0:
             for j in range(nk):
                 sc[r, j] = 0.0
@@ -72,7 +73,7 @@ def _softmax_step(sc, R, nk, c0, first_pos, group, m, l, acc):
         mx = m[r]
         for j in range(nv):
             mx = max(mx, sc[r, j])
-        s = _exp2_row(sc[r], nv, mx)
+        s = _exp2_row(sc, r, nv, mx)
         for j in range(nv, nk):
             sc[r, j] = 0.0
         if mx > m[r]:
@@ -86,30 +87,102 @@ def _softmax_step(sc, R, nk, c0, first_pos, group, m, l, acc):
 
 
 @njit(cache=True, fastmath=True)
+def _scores_loop(qs, Rh, key_cache, b, n, sc, j0):
+    # sc[h * Rh + i, j0 + o] = qs[h * Rh + i] . key_cache[b, o, h] for o < n, every KV head h:
+    # the block is read in memory order (key, head), 4 keys per pass sharing each q load
+    Hkv, D = key_cache.shape[2], key_cache.shape[3]
+    o = 0
+    while o + 4 <= n:
+        for h in range(Hkv):
+            for r in range(h * Rh, (h + 1) * Rh):
+                a0 = _F32(0.0)
+                a1 = _F32(0.0)
+                a2 = _F32(0.0)
+                a3 = _F32(0.0)
+                for d in range(D):
+                    qv = qs[r, d]
+                    a0 += qv * key_cache[b, o, h, d]
+                    a1 += qv * key_cache[b, o + 1, h, d]
+                    a2 += qv * key_cache[b, o + 2, h, d]
+                    a3 += qv * key_cache[b, o + 3, h, d]
+                sc[r, j0 + o] = a0
+                sc[r, j0 + o + 1] = a1
+                sc[r, j0 + o + 2] = a2
+                sc[r, j0 + o + 3] = a3
+        o += 4
+    while o < n:
+        for h in range(Hkv):
+            for r in range(h * Rh, (h + 1) * Rh):
+                a0 = _F32(0.0)
+                for d in range(D):
+                    a0 += qs[r, d] * key_cache[b, o, h, d]
+                sc[r, j0 + o] = a0
+        o += 1
+
+
+@njit(cache=True, fastmath=True)
+def _values_loop(sc, Rh, value_cache, b, n, acc, j0):
+    # acc[h * Rh + i] += sum_o sc[h * Rh + i, j0 + o] * value_cache[b, o, h]: 4 keys per pass,
+    # so each acc element is loaded and stored once per 4 keys
+    Hkv, D = value_cache.shape[2], value_cache.shape[3]
+    o = 0
+    while o + 4 <= n:
+        for h in range(Hkv):
+            for r in range(h * Rh, (h + 1) * Rh):
+                p0 = sc[r, j0 + o]
+                p1 = sc[r, j0 + o + 1]
+                p2 = sc[r, j0 + o + 2]
+                p3 = sc[r, j0 + o + 3]
+                for d in range(D):
+                    acc[r, d] += (p0 * value_cache[b, o, h, d] + p1 * value_cache[b, o + 1, h, d]
+                                  + p2 * value_cache[b, o + 2, h, d] + p3 * value_cache[b, o + 3, h, d])
+        o += 4
+    while o < n:
+        for h in range(Hkv):
+            for r in range(h * Rh, (h + 1) * Rh):
+                p0 = sc[r, j0 + o]
+                for d in range(D):
+                    acc[r, d] += p0 * value_cache[b, o, h, d]
+        o += 1
+
+
+@njit(cache=True)
+def _prefetch_block(cache, b):
+    # every cache line of block b of a [num_blocks, block_size, num_kv_heads, head_dim] cache
+    n = cache.shape[1] * cache.shape[2] * cache.shape[3]
+    base = b * n
+    for i in range(0, n, 16):
+        prefetch(cache, base + i)
+
+
+@njit(cache=True, fastmath=True)
 def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
                  s, h, t0, t1, qs, kb, vb, sc, acc, m, l):
-    # rows r = (t - t0) * group + g of tokens t0..t1 of sequence s, query heads h*group + g
+    # Tokens t0..t1 of sequence s. Tile item (h >= 0): rows r = (t - t0) * group + g, query
+    # heads h * group + g. Loop item (h < 0, every KV head): rows r = kvh * Rh + (t - t0) *
+    # group + g for kv head kvh, Rh = (t1 - t0) * group.
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
     group = H // Hkv
     q_start = query_start_loc[s]
     first_pos = seq_lens[s] - (query_start_loc[s + 1] - q_start) + (t0 - q_start)
-    R = (t1 - t0) * group
+    Rh = (t1 - t0) * group
+    tiles = h >= 0
+    R = Rh if tiles else Rh * Hkv
     for r in range(R):
-        t = t0 + r // group
-        hq = h * group + r % group
+        hq = h * group + r % group if tiles else (r // Rh) * group + r % group
+        t = t0 + (r % Rh) // group
         for d in range(D):
             qs[r, d] = q[t, hq, d] * qscale
             acc[r, d] = 0.0
         m[r] = _NEG
         l[r] = 0.0
-    n_keys = first_pos + (t1 - t0)             # the last row sees keys 0 .. n_keys - 1
-    CH = kb.shape[0]
-    tiles = R >= TILE_MIN_ROWS
+    n_keys = first_pos + (t1 - t0)             # the last token sees keys 0 .. n_keys - 1
+    CH = kb.shape[0]                            # whole blocks
     for c0 in range(0, n_keys, CH):
         nk = min(CH, n_keys - c0)
         if tiles:
-            for j in range(nk):                # gather whole rows of the chunk's blocks
+            for j in range(nk):                # gather the chunk's rows, contiguous
                 b = block_tables[s, (c0 + j) // bs]
                 o = (c0 + j) % bs
                 for d in range(D):
@@ -118,29 +191,23 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
             sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, ptr(kb, 0), D, _F32(0.0),
                   ptr(sc, 0), CH)
         else:
-            for j in range(nk):
-                b = block_tables[s, (c0 + j) // bs]
-                o = (c0 + j) % bs
-                for r in range(R):
-                    a = _F32(0.0)
-                    for d in range(D):
-                        a += qs[r, d] * key_cache[b, o, h, d]
-                    sc[r, j] = a
-        _softmax_step(sc, R, nk, c0, first_pos, group, m, l, acc)
+            for j0 in range(0, nk, bs):
+                # while this block's keys are used, ask for the next block's keys and this one's values
+                bi = (c0 + j0) // bs
+                if bi + 1 < (n_keys + bs - 1) // bs:
+                    _prefetch_block(key_cache, block_tables[s, bi + 1])
+                _prefetch_block(value_cache, block_tables[s, bi])
+                _scores_loop(qs, Rh, key_cache, block_tables[s, bi], min(bs, nk - j0), sc, j0)
+        _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc)
         if tiles:
             sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, _F32(1.0), ptr(sc, 0), CH, ptr(vb, 0), D, _F32(1.0),
                   ptr(acc, 0), D)
         else:
-            for j in range(nk):
-                b = block_tables[s, (c0 + j) // bs]
-                o = (c0 + j) % bs
-                for r in range(R):
-                    p = sc[r, j]
-                    for d in range(D):
-                        acc[r, d] += p * value_cache[b, o, h, d]
+            for j0 in range(0, nk, bs):
+                _values_loop(sc, Rh, value_cache, block_tables[s, (c0 + j0) // bs], min(bs, nk - j0), acc, j0)
     for r in range(R):
-        t = t0 + r // group
-        hq = h * group + r % group
+        hq = h * group + r % group if tiles else (r // Rh) * group + r % group
+        t = t0 + (r % Rh) // group
         inv = _F32(1.0) / l[r]
         for d in range(D):
             out[t, hq, d] = acc[r, d] * inv
@@ -148,14 +215,17 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
 
 @njit(cache=True)
 def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens):
-    """Work items ``[n, 4]`` int64 ``(sequence, kv head, first token, end token)``, largest first,
-    and their total multiply-adds (QK^T and PV alike, causal)."""
+    """Work items ``[n, 4]`` int64 ``(sequence, kv head or -1 for all, first token, end token)``,
+    largest first, and their total multiply-adds (QK^T and PV alike, causal). A sequence with
+    fewer than ``TILE_MIN_ROWS`` query rows per KV head (a decode) is one item over every KV
+    head, so that its blocks are read once, in memory order; longer ones are tiles of
+    ``tile_tokens`` tokens per KV head."""
     S = seq_lens.shape[0]
     n = 0
     for s in range(S):
         ql = query_start_loc[s + 1] - query_start_loc[s]
         if ql > 0:
-            n += num_kv_heads * (1 if ql * group < TILE_MIN_ROWS else (ql + tile_tokens - 1) // tile_tokens)
+            n += 1 if ql * group < TILE_MIN_ROWS else num_kv_heads * ((ql + tile_tokens - 1) // tile_tokens)
     items = np.empty((n, 4), np.int64)
     cost = np.empty(n, np.int64)
     i = 0
@@ -165,18 +235,19 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens)
         ql = q1 - q0
         if ql == 0:
             continue
-        step = ql if ql * group < TILE_MIN_ROWS else tile_tokens
+        loop = ql * group < TILE_MIN_ROWS
+        step = ql if loop else tile_tokens
         for t0 in range(q0, q1, step):
             t1 = min(q1, t0 + step)
-            last_keys = seq_lens[s] - (q1 - t1)          # keys seen by the tile's last token
+            last_keys = seq_lens[s] - (q1 - t1)          # keys seen by the item's last token
             c = (t1 - t0) * group * (last_keys - (t1 - t0) // 2)
-            for h in range(num_kv_heads):
+            for h in range(1 if loop else num_kv_heads):
                 items[i, 0] = s
-                items[i, 1] = h
+                items[i, 1] = -1 if loop else h
                 items[i, 2] = t0
                 items[i, 3] = t1
-                cost[i] = c
-                work += c
+                cost[i] = c * num_kv_heads if loop else c
+                work += cost[i]
                 i += 1
     order = np.argsort(-cost)
     return items[order], work
@@ -229,7 +300,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     items, work = attention_items(seq_lens, query_start_loc, Hkv, group, tile_tokens)
     if items.shape[0] == 0:
         return out
-    rows = max(tile_tokens * group, TILE_MIN_ROWS)
+    rows = max(tile_tokens * group, TILE_MIN_ROWS * Hkv)
     chunk = max(1, CHUNK_KEYS // bs) * bs
     threads = num_threads()
     tasks = threads if threads > 1 and work * D >= _PARALLEL_MIN_WORK and items.shape[0] > 1 else 1

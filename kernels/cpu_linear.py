@@ -4,9 +4,10 @@ Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads
 
 * **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): the product is bound by reading the
   weights from memory (2 T flops per 4-byte weight). A Numba kernel streams each weight row once
-  and takes its dot product with every token (float32, vectorised by LLVM into 8-lane partial
-  sums that are added at the end: a blocked summation whose rounding error grows with
-  ``K / lanes`` terms, not ``K``). Tasks take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
+  (several rows at a time, from separate places of the item, so that more reads are in flight)
+  and takes its dot product with every token: float32, vectorised by LLVM into 8-lane partial
+  sums added at the end, a blocked summation whose rounding error grows with ``K / 8`` terms,
+  not ``K``. Tasks take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
 * **More rows** (prefill chunks, batched decode): BLAS ``sgemm`` on 2-D tiles of the output
   (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken
   by the threads from a shared counter. Each call packs its own weight tile; tiles are large
@@ -26,21 +27,86 @@ from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr
 __all__ = ["linear", "GEMV_MAX_ROWS"]
 
 _F32 = np.float32
-GEMV_MAX_ROWS = 4          # up to this many tokens: the streaming kernel, else sgemm tiles
+GEMV_MAX_ROWS = 8          # up to this many tokens: the streaming kernel, else sgemm tiles
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 
 
 @njit(cache=True, fastmath=True)
+def _dot4_rows(x, t, weight, ra, rb, rc, rd, out):
+    # one token against 4 weight rows read as 4 concurrent streams
+    a = _F32(0.0)
+    b = _F32(0.0)
+    c = _F32(0.0)
+    d = _F32(0.0)
+    for k in range(x.shape[1]):
+        v = x[t, k]
+        a += v * weight[ra, k]
+        b += v * weight[rb, k]
+        c += v * weight[rc, k]
+        d += v * weight[rd, k]
+    out[t, ra] = a
+    out[t, rb] = b
+    out[t, rc] = c
+    out[t, rd] = d
+
+
+@njit(cache=True, fastmath=True)
+def _dot2x2(x, t, weight, ra, rb, out):
+    # two tokens against 2 weight rows (2 streams): each loaded weight value feeds 2 sums
+    a0 = _F32(0.0)
+    a1 = _F32(0.0)
+    b0 = _F32(0.0)
+    b1 = _F32(0.0)
+    for k in range(x.shape[1]):
+        x0 = x[t, k]
+        x1 = x[t + 1, k]
+        wa = weight[ra, k]
+        wb = weight[rb, k]
+        a0 += x0 * wa
+        a1 += x1 * wa
+        b0 += x0 * wb
+        b1 += x1 * wb
+    out[t, ra] = a0
+    out[t + 1, ra] = a1
+    out[t, rb] = b0
+    out[t + 1, rb] = b1
+
+
+@njit(cache=True, fastmath=True)
+def _dot1(x, t, weight, r, out):
+    a = _F32(0.0)
+    for k in range(x.shape[1]):
+        a += x[t, k] * weight[r, k]
+    out[t, r] = a
+
+
+@njit(cache=True, fastmath=True)
 def _gemv_rows(x, weight, out, r0, r1):
-    # out[:, r0:r1] = x @ weight[r0:r1].T, each weight row read once for all T tokens
-    T, K = x.shape
-    for r in range(r0, r1):
+    # out[:, r0:r1] = x @ weight[r0:r1].T. The rows are read as several interleaved streams
+    # (rows r0 + i, r0 + i + n/S, ...): one core then keeps more memory reads in flight than
+    # with one sequential stream (measured +50% GB/s for one token on the shared EPYC).
+    T = x.shape[0]
+    n = r1 - r0
+    if T == 1:
+        q = n // 4
+        for i in range(q):
+            _dot4_rows(x, 0, weight, r0 + i, r0 + q + i, r0 + 2 * q + i, r0 + 3 * q + i, out)
+        for r in range(r0 + 4 * q, r1):
+            _dot1(x, 0, weight, r, out)
+        return
+    h = n // 2
+    for i in range(h):
+        t = 0
+        while t + 2 <= T:
+            _dot2x2(x, t, weight, r0 + i, r0 + h + i, out)
+            t += 2
+        if t < T:
+            _dot1(x, t, weight, r0 + i, out)
+            _dot1(x, t, weight, r0 + h + i, out)
+    if 2 * h < n:
         for t in range(T):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += x[t, k] * weight[r, k]
-            out[t, r] = acc
+            _dot1(x, t, weight, r1 - 1, out)
 
 
 @njit(parallel=True, cache=True)

@@ -48,12 +48,13 @@ if "OMP_WAIT_POLICY" not in os.environ:
 import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
+from llvmlite import ir
 from numba import cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "blas_name", "sgemm", "ptr",
-           "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]
+           "prefetch", "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enum values
 
@@ -76,6 +77,22 @@ def ptr(typingctx, arr, offset):
         a = context.make_array(sig.args[0])(context, builder, args[0])
         return builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t)
     return types.voidptr(arr, types.int64), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, offset):
+    """Hint the CPU to load the cache line of element ``offset`` (flat, in elements) of ``arr``
+    (LLVM ``llvm.prefetch``: read, high locality); no effect on results."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        p = builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t)
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32,
+                                                                                               i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [p, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, types.int64), codegen
 
 
 @intrinsic

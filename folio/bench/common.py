@@ -63,6 +63,15 @@ def poisson_arrivals(requests: list[BenchRequest], rate: float, seed: int) -> li
     return [BenchRequest(r.prompt_token_ids, r.output_len, float(t)) for r, t in zip(requests, times)]
 
 
+def all_cores() -> int:
+    """The number of cores this process may run on (``os.sched_getaffinity``): the default thread
+    count of every engine in a comparison."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def threads_env_ok(threads: int) -> bool:
     """Whether this process was started with every thread-pool variable set to ``threads``."""
     return all(os.environ.get(k) == str(threads) for k in THREAD_ENV)

@@ -1,0 +1,280 @@
+"""CPU kernel rates against this machine's limits, measured in one run (issue 9, items 3-4).
+
+Limits, measured here with the same thread counts as the kernels:
+
+* **copy bandwidth**: ``threads`` threads each ``np.copyto`` a slice of a 512 MiB float32 array
+  (glibc ``memcpy``), bytes read + bytes written per second;
+* **sgemm**: NumPy's BLAS on its own thread pool (``threadpoolctl`` set to ``threads`` for the
+  measurement), ``[T, K] x [K, N]`` float32.
+
+Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
+
+* **decode-sized products** (``T`` = 1..8 rows): the default model's four per-layer weights of
+  every layer (30 x 14.2 MB, far beyond the last-level cache) streamed in turn; reported as GB/s
+  of weights read against the copy bandwidth;
+* **batched products** (``T`` = 64, 512, 2048 rows; the lm_head at 64): GFLOP/s against sgemm on
+  the same shape and threads;
+* **paged attention**, the default model's geometry (9 query heads, 3 KV heads, head_dim 64,
+  blocks of 16, shuffled block tables): *decode* = 16 sequences of one new token each after
+  ``ctx`` cached tokens, caches of enough layers to exceed four times the last-level cache,
+  reported as GB/s of K/V read and as GFLOP/s; *prefill* = one sequence's whole ``ctx``-token
+  prompt, GFLOP/s of the causal QK^T and PV (4 head_dim flops per (query row, key) pair)
+  against sgemm on ``[ctx, 576] x [576, 3072]``.
+
+Every figure is the best of ``repeat`` timed calls after a warm-up (the machine's capability;
+on a shared machine the median is printed too), with the load average beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+_MODEL = dict(hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
+
+
+def _timeit(fn, repeat: int) -> tuple[float, float]:
+    """(best, median) wall seconds of ``fn()`` over ``repeat`` calls after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts), float(np.median(ts))
+
+
+def last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), 32 MiB when unknown."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for d in os.listdir(base):
+            with open(os.path.join(base, d, "size")) as f:
+                s = f.read().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
+            best = max(best, int(s.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best or (32 << 20)
+
+
+def copy_bandwidth_gbs(threads: int, n_bytes: int = 512 << 20, repeat: int = 5) -> float:
+    """Best ``(read + write bytes) / s`` in GB/s (1e9) of ``threads`` threads copying slices."""
+    a = np.ones(n_bytes // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    cuts = np.linspace(0, a.size, threads + 1).astype(np.int64)
+    with ThreadPoolExecutor(threads) as pool:
+        def copy():
+            list(pool.map(lambda i: np.copyto(b[cuts[i]:cuts[i + 1]], a[cuts[i]:cuts[i + 1]]), range(threads)))
+        best, _ = _timeit(copy, repeat)
+    return 2 * a.nbytes / best / 1e9
+
+
+def sgemm_gflops(T: int, K: int, N: int, threads: int, repeat: int = 5) -> float:
+    """NumPy's BLAS ``[T, K] @ [K, N]`` (weights stored ``[N, K]``) on ``threads`` BLAS threads."""
+    from threadpoolctl import threadpool_limits
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((T, K), dtype=np.float32)
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        best, _ = _timeit(lambda: x @ w.T, repeat)
+    return 2 * T * K * N / best / 1e9
+
+
+def _set_threads(threads: int) -> None:
+    import numba
+    numba.set_num_threads(threads)
+
+
+def _model_weights(rng, layers: int):
+    m = _MODEL
+    H, Hkv, D, hid, inter = m["heads"], m["kv_heads"], m["head_dim"], m["hidden"], m["inter"]
+    shapes = [((H + 2 * Hkv) * D, hid), (hid, H * D), (2 * inter, hid), (hid, inter)]
+    return [[(rng.standard_normal(s, dtype=np.float32) * 0.02) for s in shapes] for _ in range(layers)]
+
+
+def decode_products(threads: int, rows=(1, 2, 4, 8), repeat: int = 5, weights=None) -> list[dict]:
+    """Decode-sized products streaming every layer's weights: GB/s of weights read, GFLOP/s."""
+    from ..kernels.cpu import linear
+    _set_threads(threads)
+    weights = weights or _model_weights(np.random.default_rng(0), _MODEL["layers"])
+    nbytes = sum(w.nbytes for layer in weights for w in layer)
+    out = []
+    for T in rows:
+        xs = {w.shape[1]: np.random.default_rng(1).standard_normal((T, w.shape[1]), dtype=np.float32)
+              for layer in weights for w in layer}
+
+        def run():
+            for layer in weights:
+                for w in layer:
+                    linear(xs[w.shape[1]], w)
+        best, med = _timeit(run, repeat)
+        flops = 2 * T * nbytes / 4
+        out.append({"rows": T, "weight_bytes": nbytes, "gbs": nbytes / best / 1e9, "gbs_median": nbytes / med / 1e9,
+                    "gflops": flops / best / 1e9})
+    return out
+
+
+def batched_products(threads: int, repeat: int = 5) -> list[dict]:
+    """folio's tiled sgemm against BLAS's own threading, same shapes and threads."""
+    from ..kernels.cpu import linear
+    m = _MODEL
+    H, Hkv, D, hid, inter = m["heads"], m["kv_heads"], m["head_dim"], m["hidden"], m["inter"]
+    named = {"qkv_proj": ((H + 2 * Hkv) * D, hid), "o_proj": (hid, H * D), "gate_up_proj": (2 * inter, hid),
+             "down_proj": (hid, inter)}
+    cases = [(T, n, s) for T in (64, 512, 2048) for n, s in named.items()] + [(64, "lm_head", (m["vocab"], hid))]
+    rng = np.random.default_rng(0)
+    out = []
+    for T, name, (N, K) in cases:
+        w = rng.standard_normal((N, K), dtype=np.float32)
+        x = rng.standard_normal((T, K), dtype=np.float32)
+        _set_threads(threads)
+        best, med = _timeit(lambda: linear(x, w), repeat)
+        flops = 2 * T * K * N
+        ref = sgemm_gflops(T, K, N, threads, repeat)
+        out.append({"rows": T, "name": name, "N": N, "K": K, "gflops": flops / best / 1e9,
+                    "gflops_median": flops / med / 1e9, "sgemm_gflops": ref})
+    return out
+
+
+def _attention_case(rng, seqs, block_size=16, layers=1):
+    """Caches of ``layers`` layers holding every sequence's context, shuffled block tables."""
+    m = _MODEL
+    H, Hkv, D = m["heads"], m["kv_heads"], m["head_dim"]
+    nb = [(ctx + block_size - 1) // block_size for ctx, _ in seqs]
+    total = sum(nb)
+    ids = rng.permutation(total)
+    tables = np.zeros((len(seqs), max(nb)), np.int32)
+    k = 0
+    for s, n in enumerate(nb):
+        tables[s, :n] = ids[k:k + n]
+        k += n
+    caches = [(rng.standard_normal((total, block_size, Hkv, D), dtype=np.float32),
+               rng.standard_normal((total, block_size, Hkv, D), dtype=np.float32)) for _ in range(layers)]
+    q_lens = [q for _, q in seqs]
+    q = rng.standard_normal((sum(q_lens), H, D), dtype=np.float32)
+    return q, caches, tables, np.array([c for c, _ in seqs], np.int32), \
+        np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+
+def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, repeat: int = 5) -> list[dict]:
+    """Decode and prefill attention rates at each context (see the module docstring)."""
+    from ..kernels.cpu import paged_attention
+    m = _MODEL
+    H, Hkv, D = m["heads"], m["kv_heads"], m["head_dim"]
+    rng = np.random.default_rng(0)
+    llc = last_level_cache_bytes()
+    out = []
+    for ctx in contexts:
+        # decode: many layers' caches in turn so that K/V come from memory
+        kv_layer = decode_seqs * ctx * Hkv * D * 4 * 2
+        layers = int(min(30, max(1, -(-4 * llc // kv_layer))))
+        q, caches, bt, sl, qsl = _attention_case(rng, [(ctx, 1)] * decode_seqs, layers=layers)
+        _set_threads(threads)
+
+        def run_decode():
+            for kc, vc in caches:
+                paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5)
+        best, med = _timeit(run_decode, repeat)
+        flops = layers * decode_seqs * H * ctx * 4 * D
+        out.append({"kind": "decode", "ctx": ctx, "seqs": decode_seqs, "layers": layers,
+                    "gflops": flops / best / 1e9, "gbs": layers * kv_layer / best / 1e9,
+                    "gbs_median": layers * kv_layer / med / 1e9})
+        # prefill: one whole prompt
+        q, caches, bt, sl, qsl = _attention_case(rng, [(ctx, ctx)])
+        kc, vc = caches[0]
+        best, med = _timeit(lambda: paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5), repeat)
+        flops = H * 4 * D * ctx * (ctx + 1) // 2
+        ref = sgemm_gflops(ctx, m["hidden"], 2 * m["inter"], threads, repeat)
+        out.append({"kind": "prefill", "ctx": ctx, "seqs": 1, "gflops": flops / best / 1e9,
+                    "gflops_median": flops / med / 1e9, "sgemm_gflops": ref})
+    return out
+
+
+def model_decode(threads: int, model: str = "smollm2-135m-instruct", prompt_len: int = 300, tokens: int = 64,
+                 repeat: int = 2) -> dict:
+    """Single-sequence greedy decode of ``model`` (context prompt_len .. +tokens), tokens/s."""
+    from ..model.loader import load_model
+    from ..model.simple_generate import generate_ids
+    _set_threads(threads)
+    net, config, _ = load_model(model, device="cpu")
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, config.vocab_size - 100, prompt_len)]
+    generate_ids(net, config, prompt[:20], max_tokens=3, ignore_eos=True)
+    best = 0.0
+    for _ in range(repeat):
+        r = generate_ids(net, config, prompt, max_tokens=tokens + 1, ignore_eos=True)
+        best = max(best, r["decode_tokens_per_s"])
+    seen, wbytes = set(), 0
+    for a in [net.embed_tokens, net.lm_head, net.norm] + [v for layer in net.layers for v in vars(layer).values()]:
+        if id(a) not in seen:
+            seen.add(id(a))
+            wbytes += a.nbytes
+    return {"model": model, "prompt_len": prompt_len, "tokens": tokens, "decode_tokens_per_s": best,
+            "weight_bytes": wbytes}
+
+
+def run_kernel_rates(threads_list, repeat: int = 5, model: str | None = "smollm2-135m-instruct",
+                     contexts=(128, 512, 2048)) -> dict:
+    """Every figure of this module for each thread count in ``threads_list``."""
+    from ..kernels.cpu_threads import blas_name
+    from .common import command_line, machine_info
+    out = {"command": command_line(), "machine": machine_info(), "blas": blas_name(),
+           "last_level_cache_bytes": last_level_cache_bytes(), "runs": []}
+    weights = _model_weights(np.random.default_rng(0), _MODEL["layers"])
+    for threads in threads_list:
+        t0 = time.perf_counter()
+        run = {"threads": threads, "load_start": os.getloadavg()[0],
+               "copy_gbs": copy_bandwidth_gbs(threads, repeat=repeat),
+               "decode_products": decode_products(threads, repeat=repeat, weights=weights),
+               "batched_products": batched_products(threads, repeat=repeat),
+               "attention": attention(threads, contexts=contexts, repeat=repeat)}
+        if model:
+            run["model_decode"] = model_decode(threads, model)
+            run["model_decode"]["bound_tokens_per_s"] = run["copy_gbs"] * 1e9 / run["model_decode"]["weight_bytes"]
+        run["load_end"] = os.getloadavg()[0]
+        run["seconds"] = time.perf_counter() - t0
+        out["runs"].append(run)
+    return out
+
+
+def format_kernel_rates(out: dict) -> str:
+    """Human-readable lines of ``run_kernel_rates``'s result."""
+    mi = out["machine"]
+    L = [f"command: {out['command']}",
+         f"machine: {mi.get('cpu', '?')}, {mi.get('cores')} cores, last-level cache "
+         f"{out['last_level_cache_bytes'] >> 20} MiB; sgemm: {out['blas']}"]
+    for r in out["runs"]:
+        t, bw = r["threads"], r["copy_gbs"]
+        L += ["", f"== {t} thread(s): load {r['load_start']:.2f} -> {r['load_end']:.2f}, {r['seconds']:.0f} s; "
+                  f"copy bandwidth {bw:.1f} GB/s (read + write)"]
+        L.append("decode-sized products (all 30 layers' weights streamed): rows, GB/s of weights (best / median), "
+                 "% of copy bandwidth, GFLOP/s")
+        for d in r["decode_products"]:
+            L.append(f"  T={d['rows']:<3d} {d['gbs']:6.1f} / {d['gbs_median']:5.1f} GB/s  {100 * d['gbs'] / bw:4.0f}%  "
+                     f"{d['gflops']:6.1f} GFLOP/s")
+        L.append("batched products: rows x name [N, K], folio GFLOP/s (best / median), BLAS sgemm GFLOP/s "
+                 "(its own threads), folio / sgemm")
+        for d in r["batched_products"]:
+            L.append(f"  T={d['rows']:<5d}{d['name']:<13}[{d['N']}, {d['K']}]  {d['gflops']:6.1f} / "
+                     f"{d['gflops_median']:5.1f}  sgemm {d['sgemm_gflops']:6.1f}  {100 * d['gflops'] / d['sgemm_gflops']:4.0f}%")
+        L.append("paged attention (9 heads / 3 KV heads, head_dim 64): decode = 16 seqs x 1 token, prefill = 1 whole "
+                 "prompt")
+        for d in r["attention"]:
+            if d["kind"] == "decode":
+                L.append(f"  decode  ctx {d['ctx']:<5d} {d['gflops']:6.1f} GFLOP/s  K/V read {d['gbs']:5.1f} / "
+                         f"{d['gbs_median']:5.1f} GB/s = {100 * d['gbs'] / bw:4.0f}% of copy ({d['layers']} layers)")
+            else:
+                L.append(f"  prefill ctx {d['ctx']:<5d} {d['gflops']:6.1f} / {d['gflops_median']:5.1f} GFLOP/s  "
+                         f"sgemm [{d['ctx']}x576]x[576x3072] {d['sgemm_gflops']:6.1f}  "
+                         f"{100 * d['gflops'] / d['sgemm_gflops']:4.0f}%")
+        if "model_decode" in r:
+            md = r["model_decode"]
+            L.append(f"single-sequence decode of {md['model']} (context {md['prompt_len']}..+{md['tokens']}): "
+                     f"{md['decode_tokens_per_s']:.1f} tokens/s; DRAM bound {md['weight_bytes'] / 1e6:.0f} MB/step "
+                     f"at {bw:.1f} GB/s = {md['bound_tokens_per_s']:.1f} tokens/s; "
+                     f"{100 * md['decode_tokens_per_s'] / md['bound_tokens_per_s']:.0f}% of it")
+    return "\n".join(L)
