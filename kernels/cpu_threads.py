@@ -32,6 +32,7 @@ threadpoolctl); the CBLAS interface (netlib BLAS, "C interface to the Legacy BLA
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -53,7 +54,7 @@ from numba import cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "blas_name", "sgemm", "ptr",
+__all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "numba_threads", "blas_name", "sgemm", "ptr",
            "prefetch", "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enum values
@@ -171,6 +172,25 @@ def default_num_threads() -> int:
 def num_threads() -> int:
     """Threads the CPU kernels' parallel regions use in the calling thread (Numba's setting)."""
     return numba.get_num_threads()
+
+
+@contextlib.contextmanager
+def numba_threads(n: int):
+    """Run the kernels called from this thread on ``n`` threads inside the block (Numba's
+    setting is per calling thread).
+
+    Raises:
+        ValueError: ``n`` is below 1 or above the pool's size (``NUMBA_NUM_THREADS``).
+    """
+    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"{n} threads requested; the pool has {numba.config.NUMBA_NUM_THREADS} "
+                         "(NUMBA_NUM_THREADS)")
+    prev = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
 
 
 def apply_thread_policy() -> None:

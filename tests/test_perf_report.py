@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from folio.bench import peers
-from folio.bench.common import BenchRequest, random_requests
+from folio.bench import llama_server, peers
+from folio.bench.common import BenchRequest, all_cores, random_requests
 from folio.bench.kv_replay import simulate_contiguous
 from folio.bench.report import ReportSize
 from folio.runtime.kv_cache_manager import cdiv
@@ -23,7 +23,7 @@ TINY = ReportSize.tiny()
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, default_model_dir):
-    """The tiny report through the CLI (a fresh process sizes its thread pools to --threads 1)."""
+    """The tiny report through the CLI (every core, the default; section 3 also at 1 thread)."""
     out = tmp_path_factory.mktemp("perf")
     r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "report", "--tiny", "--out", str(out),
                         "--no-progress"], capture_output=True, text=True, timeout=600)
@@ -89,15 +89,40 @@ def test_section3_counts_every_token(report):
     assert r["folio"]["output_tokens_per_s"] > 0
 
 
+def _runs(report):
+    s3 = report[1]["sections"]["3"]
+    return [s3] + s3["other_threads"]
+
+
+def test_section3_runs_at_every_thread_count_and_kernel_rates(report):
+    # the tiny report runs with --threads = every core; section 3 adds a 1-thread run
+    runs = _runs(report)
+    assert sorted(r["engine"]["threads"] for r in runs) == sorted({1, all_cores()})
+    for r in runs:
+        assert r["folio"]["output_tokens"] == report[1]["sections"]["3"]["folio"]["output_tokens"]
+    k = report[1]["sections"]["3"]["kernel_rates"]
+    assert [r["threads"] for r in k["runs"]] == sorted({1, all_cores()})
+    for r in k["runs"]:
+        assert r["copy_gbs"] > 0 and all(d["gflops"] > 0 for d in r["batched_products"] + r["attention"])
+    md = (report[0] / "REPORT.md").read_text()
+    assert "CPU kernel rates against this machine's limits" in md
+
+
 @pytest.mark.parametrize("peer", peers.PEERS)
 def test_section3_peer(report, peer):
     ok, why = peers.available(peer)
     if not ok:
         pytest.skip(f"{peer} peer: {why}")
-    p = report[1]["sections"]["3"]["peers"][peer]
-    assert "skipped" not in p, p
-    assert p["output_tokens"] == report[1]["sections"]["3"]["folio"]["output_tokens"]
-    assert p["output_tokens_per_s"] > 0
+    if peer == "llama-cpp-server" and not llama_server.built():
+        pytest.skip("llama-server not built (make -C benchmark); the tiny report does not build it")
+    for run in _runs(report):
+        keys = [k for k in run["peers"] if k.startswith(peer + "-")] if peer == "llama-cpp-server" else [peer]
+        assert keys, run["peers"].keys()
+        for key in keys:  # llama-cpp-server: F32 and the GGUF as shipped
+            p = run["peers"][key]
+            assert "skipped" not in p, p
+            assert p["output_tokens"] == run["folio"]["output_tokens"]
+            assert p["output_tokens_per_s"] > 0 and p["threads"] == run["engine"]["threads"]
 
 
 def test_section4_block_counts(report):

@@ -14,9 +14,10 @@ def positive(v: str) -> int:
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="folio model name or HF folder")
-    p.add_argument("--threads", type=positive, default=1,
-                   help="threads for BLAS / Numba / torch / llama.cpp alike (default 1: on the shared 2-core "
-                        "machine more threads ran slower); the command restarts itself once to apply it")
+    from .common import all_cores
+    p.add_argument("--threads", type=positive, default=all_cores(),
+                   help="threads for folio (Numba), torch and llama.cpp alike (default: every core this process "
+                        "may use); the command restarts itself once to apply it")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

@@ -13,7 +13,8 @@ def add_parser(bench_subparsers) -> None:
         description="Offline throughput: NUM_PROMPTS requests with prompt/output lengths uniform in the given "
                     "ranges, random token ids, ignore_eos, fixed seed; prints requests/s, output and total "
                     "tokens/s, KV slots holding tokens vs allocated; --peer runs the same workload through "
-                    "transformers (static batches of 16) or llama-cpp-python in the same run.")
+                    "transformers (static batches of 16), llama-cpp-python or llama.cpp's server in the same run, "
+                    "every engine on --threads threads.")
     add_common(p)
     p.add_argument("--num-prompts", type=positive, default=64)
     p.add_argument("--input-len", type=positive, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
@@ -25,8 +26,11 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
     p.add_argument("--num-blocks", type=positive, default=None,
                    help="KV blocks (default: enough for every request at once)")
-    p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama-cpp"],
-                   help="also run the workload through this peer in the same run (repeatable)")
+    p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama-cpp", "llama-cpp-server"],
+                   help="also run the workload through this peer in the same run (repeatable): transformers "
+                        "(static batches), llama-cpp (llama-cpp-python, one request at a time), llama-cpp-server "
+                        "(llama.cpp's server with one slot per request, on the model's GGUF as F32 and as shipped; "
+                        "built by benchmark/Makefile on first use, ~15 min)")
     p.add_argument("--tf-batch-size", type=positive, default=16, help="transformers static batch size")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=with_threads(run))

@@ -95,6 +95,18 @@ def reexec_with_threads(threads: int) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "folio.cli", *sys.argv[1:]], env)
 
 
+def peer_env(threads: int) -> dict:
+    """The environment of a peer process (transformers, llama.cpp): the OpenMP wait policy that
+    folio's CPU kernels set for themselves removed (the peer runs with its own defaults), the
+    thread-count variables set to ``threads``."""
+    env = dict(os.environ)
+    if env.pop("OMP_WAIT_POLICY_SET_BY_FOLIO", None):
+        env.pop("OMP_WAIT_POLICY", None)
+    for k in THREAD_ENV:
+        env[k] = str(threads)
+    return env
+
+
 def command_line() -> str:
     """The command that made this run, as the user would type it."""
     return "folio " + " ".join(_quote(a) for a in sys.argv[1:])

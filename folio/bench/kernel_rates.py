@@ -218,13 +218,14 @@ def model_decode(threads: int, model: str = "smollm2-135m-instruct", prompt_len:
 
 
 def run_kernel_rates(threads_list, repeat: int = 5, model: str | None = "smollm2-135m-instruct",
-                     contexts=(128, 512, 2048)) -> dict:
-    """Every figure of this module for each thread count in ``threads_list``."""
+                     contexts=(128, 512, 2048), layers: int = 30) -> dict:
+    """Every figure of this module for each thread count in ``threads_list`` (``layers``: how
+    many layers' weights the decode-sized products stream; ``model`` None: no model decode)."""
     from ..kernels.cpu_threads import blas_name
     from .common import command_line, machine_info
     out = {"command": command_line(), "machine": machine_info(), "blas": blas_name(),
            "last_level_cache_bytes": last_level_cache_bytes(), "runs": []}
-    weights = _model_weights(np.random.default_rng(0), _MODEL["layers"])
+    weights = _model_weights(np.random.default_rng(0), layers)
     for threads in threads_list:
         t0 = time.perf_counter()
         run = {"threads": threads, "load_start": os.getloadavg()[0],
@@ -251,7 +252,7 @@ def format_kernel_rates(out: dict) -> str:
         t, bw = r["threads"], r["copy_gbs"]
         L += ["", f"== {t} thread(s): load {r['load_start']:.2f} -> {r['load_end']:.2f}, {r['seconds']:.0f} s; "
                   f"copy bandwidth {bw:.1f} GB/s (read + write)"]
-        L.append("decode-sized products (all 30 layers' weights streamed): rows, GB/s of weights (best / median), "
+        L.append(f"decode-sized products ({r['decode_products'][0]['weight_bytes'] / 1e6:.0f} MB of weights streamed): rows, GB/s of weights (best / median), "
                  "% of copy bandwidth, GFLOP/s")
         for d in r["decode_products"]:
             L.append(f"  T={d['rows']:<3d} {d['gbs']:6.1f} / {d['gbs_median']:5.1f} GB/s  {100 * d['gbs'] / bw:4.0f}%  "

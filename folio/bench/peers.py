@@ -7,9 +7,12 @@
 - llama.cpp through llama-cpp-python on the same model's GGUF file (Q4_1 weights, as packaged),
   one request at a time as its Python API serves them, greedy, stopped after exactly the asked
   number of tokens.
+- llama.cpp's own server (``llama-server``) with one slot per running request and continuous
+  batching, on the GGUF as F32 and as shipped (``llama_server.py``; driven over HTTP).
 
-Both are optional (``pip install 'folio-serve[perf]'``); ``available(name)`` says whether one can
-run and why not.
+The first two are optional Python packages (``pip install 'folio-serve[perf]'``), the third is
+built by ``benchmark/Makefile``; ``available(name)`` says whether one can run and why not. Every
+peer runs on the thread count folio runs on.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ from __future__ import annotations
 import importlib.util
 import time
 
-from .common import BenchRequest
+from .common import BenchRequest, peer_env
 
-PEERS = ("transformers", "llama-cpp")
+PEERS = ("transformers", "llama-cpp", "llama-cpp-server")  # the last: see llama_server.py
 
 
 def available(name: str) -> tuple[bool, str]:
     """(whether peer ``name`` can run here, the reason when not)."""
+    if name == "llama-cpp-server":
+        from .llama_server import available as server_available
+        return server_available()
     mods = {"transformers": ("torch", "transformers"), "llama-cpp": ("llama_cpp",)}[name]
     missing = [m for m in mods if importlib.util.find_spec(m) is None]
     if missing:
@@ -135,7 +141,7 @@ def run_isolated(name: str, spec: dict, timeout: float | None = None) -> dict:
         try:
             # with progress bars the child's stderr is live (its errors appear above the report's)
             p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None if spec.get("progress") else subprocess.PIPE,
-                               text=True, timeout=timeout)
+                               text=True, timeout=timeout, env=peer_env(spec["threads"]))
         except subprocess.TimeoutExpired:
             return {"skipped": f"timed out after {timeout} s"}
         if p.returncode != 0:

@@ -33,7 +33,13 @@ class ReportSize:
     s3_num_prompts: int = 64
     s3_input_len: tuple = (32, 512)
     s3_output_len: tuple = (16, 256)
-    s3_peers: tuple = ("transformers", "llama-cpp")
+    s3_peers: tuple = ("transformers", "llama-cpp", "llama-cpp-server")
+    s3_threads: tuple = (1, 0)          # thread counts of section 3 (0: --threads, every core by default)
+    s3_build_llama_server: bool = True  # build llama-server (benchmark/Makefile) when missing
+    s3_kernel_layers: int = 30          # kernel rates (folio bench kernels) beside the throughput
+    s3_kernel_contexts: tuple = (128, 512, 2048)
+    s3_kernel_repeat: int = 5
+    s3_kernel_model_decode: bool = True
     # 2
     s2_num_requests: int = 20
     s2_input_len: tuple = (32, 128)
@@ -67,7 +73,8 @@ class ReportSize:
     @classmethod
     def tiny(cls) -> "ReportSize":
         return cls(max_model_len=512, num_blocks=160, s1_num_requests=40, s1_num_blocks=64, s1_max_model_len=256,
-                   s3_num_prompts=4, s3_input_len=(8, 24), s3_output_len=(2, 6),
+                   s3_num_prompts=4, s3_input_len=(8, 24), s3_output_len=(2, 6), s3_build_llama_server=False,
+                   s3_kernel_layers=2, s3_kernel_contexts=(128,), s3_kernel_repeat=1, s3_kernel_model_decode=False,
                    s2_num_requests=4, s2_input_len=(8, 16), s2_output_len=(2, 4), s2_rates=(20.0, 80.0),
                    s2_max_num_seqs=2, s4_num_prompts=1, s4_prompt_len=40, s4_output_len=3, s4_n=(2, 4),
                    s5_system_len=64, s5_num_questions=3, s5_question_len=(3, 6), s5_output_len=2,
@@ -119,12 +126,7 @@ def run_report(out_dir="perf", sections=SECTIONS, size: ReportSize | None = None
             sub.total = len(size.s2_rates) * 2
             data["sections"]["2"] = run_section2(host, size, sub)
         elif s == 3:
-            r = run_throughput(host, model=model, num_prompts=size.s3_num_prompts, input_len=size.s3_input_len,
-                               output_len=size.s3_output_len, seed=0, peers=size.s3_peers, threads=threads,
-                               progress=progress, keep_trace=True)
-            trace = r.pop("_trace")
-            r["kv_trace"] = [list(k) for k in trace.kv]
-            data["sections"]["3"] = r
+            data["sections"]["3"] = _section3(size, model, host, threads, progress)
         elif s == 4:
             sub.total = len(size.s4_n)
             data["sections"]["4"] = run_section4(host, size, sub)
@@ -183,6 +185,29 @@ def _section1(size: ReportSize, model: str, host) -> dict:
                         "num_blocks": size.s1_num_blocks, "max_model_len": size.s1_max_model_len, **poisson},
             "section3_workload": {"num_requests": len(s3reqs), "num_blocks": size.num_blocks,
                                   "max_model_len": size.max_model_len, **offline}}
+
+
+def _section3(size: ReportSize, model: str, host, threads: int, progress: bool) -> dict:
+    """The throughput workload through folio and its peers at each of ``size.s3_threads`` (the
+    largest first: its run carries the KV trace), then the kernel rates at the same counts."""
+    from .kernel_rates import run_kernel_rates
+    from .throughput import run_throughput
+
+    counts = sorted({t or threads for t in size.s3_threads}, reverse=True)
+    runs = []
+    for i, t in enumerate(counts):
+        runs.append(run_throughput(host, model=model, num_prompts=size.s3_num_prompts, input_len=size.s3_input_len,
+                                   output_len=size.s3_output_len, seed=0, peers=size.s3_peers, threads=t,
+                                   progress=progress, keep_trace=i == 0,
+                                   build_llama_server=size.s3_build_llama_server))
+    main = runs[0]
+    trace = main.pop("_trace")
+    main["kv_trace"] = [list(k) for k in trace.kv]
+    main["other_threads"] = [{k: r[k] for k in ("engine", "folio", "peers", "machine")} for r in runs[1:]]
+    main["kernel_rates"] = run_kernel_rates(counts[::-1], repeat=size.s3_kernel_repeat, layers=size.s3_kernel_layers,
+                                            contexts=size.s3_kernel_contexts,
+                                            model=model if size.s3_kernel_model_decode else None)
+    return main
 
 
 def _consistency(data) -> dict:
@@ -260,16 +285,21 @@ def make_plots(data: dict, out_dir: Path) -> dict:
             ax.legend(fontsize=8)
         save(fig, "fig2_continuous_vs_static.png")
     if "3" in S:
-        r = S["3"]
-        names = ["folio"] + [k for k, v in r["peers"].items() if "skipped" not in v]
-        vals = [r["folio"]["output_tokens_per_s"]] + [r["peers"][k]["output_tokens_per_s"] for k in names[1:]]
-        labels = {"folio": "folio\n(continuous)", "transformers": "transformers\n(static x16)",
-                  "llama-cpp": "llama.cpp\n(one at a time)"}
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        bars = ax.bar([labels.get(n, n) for n in names], vals, color=["C0", "C1", "C2"][:len(names)])
-        ax.bar_label(bars, fmt="%.1f")
+        runs = _s3_runs(S["3"])
+        names = ["folio"] + [k for k in runs[0]["peers"] if "skipped" not in runs[0]["peers"][k]]
+        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names) + 1), 3.4))
+        width = 0.8 / len(runs)
+        for i, r in enumerate(runs):
+            vals = [r["folio"]["output_tokens_per_s"] if n == "folio" else
+                    r["peers"].get(n, {}).get("output_tokens_per_s", 0.0) for n in names]
+            bars = ax.bar(np.arange(len(names)) + (i - (len(runs) - 1) / 2) * width, vals, width,
+                          label=f"{r['engine']['threads']} thread(s)")
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks(np.arange(len(names)), [_s3_label(n, runs[0]["peers"].get(n, {})).replace(" (", "\n(")
+                                              for n in names], fontsize=7)
         ax.set_ylabel("output tokens/s")
-        ax.set_title(f"{r['workload']['num_prompts']} requests, same run")
+        ax.set_title(f"{S['3']['workload']['num_prompts']} requests, same run")
+        ax.legend(fontsize=8)
         save(fig, "fig3_throughput_peers.png")
     if "4" in S:
         rows = S["4"]["rows"]
@@ -334,6 +364,104 @@ def make_plots(data: dict, out_dir: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 # markdown
 # ---------------------------------------------------------------------------------------------
+def _s3_runs(r: dict) -> list[dict]:
+    """Section 3's runs, the largest thread count first (older report.json files have one)."""
+    return [r] + list(r.get("other_threads", []))
+
+
+def _s3_label(name: str, p: dict) -> str:
+    return p.get("label") or {"folio": "folio (continuous batching)",
+                              "transformers": f"transformers (static batches of {p.get('batch_size', 16)})",
+                              "llama-cpp": "llama-cpp-python (one at a time)"}.get(name, name)
+
+
+def _section3_markdown(r: dict, figure: list, reproduce: str) -> list:
+    runs = _s3_runs(r)
+    w = r["workload"]
+    server = next((p for run in runs for p in run["peers"].values() if "parallel" in p), None)
+    L = ["## 3. Throughput against peers", "",
+         "**Claim** (vLLM, Kwon et al. 2023): up to 24x the throughput of Hugging Face Transformers; here also "
+         "against the engine a CPU user would pick, llama.cpp's own server with continuous batching.", "",
+         f"**Setup**: {w['num_prompts']} requests, prompt lengths uniform {w['input_len']}, output lengths uniform "
+         f"{w['output_len']}, ignore_eos, {w['prompts']} (seed {w['seed']}). folio: continuous batching, budget "
+         "2048 tokens/step, float32. transformers: `generate` in static batches of 16, left-padded, float32. "
+         "llama-cpp-python: the packaged Q4_1 GGUF, one request at a time. llama-server: llama.cpp's HTTP server "
+         "built from the source in the pinned llama-cpp-python sdist (portable AVX2 flags, `benchmark/Makefile`), "
+         + (f"{server['parallel']} slots (one per request folio runs at once), one shared KV buffer, "
+            "continuous batching, " if server else "") +
+         "every request sent at once over HTTP; on the same GGUF converted to F32 with llama-quantize (folio's "
+         "precision) and as shipped (Q4_1). Every engine runs with the thread count in the table, one after the "
+         "other on the same machine.", ""] + figure + [
+         "| engine | threads | wall (s) | requests/s | output tokens/s | total tokens/s | folio / engine |",
+         "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        f, t = run["folio"], run["engine"]["threads"]
+        L.append(f"| folio | {t} | {f['wall_s']:.1f} | {f['requests_per_s']:.3f} | {f['output_tokens_per_s']:.1f} | "
+                 f"{f['total_tokens_per_s']:.1f} | |")
+        for name, p in run["peers"].items():
+            if "skipped" in p:
+                L.append(f"| {_s3_label(name, p)} | {t} | skipped: {p['skipped']} | | | | |")
+            else:
+                L.append(f"| {_s3_label(name, p)} | {t} | {p['wall_s']:.1f} | {p['requests_per_s']:.3f} | "
+                         f"{p['output_tokens_per_s']:.1f} | {p['total_tokens_per_s']:.1f} | "
+                         f"{f['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x |")
+    meaning = []
+    for run in runs:
+        f = run["folio"]
+        ratios = [f"{f['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x {_s3_label(n, p)}"
+                  for n, p in run["peers"].items() if "skipped" not in p]
+        meaning.append(f"with {run['engine']['threads']} thread(s) folio's output tokens/s are "
+                       f"{', '.join(ratios) if ratios else '(no peer ran)'}")
+    if len(runs) > 1:
+        hi, lo = runs[0], runs[-1]
+        meaning.append(f"folio with {hi['engine']['threads']} threads runs {hi['folio']['output_tokens_per_s'] / lo['folio']['output_tokens_per_s']:.2f}x "
+                       f"its {lo['engine']['threads']}-thread rate (goal on an idle 2-core machine: >= 1.7x)")
+    f = r["folio"]
+    loads = ", ".join(f"{run['machine'].get('loadavg_1m', 0):.1f}" for run in runs)
+    L += ["", "**Meaning**: " + "; ".join(meaning) + ". " +
+          f"1-min load at the end of each run: {loads}. KV cache during the {r['engine']['threads']}-thread run: "
+          f"mean waste {_pct(f['kv_waste_mean'])} (held {f['kv_tokens_held_at_peak']} of "
+          f"{f['kv_tokens_allocated_at_peak']} allocated slots at the peak, {f['peak_blocks_in_use']} of "
+          f"{f['num_total_blocks']} blocks), {f['num_preemptions']} preemptions.", ""]
+    if "kernel_rates" in r:
+        L += _kernel_rates_markdown(r["kernel_rates"])
+    L += [f"Reproduce: `{reproduce}`, or one thread count at a time: `folio bench throughput --peer transformers "
+          "--peer llama-cpp --peer llama-cpp-server --threads N` and `folio bench kernels`", ""]
+    return L
+
+
+def _kernel_rates_markdown(k: dict) -> list:
+    L = ["### CPU kernel rates against this machine's limits", "",
+         "Measured by the code of `folio bench kernels` (folio/bench/kernel_rates.py) right after the throughput "
+         f"runs; sgemm = {k['blas']}. Copy bandwidth: every thread `memcpy`s a slice of 512 MiB (read + write bytes). "
+         "Decode-sized products stream the default model's per-layer weights (GB/s of weights read); batched "
+         "products and prefill attention against BLAS sgemm on its own threads, same shapes (attention: "
+         "`[ctx, 576] x [576, 3072]`); decode attention = 16 sequences of one token, GB/s of K/V read; "
+         "single-sequence decode against weights bytes per step / copy bandwidth.", "",
+         "| threads | load | copy GB/s | product T=1 GB/s (% copy) | T=8 | batched products % of sgemm (min..max) "
+         "| decode attention GB/s (% copy), by context | prefill attention % of sgemm, by context "
+         "| 1-sequence decode tok/s (% of DRAM bound) |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in k["runs"]:
+        bw = run["copy_gbs"]
+        dp = {d["rows"]: d for d in run["decode_products"]}
+        bp = [d["gflops"] / d["sgemm_gflops"] for d in run["batched_products"]]
+        dec = ", ".join(f"{d['ctx']}: {d['gbs']:.1f} ({100 * d['gbs'] / bw:.0f}%)" for d in run["attention"]
+                        if d["kind"] == "decode")
+        pre = ", ".join(f"{d['ctx']}: {100 * d['gflops'] / d['sgemm_gflops']:.0f}%" for d in run["attention"]
+                        if d["kind"] == "prefill")
+        md = run.get("model_decode")
+        mds = (f"{md['decode_tokens_per_s']:.1f} ({100 * md['decode_tokens_per_s'] / md['bound_tokens_per_s']:.0f}%)"
+               if md else "-")
+        t1 = dp.get(1)
+        t8 = dp.get(8)
+        L.append(f"| {run['threads']} | {run['load_start']:.1f} | {bw:.1f} | "
+                 + (f"{t1['gbs']:.1f} ({100 * t1['gbs'] / bw:.0f}%)" if t1 else "-") + " | "
+                 + (f"{t8['gbs']:.1f} ({100 * t8['gbs'] / bw:.0f}%)" if t8 else "-") + " | "
+                 f"{100 * min(bp):.0f}%..{100 * max(bp):.0f}% | {dec} | {pre} | {mds} |")
+    L.append("")
+    return L
+
+
 def _pct(x):
     return f"{100 * x:.1f}%"
 
@@ -347,7 +475,7 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
          f"Machine: {m0.get('cpu', '?')}, {m0.get('cores')} cores, {m0.get('mem_total_gib', '?')} GiB; 1-min load "
          f"{m0.get('loadavg_1m', 0):.1f} at the start and {data['machine_end'].get('loadavg_1m', 0):.1f} at the end "
          "(the machine is shared, so timings are noisy). Model: SmolLM2-135M-Instruct, float32 on CPU, "
-         f"{data['threads']} thread(s) per engine (folio and every peer alike). Raw figures: "
+         f"{data['threads']} thread(s) per engine (folio and every peer alike; section 3 also at 1). Raw figures: "
          "[report.json](report.json).", ""]
     cmd = lambda n: _section_command(n, size_name)  # noqa: E731
 
@@ -419,34 +547,7 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
         L += ["", "**Meaning**: " + "; ".join(per_rate) + "." + sat, "",
               f"Reproduce: `{cmd(2)}`", ""]
     if "3" in S:
-        r = S["3"]
-        f = r["folio"]
-        w = r["workload"]
-        L += ["## 3. Throughput against peers", "",
-              "**Claim** (vLLM, Kwon et al. 2023): up to 24x the throughput of Hugging Face Transformers.", "",
-              f"**Setup**: {w['num_prompts']} requests, prompt lengths uniform {w['input_len']}, output lengths "
-              f"uniform {w['output_len']}, ignore_eos, {w['prompts']} (seed {w['seed']}); folio with continuous "
-              "batching (budget 2048 tokens/step); transformers `generate` in static batches of 16, left-padded, "
-              "float32; llama-cpp-python on the packaged Q4_1 GGUF of the same model, one request at a time. "
-              "All in one process, one after the other, same thread count.", ""] + fig("fig3") + [
-              "| engine | wall (s) | requests/s | output tokens/s | total tokens/s |", "|---|---|---|---|---|",
-              f"| folio | {f['wall_s']:.1f} | {f['requests_per_s']:.3f} | {f['output_tokens_per_s']:.1f} | "
-              f"{f['total_tokens_per_s']:.1f} |"]
-        for name, p in r["peers"].items():
-            if "skipped" in p:
-                L.append(f"| {name} | skipped: {p['skipped']} | | | |")
-            else:
-                L.append(f"| {name} | {p['wall_s']:.1f} | {p['requests_per_s']:.3f} | {p['output_tokens_per_s']:.1f} | "
-                         f"{p['total_tokens_per_s']:.1f} |")
-        ratios = [f"{f['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x {n}"
-                  for n, p in r["peers"].items() if "skipped" not in p]
-        L += ["", f"**Meaning**: folio's output tokens/s are {', '.join(ratios) if ratios else '(no peer ran)'}. "
-              f"KV cache during the run: mean waste {_pct(f['kv_waste_mean'])} (held {f['kv_tokens_held_at_peak']} of "
-              f"{f['kv_tokens_allocated_at_peak']} allocated slots at the peak, {f['peak_blocks_in_use']} of "
-              f"{f['num_total_blocks']} blocks), {f['num_preemptions']} preemptions. llama.cpp runs 4-bit weights "
-              "with hand-tuned SIMD kernels, folio float32 NumPy/Numba: its per-token cost is lower, folio wins "
-              "by batching when it does.", "",
-              f"Reproduce: `{cmd(3)}` or `folio bench throughput --peer transformers --peer llama-cpp`", ""]
+        L += _section3_markdown(S["3"], fig("fig3"), cmd(3))
     if "4" in S:
         r = S["4"]
         L += ["## 4. Parallel sampling memory", "",

@@ -45,18 +45,25 @@ def peer_figures(r: dict) -> dict:
 def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-instruct",
                    num_prompts: int = 64, input_len=(32, 512), output_len=(16, 256), seed: int = 0,
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_blocks: int | None = None,
-                   peers=(), threads: int = 1, tf_batch_size: int = 16, progress: bool = True,
-                   keep_trace: bool = False) -> dict:
+                   peers=(), threads: int | None = None, tf_batch_size: int = 16, progress: bool = True,
+                   keep_trace: bool = False, build_llama_server: bool = True) -> dict:
     """Run the workload through folio, then through each peer in ``peers``.
 
     Args:
         host: an already loaded ``ModelHost`` (None: load one sized for this workload).
         peers: names from ``peers.PEERS``; an unavailable peer is recorded as skipped with its reason.
+            ``llama-cpp-server`` runs twice (F32 and the GGUF as shipped), one slot per request that
+            folio runs at once (``min(num_prompts, max_num_seqs)``); with ``build_llama_server``
+            False it runs only when already built.
+        threads: the thread count every engine gets (folio's is the calling thread's Numba
+            setting; None: that setting, by default every core this process may use).
     Returns:
         dict: workload, folio figures, per-peer figures (or ``{"skipped": reason}``), machine.
     """
     from tqdm.auto import tqdm
 
+    from ..kernels.cpu_threads import num_threads, numba_threads
+    threads = threads or num_threads()
     requests = random_requests(num_prompts, tuple(input_len), tuple(output_len), seed)
     need = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     if host is None:
@@ -65,7 +72,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         host = ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb)
     engine = host.engine(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     bar = tqdm(total=len(requests), desc="folio", disable=not progress, dynamic_ncols=True)
-    res = run_trace(engine, requests, ignore_eos_params, sample_kv=True, progress=bar)
+    with numba_threads(threads):
+        res = run_trace(engine, requests, ignore_eos_params, sample_kv=True, progress=bar)
     bar.close()
     out = {
         "command": command_line(),
@@ -82,6 +90,12 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
     if keep_trace:
         out["_trace"] = res
     for name in peers:
+        if name == "llama-cpp-server":
+            from .llama_server import run_peer
+            for key, r in run_peer(model, requests, threads, parallel=min(len(requests), max_num_seqs),
+                                   progress=progress, build=build_llama_server).items():
+                out["peers"][key] = r if "skipped" in r else peer_figures(r)
+            continue
         ok, why = peers_mod.available(name)
         if not ok:
             out["peers"][name] = {"skipped": why}
@@ -116,14 +130,14 @@ def format_throughput(out: dict) -> str:
         f"{f['output_tokens_per_s']:>11.1f}{f['total_tokens_per_s']:>13.1f}",
     ]
     for name, p in out["peers"].items():
-        label = {"transformers": f"transformers (static batches of {p.get('batch_size', 16)})",
-                 "llama-cpp": "llama-cpp-python (one at a time)"}.get(name, name)
+        label = p.get("label") or {"transformers": f"transformers (static batches of {p.get('batch_size', 16)})",
+                                   "llama-cpp": "llama-cpp-python (one at a time)"}.get(name, name)
         if "skipped" in p:
             lines.append(f"{label:<34}  skipped: {p['skipped']}")
             continue
         lines.append(f"{label:<34}{p['wall_s']:>9.1f}{p['requests_per_s']:>9.3f}"
                      f"{p['output_tokens_per_s']:>11.1f}{p['total_tokens_per_s']:>13.1f}")
-        lines.append(f"{'':<34}folio / {name}: {f['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x "
+        lines.append(f"{'':<34}folio / {label}: {f['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x "
                      "output tokens/s")
     lines += [
         "",
