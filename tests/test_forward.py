@@ -264,6 +264,18 @@ def test_prefill_chunked_and_token_by_token_agree(default_model, golden, whole_p
     np.testing.assert_allclose(got, whole_prefill_logits, rtol=0, atol=atol)
 
 
+def test_one_thread_and_every_core_agree(default_model, golden, whole_prefill_logits):
+    # the parallel kernels split work into items and tiles but never a sum: only rounding may
+    # differ (another tile shape can make BLAS pick another kernel)
+    from folio.kernels.cpu_threads import numba_threads
+
+    model, config, _ = default_model
+    with numba_threads(1):
+        got = run_paged(model, config, _prompt_300(golden), 300)
+    atol = forward_logit_atol(config.num_hidden_layers, max_dot_len(config), whole_prefill_logits)
+    np.testing.assert_allclose(got, whole_prefill_logits, rtol=0, atol=atol)
+
+
 @pytest.mark.slow
 def test_token_by_token_contiguous_agrees(default_model, golden, whole_prefill_logits):
     model, config, _ = default_model

@@ -1,0 +1,114 @@
+"""The CPU threading policy (kernels/cpu_threads.py): one pool, BLAS held at one thread, work
+items from a shared counter, and the sgemm the kernels call (BLAS's or the fallback loop)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+from numba import njit, prange
+from numerics import dot_bound
+
+from folio.kernels import cpu, cpu_linear, cpu_threads
+from folio.kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add
+
+
+def _fallback():
+    i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, i64, f32, vp, i64, vp, i64, f32,
+                             vp, i64)
+    return proto(cpu_threads._sgemm_fallback.address)
+
+
+@pytest.mark.parametrize("ta", [NO_TRANS, TRANS])
+@pytest.mark.parametrize("tb", [NO_TRANS, TRANS])
+def test_sgemm_fallback_is_cblas_sgemm(ta, tb):
+    # the loop that stands in for BLAS where NumPy's has no ILP64 cblas_sgemm: same contract,
+    # C = alpha op(A) op(B) + beta C, row-major with leading dimensions wider than the operands
+    rng = np.random.default_rng(0)
+    M, N, K, pad = 5, 7, 11, 3
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    A = np.zeros((M, K + pad) if ta == NO_TRANS else (K, M + pad), np.float32)
+    B = np.zeros((K, N + pad) if tb == NO_TRANS else (N, K + pad), np.float32)
+    if ta == NO_TRANS:
+        A[:, :K] = a
+    else:
+        A[:, :M] = a.T
+    if tb == NO_TRANS:
+        B[:, :N] = b
+    else:
+        B[:, :K] = b.T
+    C = rng.standard_normal((M, N + pad)).astype(np.float32)
+    want = 2.0 * (a.astype(np.float64) @ b) + 0.5 * C[:, :N]
+    _fallback()(ROW_MAJOR, ta, tb, M, N, K, 2.0, A.ctypes.data, A.shape[1], B.ctypes.data, B.shape[1], 0.5,
+                C.ctypes.data, C.shape[1])
+    # alpha (exact: 2) times a K-term dot product, plus beta C (two more roundings)
+    bound = 2 * dot_bound(a, b.T) + 4 * 2.0 ** -24 * (2 * np.abs(a) @ np.abs(b) + np.abs(want))
+    assert np.all(np.abs(C[:, :N] - want) <= bound)
+
+
+def test_blas_is_held_at_one_thread_and_named():
+    from threadpoolctl import threadpool_info
+    blas = [i for i in threadpool_info() if i["user_api"] == "blas"]
+    assert blas and all(i["num_threads"] == 1 for i in blas), blas
+    assert cpu_threads.blas_name()
+
+
+def test_every_work_item_is_taken_exactly_once():
+    @njit(parallel=True)
+    def claim(n_items, n_tasks, counter, seen):
+        for _task in prange(n_tasks):
+            while True:
+                i = fetch_add(counter, 1)
+                if i >= n_items:
+                    break
+                seen[i] += 1
+
+    seen = np.zeros(10007, np.int64)
+    claim(seen.size, max(2, numba.get_num_threads()), np.zeros(1, np.int64), seen)
+    assert np.all(seen == 1)
+
+
+def test_numba_threads_sets_and_restores():
+    before = numba.get_num_threads()
+    with cpu_threads.numba_threads(1):
+        assert cpu_threads.num_threads() == 1
+    assert numba.get_num_threads() == before
+    for bad in (0, numba.config.NUMBA_NUM_THREADS + 1):
+        with pytest.raises(ValueError, match="threads"):
+            with cpu_threads.numba_threads(bad):
+                pass
+
+
+def test_default_threads_are_the_allowed_cores():
+    assert cpu_threads.default_num_threads() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("preset", [None, "active"])
+def test_openmp_waits_passively_unless_the_user_says(preset):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_WAIT_POLICY_SET_BY_FOLIO")}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    code = "import os, folio.kernels.cpu; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (preset or "passive")
+
+
+def test_linear_tiles_cover_the_output(monkeypatch):
+    # several row and column tiles, ragged edges, against the exact product (any order of sums)
+    monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((200, 70)).astype(np.float32)
+    for T in (9, 600):
+        x = rng.standard_normal((T, 70)).astype(np.float32)
+        with cpu_threads.numba_threads(min(2, numba.config.NUMBA_NUM_THREADS)):
+            y = cpu.linear(x, w)
+        assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w))
+    tile_m, tile_n = cpu_linear.gemm_tiles(600, 200, 2)
+    assert tile_m == 256 and tile_n % 16 == 0 and -(-600 // tile_m) * -(-200 // tile_n) >= 4 * 2
