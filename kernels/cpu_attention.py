@@ -87,14 +87,15 @@ def _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc):
 
 
 @njit(cache=True, fastmath=True)
-def _scores_loop(qs, Rh, key_cache, b, n, sc, j0):
-    # sc[h * Rh + i, j0 + o] = qs[h * Rh + i] . key_cache[b, o, h] for o < n, every KV head h:
-    # the block is read in memory order (key, head), 4 keys per pass sharing each q load
-    Hkv, D = key_cache.shape[2], key_cache.shape[3]
+def _scores_loop(qs, Rh, key_cache, b, h0, h1, n, sc, j0):
+    # sc[(h - h0) * Rh + i, j0 + o] = qs[(h - h0) * Rh + i] . key_cache[b, o, h] for o < n, KV
+    # heads h0..h1: the block is read in memory order (key, head), 4 keys per pass sharing each
+    # q load
+    D = key_cache.shape[3]
     o = 0
     while o + 4 <= n:
-        for h in range(Hkv):
-            for r in range(h * Rh, (h + 1) * Rh):
+        for h in range(h0, h1):
+            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
                 a0 = _F32(0.0)
                 a1 = _F32(0.0)
                 a2 = _F32(0.0)
@@ -111,8 +112,8 @@ def _scores_loop(qs, Rh, key_cache, b, n, sc, j0):
                 sc[r, j0 + o + 3] = a3
         o += 4
     while o < n:
-        for h in range(Hkv):
-            for r in range(h * Rh, (h + 1) * Rh):
+        for h in range(h0, h1):
+            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
                 a0 = _F32(0.0)
                 for d in range(D):
                     a0 += qs[r, d] * key_cache[b, o, h, d]
@@ -121,14 +122,14 @@ def _scores_loop(qs, Rh, key_cache, b, n, sc, j0):
 
 
 @njit(cache=True, fastmath=True)
-def _values_loop(sc, Rh, value_cache, b, n, acc, j0):
-    # acc[h * Rh + i] += sum_o sc[h * Rh + i, j0 + o] * value_cache[b, o, h]: 4 keys per pass,
-    # so each acc element is loaded and stored once per 4 keys
-    Hkv, D = value_cache.shape[2], value_cache.shape[3]
+def _values_loop(sc, Rh, value_cache, b, h0, h1, n, acc, j0):
+    # acc[(h - h0) * Rh + i] += sum_o sc[(h - h0) * Rh + i, j0 + o] * value_cache[b, o, h]: 4
+    # keys per pass, so each acc element is loaded and stored once per 4 keys
+    D = value_cache.shape[3]
     o = 0
     while o + 4 <= n:
-        for h in range(Hkv):
-            for r in range(h * Rh, (h + 1) * Rh):
+        for h in range(h0, h1):
+            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
                 p0 = sc[r, j0 + o]
                 p1 = sc[r, j0 + o + 1]
                 p2 = sc[r, j0 + o + 2]
@@ -138,8 +139,8 @@ def _values_loop(sc, Rh, value_cache, b, n, acc, j0):
                                   + p2 * value_cache[b, o + 2, h, d] + p3 * value_cache[b, o + 3, h, d])
         o += 4
     while o < n:
-        for h in range(Hkv):
-            for r in range(h * Rh, (h + 1) * Rh):
+        for h in range(h0, h1):
+            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
                 p0 = sc[r, j0 + o]
                 for d in range(D):
                     acc[r, d] += p0 * value_cache[b, o, h, d]
@@ -157,20 +158,19 @@ def _prefetch_block(cache, b):
 
 @njit(cache=True, fastmath=True)
 def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                 s, h, t0, t1, qs, kb, vb, sc, acc, m, l):
-    # Tokens t0..t1 of sequence s. Tile item (h >= 0): rows r = (t - t0) * group + g, query
-    # heads h * group + g. Loop item (h < 0, every KV head): rows r = kvh * Rh + (t - t0) *
-    # group + g for kv head kvh, Rh = (t1 - t0) * group.
+                 s, h0, h1, t0, t1, qs, kb, vb, sc, acc, m, l):
+    # Tokens t0..t1 of sequence s, KV heads h0..h1 (one for a tile item). Rows r = (h - h0) * Rh
+    # + (t - t0) * group + g with Rh = (t1 - t0) * group: query head h * group + g of token t.
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
     group = H // Hkv
     q_start = query_start_loc[s]
     first_pos = seq_lens[s] - (query_start_loc[s + 1] - q_start) + (t0 - q_start)
     Rh = (t1 - t0) * group
-    tiles = h >= 0
-    R = Rh if tiles else Rh * Hkv
+    tiles = Rh >= TILE_MIN_ROWS
+    R = Rh * (h1 - h0)
     for r in range(R):
-        hq = h * group + r % group if tiles else (r // Rh) * group + r % group
+        hq = (h0 + r // Rh) * group + r % group
         t = t0 + (r % Rh) // group
         for d in range(D):
             qs[r, d] = q[t, hq, d] * qscale
@@ -178,6 +178,7 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         m[r] = _NEG
         l[r] = 0.0
     n_keys = first_pos + (t1 - t0)             # the last token sees keys 0 .. n_keys - 1
+    n_blocks = (n_keys + bs - 1) // bs
     CH = kb.shape[0]                            # whole blocks
     for c0 in range(0, n_keys, CH):
         nk = min(CH, n_keys - c0)
@@ -186,27 +187,28 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 b = block_tables[s, (c0 + j) // bs]
                 o = (c0 + j) % bs
                 for d in range(D):
-                    kb[j, d] = key_cache[b, o, h, d]
-                    vb[j, d] = value_cache[b, o, h, d]
+                    kb[j, d] = key_cache[b, o, h0, d]
+                    vb[j, d] = value_cache[b, o, h0, d]
             sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, ptr(kb, 0), D, _F32(0.0),
                   ptr(sc, 0), CH)
         else:
             for j0 in range(0, nk, bs):
                 # while this block's keys are used, ask for the next block's keys and this one's values
                 bi = (c0 + j0) // bs
-                if bi + 1 < (n_keys + bs - 1) // bs:
+                if bi + 1 < n_blocks:
                     _prefetch_block(key_cache, block_tables[s, bi + 1])
                 _prefetch_block(value_cache, block_tables[s, bi])
-                _scores_loop(qs, Rh, key_cache, block_tables[s, bi], min(bs, nk - j0), sc, j0)
+                _scores_loop(qs, Rh, key_cache, block_tables[s, bi], h0, h1, min(bs, nk - j0), sc, j0)
         _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc)
         if tiles:
             sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, _F32(1.0), ptr(sc, 0), CH, ptr(vb, 0), D, _F32(1.0),
                   ptr(acc, 0), D)
         else:
             for j0 in range(0, nk, bs):
-                _values_loop(sc, Rh, value_cache, block_tables[s, (c0 + j0) // bs], min(bs, nk - j0), acc, j0)
+                _values_loop(sc, Rh, value_cache, block_tables[s, (c0 + j0) // bs], h0, h1, min(bs, nk - j0), acc,
+                             j0)
     for r in range(R):
-        hq = h * group + r % group if tiles else (r // Rh) * group + r % group
+        hq = (h0 + r // Rh) * group + r % group
         t = t0 + (r % Rh) // group
         inv = _F32(1.0) / l[r]
         for d in range(D):
@@ -214,19 +216,24 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
 
 
 @njit(cache=True)
-def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens):
-    """Work items ``[n, 4]`` int64 ``(sequence, kv head or -1 for all, first token, end token)``,
-    largest first, and their total multiply-adds (QK^T and PV alike, causal). A sequence with
-    fewer than ``TILE_MIN_ROWS`` query rows per KV head (a decode) is one item over every KV
-    head, so that its blocks are read once, in memory order; longer ones are tiles of
-    ``tile_tokens`` tokens per KV head."""
+def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens, split_heads):
+    """Work items ``[n, 5]`` int64 ``(sequence, first kv head, end kv head, first token, end
+    token)``, largest first, and their total multiply-adds (QK^T and PV alike, causal).
+
+    A sequence with fewer than ``TILE_MIN_ROWS`` query rows per KV head (a decode) is one loop
+    item over every KV head, so that its blocks are read once, in memory order, or with
+    ``split_heads`` (too few decodes to feed the threads) one item per KV head. Longer ones are
+    tile items of ``tile_tokens`` tokens and one KV head."""
     S = seq_lens.shape[0]
     n = 0
     for s in range(S):
         ql = query_start_loc[s + 1] - query_start_loc[s]
         if ql > 0:
-            n += 1 if ql * group < TILE_MIN_ROWS else num_kv_heads * ((ql + tile_tokens - 1) // tile_tokens)
-    items = np.empty((n, 4), np.int64)
+            if ql * group < TILE_MIN_ROWS:
+                n += num_kv_heads if split_heads else 1
+            else:
+                n += num_kv_heads * ((ql + tile_tokens - 1) // tile_tokens)
+    items = np.empty((n, 5), np.int64)
     cost = np.empty(n, np.int64)
     i = 0
     work = 0
@@ -237,17 +244,19 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens)
             continue
         loop = ql * group < TILE_MIN_ROWS
         step = ql if loop else tile_tokens
+        heads = num_kv_heads if loop and not split_heads else 1
         for t0 in range(q0, q1, step):
             t1 = min(q1, t0 + step)
             last_keys = seq_lens[s] - (q1 - t1)          # keys seen by the item's last token
-            c = (t1 - t0) * group * (last_keys - (t1 - t0) // 2)
-            for h in range(1 if loop else num_kv_heads):
+            c = (t1 - t0) * group * heads * (last_keys - (t1 - t0) // 2)
+            for h in range(0, num_kv_heads, heads):
                 items[i, 0] = s
-                items[i, 1] = -1 if loop else h
-                items[i, 2] = t0
-                items[i, 3] = t1
-                cost[i] = c * num_kv_heads if loop else c
-                work += cost[i]
+                items[i, 1] = h
+                items[i, 2] = h + heads
+                items[i, 3] = t0
+                items[i, 4] = t1
+                cost[i] = c
+                work += c
                 i += 1
     order = np.argsort(-cost)
     return items[order], work
@@ -258,8 +267,8 @@ def _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_s
                       qs, kb, vb, sc, acc, m, l):
     for i in range(items.shape[0]):
         _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                     items[i, 0], items[i, 1], items[i, 2], items[i, 3], qs[0], kb[0], vb[0], sc[0], acc[0], m[0],
-                     l[0])
+                     items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], qs[0], kb[0], vb[0], sc[0],
+                     acc[0], m[0], l[0])
 
 
 @njit(parallel=True, cache=True)
@@ -272,8 +281,8 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
             if i >= items.shape[0]:
                 break
             _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                         items[i, 0], items[i, 1], items[i, 2], items[i, 3], qs[w], kb[w], vb[w], sc[w], acc[w],
-                         m[w], l[w])
+                         items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], qs[w], kb[w], vb[w],
+                         sc[w], acc[w], m[w], l[w])
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -297,13 +306,18 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     block_tables = np.asarray(block_tables, dtype=np.int64)
     out = np.zeros((T, H, D), dtype=_F32)
     tile_tokens = max(1, TILE_ROWS // group)
-    items, work = attention_items(seq_lens, query_start_loc, Hkv, group, tile_tokens)
+    q_lens = np.diff(query_start_loc)
+    # multiply-adds of QK^T (the same again for PV): every new token against its context
+    work = int(np.dot(q_lens, seq_lens - (q_lens - 1) // 2)) * H * D
+    parallel = num_threads() > 1 and work >= _PARALLEL_MIN_WORK
+    # fewer decoding sequences than 2 per thread: split them by KV head
+    split = parallel and int(np.count_nonzero((q_lens > 0) & (q_lens * group < TILE_MIN_ROWS))) < 2 * num_threads()
+    items, _ = attention_items(seq_lens, query_start_loc, Hkv, group, tile_tokens, split)
     if items.shape[0] == 0:
         return out
     rows = max(tile_tokens * group, TILE_MIN_ROWS * Hkv)
     chunk = max(1, CHUNK_KEYS // bs) * bs
-    threads = num_threads()
-    tasks = threads if threads > 1 and work * D >= _PARALLEL_MIN_WORK and items.shape[0] > 1 else 1
+    tasks = num_threads() if parallel and items.shape[0] > 1 else 1
     qs = np.empty((tasks, rows, D), _F32)
     acc = np.empty((tasks, rows, D), _F32)
     sc = np.empty((tasks, rows, chunk), _F32)
