@@ -107,6 +107,27 @@ def peer_env(threads: int) -> dict:
     return env
 
 
+class BusyProcesses:
+    """``n`` processes that spin on a core each for the life of the ``with`` block: the
+    "loaded machine" of the thread-scaling measurement (another program wanting the cores)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.procs = []
+
+    def __enter__(self):
+        import subprocess
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.procs = []
+
+
 def command_line() -> str:
     """The command that made this run, as the user would type it."""
     return "folio " + " ".join(_quote(a) for a in sys.argv[1:])

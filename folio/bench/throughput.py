@@ -10,8 +10,8 @@ after every engine step.
 
 from __future__ import annotations
 
-from .common import (ModelHost, TraceResult, command_line, ignore_eos_params, machine_info, random_requests,
-                     run_trace)
+from .common import (BusyProcesses, ModelHost, TraceResult, command_line, ignore_eos_params, machine_info,
+                     random_requests, run_trace)
 from . import peers as peers_mod
 
 
@@ -46,7 +46,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
                    num_prompts: int = 64, input_len=(32, 512), output_len=(16, 256), seed: int = 0,
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_blocks: int | None = None,
                    peers=(), threads: int | None = None, tf_batch_size: int = 16, progress: bool = True,
-                   keep_trace: bool = False, build_llama_server: bool = True) -> dict:
+                   keep_trace: bool = False, build_llama_server: bool = True, busy: int = 0) -> dict:
     """Run the workload through folio, then through each peer in ``peers``.
 
     Args:
@@ -55,6 +55,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
             ``llama-cpp-server`` runs twice (F32 and the GGUF as shipped), one slot per request that
             folio runs at once (``min(num_prompts, max_num_seqs)``); with ``build_llama_server``
             False it runs only when already built.
+        busy: processes spinning on a core each during every engine's run (a loaded machine).
         threads: the thread count every engine gets (folio's is the calling thread's Numba
             setting; None: that setting, by default every core this process may use).
     Returns:
@@ -72,7 +73,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         host = ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb)
     engine = host.engine(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     bar = tqdm(total=len(requests), desc="folio", disable=not progress, dynamic_ncols=True)
-    with numba_threads(threads):
+    with numba_threads(threads), BusyProcesses(busy):
         res = run_trace(engine, requests, ignore_eos_params, sample_kv=True, progress=bar)
     bar.close()
     out = {
@@ -83,6 +84,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
                      "output_tokens": sum(r.output_len for r in requests)},
         "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "block_size": 16, "num_blocks": host.num_blocks, "threads": threads, "dtype": "float32"},
+        "busy_processes": busy,
         "folio": folio_figures(res, requests),
         "peers": {},
         "machine": machine_info(),
@@ -92,8 +94,10 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
     for name in peers:
         if name == "llama-cpp-server":
             from .llama_server import run_peer
-            for key, r in run_peer(model, requests, threads, parallel=min(len(requests), max_num_seqs),
-                                   progress=progress, build=build_llama_server).items():
+            with BusyProcesses(busy):
+                got = run_peer(model, requests, threads, parallel=min(len(requests), max_num_seqs), progress=progress,
+                               build=build_llama_server)
+            for key, r in got.items():
                 out["peers"][key] = r if "skipped" in r else peer_figures(r)
             continue
         ok, why = peers_mod.available(name)
@@ -106,7 +110,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         if name == "llama-cpp":
             from ..model.registry import find_packaged_gguf
             spec["gguf"] = str(find_packaged_gguf(model))
-        r = peers_mod.run_isolated(name, spec)
+        with BusyProcesses(busy):
+            r = peers_mod.run_isolated(name, spec)
         if "skipped" in r:
             out["peers"][name] = r
             continue
@@ -123,7 +128,8 @@ def format_throughput(out: dict) -> str:
         f"{w['output_len']}, ignore_eos, {w['prompts']}, seed {w['seed']} "
         f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens)",
         f"machine: {out['machine'].get('cpu', '?')}, {out['machine'].get('cores')} cores, load "
-        f"{out['machine'].get('loadavg_1m', 0):.1f}; threads per engine: {out['engine']['threads']}",
+        f"{out['machine'].get('loadavg_1m', 0):.1f}; threads per engine: {out['engine']['threads']}"
+        + (f"; {out['busy_processes']} competing busy process(es) during every run" if out.get("busy_processes") else ""),
         "",
         f"{'engine':<34}{'wall s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}",
         f"{'folio (continuous batching)':<34}{f['wall_s']:>9.1f}{f['requests_per_s']:>9.3f}"
