@@ -37,12 +37,13 @@ import ctypes
 import os
 
 # Before Numba starts its OpenMP pool (at the first parallel call): threads that finish a region
-# sleep at once instead of spinning (GNU OpenMP spins by default). Measured on the shared 2-core
-# machine (load ~4.4, a 2-thread region of ~30 us of work): default policy median 17 us but mean
-# 2.8 ms (p90 8 ms: a spinning thread holds the core its partner needs); passive: median 37 us,
-# p99 52 us. The user's own setting wins. ``OMP_WAIT_POLICY_SET_BY_FOLIO`` tells child processes
-# (benchmark peers) to drop it again.
-if "OMP_WAIT_POLICY" not in os.environ:
+# sleep at once instead of spinning (GNU OpenMP spins up to GOMP_SPINCOUNT = 300000 pauses by
+# default). Measured on the shared 2-core machine (load ~4.4, a 2-thread region of ~30 us of
+# work): default policy median 17 us but mean 2.8 ms and p90 8 ms (a spinning thread holds the
+# core its partner needs); passive: median 37 us, p99 52 us. The user's own OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT wins. OMP_WAIT_POLICY_SET_BY_FOLIO tells child processes (benchmark peers) to
+# drop it again.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "passive"
     os.environ["OMP_WAIT_POLICY_SET_BY_FOLIO"] = "1"
 

@@ -85,6 +85,36 @@ def sgemm_gflops(T: int, K: int, N: int, threads: int, repeat: int = 5) -> float
     return 2 * T * K * N / best / 1e9
 
 
+def region_overhead_us(threads: int, calls: int = 2000) -> dict:
+    """Median and p99 wall microseconds of a parallel region with almost no work (one work item
+    per thread), called back to back as a forward pass calls its kernels: the fixed cost of
+    waking the pool and joining it, which every parallel kernel call pays."""
+    from numba import njit, prange
+
+    from ..kernels.cpu_threads import fetch_add
+
+    @njit(parallel=True)
+    def region(a, n_tasks, counter):
+        for _task in prange(n_tasks):
+            while True:
+                i = fetch_add(counter, 1)
+                if i >= n_tasks:
+                    break
+                a[i] += 1.0
+
+    _set_threads(threads)
+    a = np.zeros(threads)
+    region(a, threads, np.zeros(1, np.int64))
+    ts = []
+    for _ in range(calls):
+        c = np.zeros(1, np.int64)
+        t = time.perf_counter()
+        region(a, threads, c)
+        ts.append(time.perf_counter() - t)
+    ts = np.array(ts) * 1e6
+    return {"median_us": float(np.median(ts)), "mean_us": float(ts.mean()), "p99_us": float(np.percentile(ts, 99))}
+
+
 def _set_threads(threads: int) -> None:
     import numba
     numba.set_num_threads(threads)
@@ -224,11 +254,13 @@ def run_kernel_rates(threads_list, repeat: int = 5, model: str | None = "smollm2
     from ..kernels.cpu_threads import blas_name
     from .common import command_line, machine_info
     out = {"command": command_line(), "machine": machine_info(), "blas": blas_name(),
+           "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")},
            "last_level_cache_bytes": last_level_cache_bytes(), "runs": []}
     weights = _model_weights(np.random.default_rng(0), layers)
     for threads in threads_list:
         t0 = time.perf_counter()
         run = {"threads": threads, "load_start": os.getloadavg()[0],
+               "region": region_overhead_us(threads),
                "copy_gbs": copy_bandwidth_gbs(threads, repeat=repeat),
                "decode_products": decode_products(threads, repeat=repeat, weights=weights),
                "batched_products": batched_products(threads, repeat=repeat),
@@ -236,6 +268,8 @@ def run_kernel_rates(threads_list, repeat: int = 5, model: str | None = "smollm2
         if model:
             run["model_decode"] = model_decode(threads, model)
             run["model_decode"]["bound_tokens_per_s"] = run["copy_gbs"] * 1e9 / run["model_decode"]["weight_bytes"]
+        import numba
+        out["threading_layer"] = numba.threading_layer()
         run["load_end"] = os.getloadavg()[0]
         run["seconds"] = time.perf_counter() - t0
         out["runs"].append(run)
@@ -247,11 +281,13 @@ def format_kernel_rates(out: dict) -> str:
     mi = out["machine"]
     L = [f"command: {out['command']}",
          f"machine: {mi.get('cpu', '?')}, {mi.get('cores')} cores, last-level cache "
-         f"{out['last_level_cache_bytes'] >> 20} MiB; sgemm: {out['blas']}"]
+         f"{out['last_level_cache_bytes'] >> 20} MiB; sgemm: {out['blas']}",
+         f"thread pool: Numba {out.get('threading_layer', '?')} layer, {out.get('omp_env')}"]
     for r in out["runs"]:
         t, bw = r["threads"], r["copy_gbs"]
         L += ["", f"== {t} thread(s): load {r['load_start']:.2f} -> {r['load_end']:.2f}, {r['seconds']:.0f} s; "
-                  f"copy bandwidth {bw:.1f} GB/s (read + write)"]
+                  f"copy bandwidth {bw:.1f} GB/s (read + write); an empty parallel region "
+                  f"{r['region']['median_us']:.1f} us median, {r['region']['p99_us']:.1f} us p99"]
         L.append(f"decode-sized products ({r['decode_products'][0]['weight_bytes'] / 1e6:.0f} MB of weights streamed): rows, GB/s of weights (best / median), "
                  "% of copy bandwidth, GFLOP/s")
         for d in r["decode_products"]:
