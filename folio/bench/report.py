@@ -35,6 +35,7 @@ class ReportSize:
     s3_output_len: tuple = (16, 256)
     s3_peers: tuple = ("transformers", "llama-cpp", "llama-cpp-server")
     s3_threads: tuple = (1, 0)          # thread counts of section 3 (0: --threads, every core by default)
+    s3_peers_one_thread: tuple = ("transformers", "llama-cpp-server")  # the 1-thread pass (time)
     s3_build_llama_server: bool = True  # build llama-server (benchmark/Makefile) when missing
     s3_kernel_layers: int = 30          # kernel rates (folio bench kernels) beside the throughput
     s3_kernel_contexts: tuple = (128, 512, 2048)
@@ -189,15 +190,18 @@ def _section1(size: ReportSize, model: str, host) -> dict:
 
 def _section3(size: ReportSize, model: str, host, threads: int, progress: bool) -> dict:
     """The throughput workload through folio and its peers at each of ``size.s3_threads`` (the
-    largest first: its run carries the KV trace), then the kernel rates at the same counts."""
+    largest first: its run carries the KV trace; the others run only ``s3_peers_one_thread``:
+    llama-cpp-python one request at a time on one thread would add ~6 minutes), then the kernel
+    rates at the same counts."""
     from .kernel_rates import run_kernel_rates
     from .throughput import run_throughput
 
     counts = sorted({t or threads for t in size.s3_threads}, reverse=True)
     runs = []
     for i, t in enumerate(counts):
+        peers = size.s3_peers if i == 0 else tuple(p for p in size.s3_peers if p in size.s3_peers_one_thread)
         runs.append(run_throughput(host, model=model, num_prompts=size.s3_num_prompts, input_len=size.s3_input_len,
-                                   output_len=size.s3_output_len, seed=0, peers=size.s3_peers, threads=t,
+                                   output_len=size.s3_output_len, seed=0, peers=peers, threads=t,
                                    progress=progress, keep_trace=i == 0,
                                    build_llama_server=size.s3_build_llama_server))
     main = runs[0]
