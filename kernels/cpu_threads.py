@@ -22,8 +22,9 @@ with *single-threaded* BLAS ``sgemm`` calls. So there is exactly one set of work
 ``sgemm`` is BLAS's ``cblas_sgemm`` (row-major, 64-bit integers) called from compiled code
 without the GIL. It is the one that NumPy itself loaded (found with ``threadpoolctl``: NumPy's
 PyPI wheels carry an ILP64 OpenBLAS whose symbols are ``scipy_cblas_sgemm64_`` (NumPy 2) or
-``cblas_sgemm64_`` (NumPy 1.2x)); when none is found, a plain Numba loop with the same
-signature takes its place (correct, slower), and ``blas_name()`` says which one runs.
+``cblas_sgemm64_`` (NumPy 1.2x)); when none is found (or ``FOLIO_CPU_SGEMM=fallback``), a
+Numba loop with the same signature takes its place (correct, several times slower), and
+``blas_name()`` says which one runs.
 
 Sources: Numba's threading layers and ``numba.set_num_threads`` (numba.readthedocs.io, "The
 Threading Layers", "Setting the Number of Threads"); threadpoolctl (github.com/joblib/
@@ -108,19 +109,30 @@ def fetch_add(typingctx, counter, value):
 
 @cfunc(_SGEMM_SIG, nopython=True, fastmath=True, cache=True)
 def _sgemm_fallback(order, transa, transb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc):
-    # row-major only (the kernels never ask for another order); float32 sums in k order
+    # Row-major only (the kernels never ask for another order). Loop orders that LLVM
+    # vectorises: dot products along k when B is transposed (QK^T, x W^T), rows of B scaled
+    # into rows of C otherwise (PV); the transposition tests are loop-invariant (unswitched).
     A = numba.carray(a, (M * lda if transa == NO_TRANS else K * lda,), np.float32)
     B = numba.carray(b, (K * ldb if transb == NO_TRANS else N * ldb,), np.float32)
     C = numba.carray(c, (M * ldc,), np.float32)
     for i in range(M):
         for j in range(N):
-            acc = np.float32(0.0)
+            C[i * ldc + j] = C[i * ldc + j] * beta if beta != 0 else np.float32(0.0)
+        if transb == TRANS:
+            for j in range(N):
+                acc = np.float32(0.0)
+                if transa == NO_TRANS:
+                    for k in range(K):
+                        acc += A[i * lda + k] * B[j * ldb + k]
+                else:
+                    for k in range(K):
+                        acc += A[k * lda + i] * B[j * ldb + k]
+                C[i * ldc + j] += alpha * acc
+        else:
             for k in range(K):
-                av = A[i * lda + k] if transa == NO_TRANS else A[k * lda + i]
-                bv = B[k * ldb + j] if transb == NO_TRANS else B[j * ldb + k]
-                acc += av * bv
-            prev = C[i * ldc + j] * beta if beta != 0 else np.float32(0.0)
-            C[i * ldc + j] = alpha * acc + prev
+                av = alpha * (A[i * lda + k] if transa == NO_TRANS else A[k * lda + i])
+                for j in range(N):
+                    C[i * ldc + j] += av * B[k * ldb + j]
 
 
 def _find_blas_sgemm():
@@ -144,7 +156,8 @@ def _find_blas_sgemm():
     return None, "no ILP64 cblas_sgemm in the BLAS NumPy loaded"
 
 
-_addr, _blas_desc = _find_blas_sgemm()
+_addr, _blas_desc = (None, "FOLIO_CPU_SGEMM=fallback") if os.environ.get("FOLIO_CPU_SGEMM") == "fallback" \
+    else _find_blas_sgemm()
 if _addr is None:
     _blas_desc = f"Numba loop fallback ({_blas_desc})"
     _addr = _sgemm_fallback.address

@@ -112,3 +112,25 @@ def test_linear_tiles_cover_the_output(monkeypatch):
         assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w))
     tile_m, tile_n = cpu_linear.gemm_tiles(600, 200, 2)
     assert tile_m == 256 and tile_n % 16 == 0 and -(-600 // tile_m) * -(-200 // tile_n) >= 4 * 2
+
+
+def test_kernels_run_on_the_fallback_sgemm():
+    # a process without BLAS's sgemm (FOLIO_CPU_SGEMM=fallback): the tiled products and the
+    # prefill attention tiles run on the Numba loop, within the same derived bounds
+    code = """
+import numpy as np
+from kernel_cases import paged_attention_case
+from numerics import attention_bound, dot_bound
+from folio.kernels import cpu, cpu_threads, reference
+assert cpu_threads.blas_name().startswith("Numba loop fallback"), cpu_threads.blas_name()
+case = paged_attention_case(7, [(90, 60), (40, 1)], num_heads=9, num_kv_heads=3, head_dim=64)
+err = np.abs(cpu.paged_attention(**case).astype(np.float64) - reference.paged_attention(**case))
+assert np.all(err <= attention_bound(case))
+rng = np.random.default_rng(0)
+x, w = rng.standard_normal((40, 70)).astype(np.float32), rng.standard_normal((50, 70)).astype(np.float32)
+assert np.all(np.abs(cpu.linear(x, w) - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w))
+print("ok")
+"""
+    env = dict(os.environ, FOLIO_CPU_SGEMM="fallback", PYTHONPATH=os.path.dirname(__file__))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
