@@ -11,8 +11,10 @@ maximum grows), then writes ``acc / l``. Rows stop at their causal limit (key po
 
 Two ways to compute an item, chosen by its number of rows:
 
-* **Tiles** (``rows >= TILE_MIN_ROWS``: prefill chunks): the chunk's keys and values are gathered
-  from their blocks into contiguous ``[chunk, head_dim]`` buffers, then ``S = Q K^T`` and
+* **Tiles** (``rows >= TILE_MIN_ROWS``: prefill chunks): the chunk's keys and values are read
+  in place when its blocks are consecutive in the cache (one matrix with row stride
+  ``num_kv_heads * head_dim``), else gathered into contiguous ``[chunk, head_dim]`` buffers; then
+  ``S = Q K^T`` and
   ``acc += P V`` are two single-threaded BLAS ``sgemm`` calls on ``[rows, head_dim] x [head_dim,
   chunk]`` and ``[rows, chunk] x [chunk, head_dim]`` (dense products at the sgemm rate); the
   softmax between them is a vectorised loop per row.
@@ -183,14 +185,25 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
     for c0 in range(0, n_keys, CH):
         nk = min(CH, n_keys - c0)
         if tiles:
-            for j in range(nk):                # gather the chunk's rows, contiguous
-                b = block_tables[s, (c0 + j) // bs]
-                o = (c0 + j) % bs
-                for d in range(D):
-                    kb[j, d] = key_cache[b, o, h0, d]
-                    vb[j, d] = value_cache[b, o, h0, d]
-            sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, ptr(kb, 0), D, _F32(0.0),
-                  ptr(sc, 0), CH)
+            # the chunk's keys and values as [nk, D] matrices: in place when its blocks are
+            # consecutive in the cache (row stride Hkv * D), else gathered into kb / vb
+            b0 = block_tables[s, c0 // bs]
+            in_place = True
+            for bi in range(c0 // bs + 1, (c0 + nk + bs - 1) // bs):
+                if block_tables[s, bi] != b0 + bi - c0 // bs:
+                    in_place = False
+            if in_place:
+                off = (b0 * bs * Hkv + h0) * D
+                kmat, vmat, ld = ptr(key_cache, off), ptr(value_cache, off), Hkv * D
+            else:
+                for j in range(nk):
+                    b = block_tables[s, (c0 + j) // bs]
+                    o = (c0 + j) % bs
+                    for d in range(D):
+                        kb[j, d] = key_cache[b, o, h0, d]
+                        vb[j, d] = value_cache[b, o, h0, d]
+                kmat, vmat, ld = ptr(kb, 0), ptr(vb, 0), D
+            sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, kmat, ld, _F32(0.0), ptr(sc, 0), CH)
         else:
             for j0 in range(0, nk, bs):
                 # while this block's keys are used, ask for the next block's keys and this one's values
@@ -201,8 +214,8 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 _scores_loop(qs, Rh, key_cache, block_tables[s, bi], h0, h1, min(bs, nk - j0), sc, j0)
         _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc)
         if tiles:
-            sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, _F32(1.0), ptr(sc, 0), CH, ptr(vb, 0), D, _F32(1.0),
-                  ptr(acc, 0), D)
+            sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, _F32(1.0), ptr(sc, 0), CH, vmat, ld, _F32(1.0), ptr(acc, 0),
+                  D)
         else:
             for j0 in range(0, nk, bs):
                 _values_loop(sc, Rh, value_cache, block_tables[s, (c0 + j0) // bs], h0, h1, min(bs, nk - j0), acc,
@@ -296,7 +309,12 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     ``query_start_loc[S]`` are zero. Decodes and prefill chunks of one step go through one
     parallel region (see the module docstring). ``max_query_len`` and ``max_seq_len`` are
     accepted for signature compatibility with the CUDA table and unused.
+
+    Raises:
+        ValueError: a KV cache that is not C-contiguous (the kernels address blocks directly).
     """
+    if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
+        raise ValueError("paged_attention needs C-contiguous float32 KV caches")
     q = np.ascontiguousarray(q, dtype=_F32)
     T, H, D = q.shape
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
