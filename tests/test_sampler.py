@@ -82,6 +82,9 @@ def test_penalties_match_reference(rep, freq, pres):
     f = lambda v: np.full(R, v, dtype=np.float32)  # noqa: E731
     pen = apply_penalties(logits, [s.prompt_token_ids for s in states],
                           [s.output_token_ids for s in states], f(rep), f(freq), f(pres))
+    # float32 against the float64 reference: at most 4 roundings per logit (the repetition
+    # division or product, frequency x count, + presence, the subtraction) of values below 30
+    # here (|logit| <= 20, rep <= 1.3, freq x count <= 12): 4 x 30 x 2^-24 = 7e-6 < 1e-5
     np.testing.assert_allclose(pen, np.stack(refs), rtol=1e-5, atol=1e-5)
 
 
@@ -198,6 +201,8 @@ def test_logprobs_are_raw_top_k_plus_sampled():
               state(2, temperature=0.7, seed=2)]
     out = sample(logits, states)
     ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(1, keepdims=True))
+    # float32 log-softmax over V = 50: the log-sum-exp (|.| < 15 here) within a few roundings,
+    # the difference one more: below 4 x 15 x 2^-24 + 50 x 2^-24 (the sum) = 7e-6 < 1e-5
     assert out.logprobs.shape == (3, 4) and out.logprob_token_ids.shape == (3, 4)
     assert (out.logprob_token_ids[:, 0] == out.token_ids).all()
     np.testing.assert_allclose(out.logprobs[:, 0], ref[np.arange(3), out.token_ids], atol=1e-5)
