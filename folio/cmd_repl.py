@@ -13,7 +13,7 @@ import os
 def register(subparsers) -> None:
     from .cmd_serve import add_engine_args
     p = subparsers.add_parser("repl", help="interactive chat with streamed answers",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__)
     p.add_argument("--address", default=None,
                    help="server address (default tcp://127.0.0.1:5555 unless --model is given)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server message")
