@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, ConnectionError) as e:
         print(f"folio {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -71,11 +71,15 @@ def private_ipc_address(tag: str) -> str:
 
 
 def cleanup_ipc_address(address: str) -> None:
-    """Remove the socket file (and its private directory, if empty) behind an ``ipc://`` address."""
+    """Remove the socket file behind an ``ipc://`` address, and its directory if that is an empty
+    private one made by ``private_ipc_address`` (a user's own folder is left alone)."""
     if not address.startswith("ipc://"):
         return
     path = address[len("ipc://"):]
-    for p, fn in ((path, os.unlink), (os.path.dirname(path), os.rmdir)):
+    steps = [(path, os.unlink)]
+    if os.path.basename(os.path.dirname(path)).startswith("folio-"):
+        steps.append((os.path.dirname(path), os.rmdir))
+    for p, fn in steps:
         try:
             fn(p)
         except OSError:

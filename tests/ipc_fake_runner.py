@@ -2,7 +2,8 @@
 
 ``EchoRunner`` answers each sampled row with (last input token + 1); ``config.extra`` tunes it:
 ``num_blocks`` (default 64), ``step_s`` (simulated forward seconds), ``fail_init`` (raise at start);
-the environment variables FOLIO_ECHO_NUM_BLOCKS / FOLIO_ECHO_STEP_S set the same through ``folio serve``.
+the environment variables FOLIO_ECHO_NUM_BLOCKS / FOLIO_ECHO_STEP_S set the same through ``folio serve``,
+and FOLIO_ECHO_INIT_S makes start-up take that many seconds (as loading a model does).
 """
 
 import os
@@ -20,6 +21,7 @@ class EchoRunner:
             raise RuntimeError("fake init failure")
         self.num_blocks = int(extra.get("num_blocks", os.environ.get("FOLIO_ECHO_NUM_BLOCKS", 64)))
         self.step_s = float(extra.get("step_s", os.environ.get("FOLIO_ECHO_STEP_S", 0.0)))
+        time.sleep(float(os.environ.get("FOLIO_ECHO_INIT_S", 0.0)))
         self.model_config = None
         self.seen_seqs = set()
 

@@ -176,7 +176,9 @@ class FrontEndProcess:
                 continue
             cmd += [flag, *(value if isinstance(value, list) else [str(value)])]
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(sock.fileno(), w), env=env)
+            # its own session, as the worker's: signals to folio serve's group reach only the
+            # scheduler, which stops this process in order
+            self.proc = subprocess.Popen(cmd, pass_fds=(sock.fileno(), w), env=env, start_new_session=True)
         finally:
             os.close(w)
         try:
