@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The same `folio bench serve` workload through both front doors of one `folio serve`, in one run:
+# ZeroMQ (AsyncClient) and HTTP (/v1/completions, SSE), in the order zmq, http, http, zmq so that a
+# drift of the machine's load shows up instead of favouring one side. Prints each summary and the load.
+#   OUT=dir perf/serve_http_vs_zmq.sh [extra bench flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-/tmp/folio-http-vs-zmq}
+mkdir -p "$OUT"
+ADDR="ipc://$OUT/serve.sock"
+BENCH=(--num-prompts 16 --min-input-len 32 --max-input-len 128 --min-output-len 16 --max-output-len 32 "$@")
+"$PY" -m folio serve --device cpu --address "$ADDR" --port 0 --max-model-len 1024 > "$OUT/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
+until grep -q "ready on" "$OUT/serve.log"; do
+  kill -0 $SERVER 2>/dev/null || { cat "$OUT/serve.log"; exit 1; }
+  sleep 1
+done
+URL=$(grep -o 'http://[^ ]*' "$OUT/serve.log" | head -1)
+lscpu | grep "Model name"
+for i in 1 2 3 4; do
+  case $i in 1|4) BACKEND=(--backend folio --address "$ADDR");; *) BACKEND=(--backend openai --base-url "$URL");; esac
+  echo "== run $i: ${BACKEND[1]}  (load: $(cut -d' ' -f1-3 /proc/loadavg))"
+  "$PY" -m folio bench serve "${BACKEND[@]}" "${BENCH[@]}" --result-file "$OUT/run$i.json"
+done
