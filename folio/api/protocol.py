@@ -13,7 +13,7 @@ HTTP status, as vLLM sends it.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -132,6 +132,3 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
-
-
-ObjectName = Literal["text_completion", "chat.completion", "chat.completion.chunk"]

@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
 from ..runtime.sampling_params import SamplingParams
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, error_body
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 log = logging.getLogger("folio.api")
 
@@ -385,9 +385,63 @@ def completion_prompts(front: FrontEnd, req: CompletionRequest) -> list[tuple[st
     return out
 
 
-class CompletionRun:
-    """One ``/v1/completions`` request: validated and started by ``start()``, then answered whole
-    (``response()``) or as SSE (``stream()``)."""
+class _Run:
+    """One generation request: validated and started (``group.start()``), then answered whole
+    (``response()``) or as SSE (``stream()``). Subclasses shape the choices."""
+
+    object_name = ""          # of the whole response
+    chunk_object_name = ""    # of a streamed chunk
+
+    def __init__(self, front: FrontEnd, req, prompts: list[list[int]], sampling: dict, id_prefix: str):
+        self.front, self.req, self.sampling = front, req, sampling
+        self.acc = _Accumulator(len(prompts), req.n)
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.group = RequestGroup(front.client, prompts, sampling, req.cache_salt)
+
+    def _choice(self, k: int, c: _Choice) -> dict:
+        raise NotImplementedError
+
+    def _stream_choices(self, i: int, k: int, c: _Choice, d: StreamDelta, new_logprobs: list):
+        raise NotImplementedError
+
+    def _chunk(self, choices: list, usage=None, with_usage_key: bool = False) -> dict:
+        out = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
+               "model": self.front.model_name, "choices": choices}
+        if with_usage_key:
+            out["usage"] = usage
+        return out
+
+    async def response(self) -> dict:
+        try:
+            async for i, d in self.group.deltas():
+                self.acc.add(i, d)
+        finally:
+            await self.group.close()
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.front.model_name,
+                "choices": [self._choice(k, c) for k, c in enumerate(self.acc.choices)], "usage": self.acc.usage()}
+
+    async def stream(self) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        try:
+            async for i, d in self.group.deltas():
+                n_before = len(self.acc.choices[i * self.req.n + d.index].logprobs)
+                k, c = self.acc.add(i, d)
+                for choice in self._stream_choices(i, k, c, d, c.logprobs[n_before:]):
+                    yield sse(self._chunk([choice], None, include_usage))
+            if include_usage:
+                yield sse(self._chunk([], self.acc.usage(), True))
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            await self.group.close()
+        yield SSE_DONE
+
+
+class CompletionRun(_Run):
+    """One ``/v1/completions`` request."""
+
+    object_name = chunk_object_name = "text_completion"
 
     def __init__(self, front: FrontEnd, req: CompletionRequest):
         front.check_model(req.model)
@@ -397,79 +451,41 @@ class CompletionRun:
             raise APIError(400, "best_of other than n is not supported", "best_of")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs, which folio does not compute", "echo")
-        self.front, self.req = front, req
-        self.sampling = sampling_params(req, req.max_tokens, req.logprobs)
+        sampling = sampling_params(req, req.max_tokens, req.logprobs)
         self.prompts = completion_prompts(front, req)
-        self.acc = _Accumulator(len(self.prompts), req.n)
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.group = RequestGroup(front.client, [ids for _, ids in self.prompts], self.sampling, req.cache_salt)
+        super().__init__(front, req, [ids for _, ids in self.prompts], sampling, "cmpl")
 
     def _echo(self, i: int) -> str:
         text, ids = self.prompts[i]
         return text if text is not None else self.front.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _choice_logprobs(self, c: _Choice, items: list):
+    def _logprobs(self, c: _Choice, items: list):
         if self.req.logprobs is None:
             return None
         lp, c.text_offset = completion_logprobs(self.front, items, self.req.logprobs, c.text_offset,
                                                 self.req.return_tokens_as_token_ids)
         return lp
 
-    async def response(self) -> dict:
-        try:
-            async for i, d in self.group.deltas():
-                self.acc.add(i, d)
-        finally:
-            await self.group.close()
-        choices = []
-        for k, c in enumerate(self.acc.choices):
-            prefix = self._echo(k // self.req.n) if self.req.echo else ""
-            choices.append({"index": k, "text": prefix + "".join(c.text), "logprobs": self._choice_logprobs(
-                c, c.logprobs), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "prompt_logprobs": None})
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.front.model_name, "choices": choices, "usage": self.acc.usage()}
+    def _choice(self, k: int, c: _Choice) -> dict:
+        prefix = self._echo(k // self.req.n) if self.req.echo else ""
+        return {"index": k, "text": prefix + "".join(c.text), "logprobs": self._logprobs(c, c.logprobs),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_logprobs": None}
 
-    def _chunk(self, choices: list, usage=None, with_usage_key: bool = False) -> dict:
-        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.front.model_name,
-               "choices": choices}
-        if with_usage_key:
-            out["usage"] = usage
-        return out
-
-    async def stream(self) -> AsyncIterator[str]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        try:
-            async for i, d in self.group.deltas():
-                n_before = len(self.acc.choices[i * self.req.n + d.index].logprobs)
-                k, c = self.acc.add(i, d)
-                text = d.text
-                if not c.started:
-                    c.started = True
-                    if self.req.echo:
-                        text = self._echo(i) + text
-                if not text and not d.token_ids and d.finish_reason is None:
-                    continue
-                yield sse(self._chunk([{"index": k, "text": text,
-                                        "logprobs": self._choice_logprobs(c, c.logprobs[n_before:]),
-                                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-                                      None, include_usage))
-            if include_usage:
-                yield sse(self._chunk([], self.acc.usage(), True))
-        except APIError as e:
-            yield sse(e.body())
-        finally:
-            await self.group.close()
-        yield SSE_DONE
+    def _stream_choices(self, i, k, c, d, new_logprobs):
+        text = d.text
+        if not c.started:
+            c.started = True
+            if self.req.echo:
+                text = self._echo(i) + text
+        if text or d.token_ids or d.finish_reason is not None:
+            yield {"index": k, "text": text, "logprobs": self._logprobs(c, new_logprobs),
+                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
 
-# ---------------------------------------------------------------------------------------------
-# /v1/chat/completions
-# ---------------------------------------------------------------------------------------------
+class ChatRun(_Run):
+    """One ``/v1/chat/completions`` request."""
 
-class ChatRun:
-    """One ``/v1/chat/completions`` request (see ``CompletionRun``)."""
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, front: FrontEnd, req: ChatCompletionRequest):
         front.check_model(req.model)
@@ -479,7 +495,6 @@ class ChatRun:
             raise APIError(400, "response_format other than text is not supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        self.front, self.req = front, req
         text = front.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs)
         ids = front.encode(text)
@@ -488,60 +503,24 @@ class ChatRun:
             room = min(front.max_model_len, front.kv_capacity_tokens) - len(ids)
             max_tokens = room if room > 0 else None   # None: the engine explains why nothing fits
         self.top_k = (req.top_logprobs or 0) if req.logprobs else None
-        self.sampling = sampling_params(req, max_tokens, self.top_k)
-        self.acc = _Accumulator(1, req.n)
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.group = RequestGroup(front.client, [ids], self.sampling, req.cache_salt)
+        super().__init__(front, req, [ids], sampling_params(req, max_tokens, self.top_k), "chatcmpl")
 
     def _logprobs(self, items: list):
         if self.top_k is None:
             return None
         return chat_logprobs(self.front, items, self.top_k, self.req.return_tokens_as_token_ids)
 
-    async def response(self) -> dict:
-        try:
-            async for i, d in self.group.deltas():
-                self.acc.add(i, d)
-        finally:
-            await self.group.close()
-        choices = [{"index": k, "message": {"role": "assistant", "content": "".join(c.text), "tool_calls": []},
-                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for k, c in enumerate(self.acc.choices)]
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.front.model_name, "choices": choices, "usage": self.acc.usage()}
+    def _choice(self, k: int, c: _Choice) -> dict:
+        return {"index": k, "message": {"role": "assistant", "content": "".join(c.text), "tool_calls": []},
+                "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
 
-    def _chunk(self, choices: list, usage=None, with_usage_key: bool = False) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-               "model": self.front.model_name, "choices": choices}
-        if with_usage_key:
-            out["usage"] = usage
-        return out
-
-    async def stream(self) -> AsyncIterator[str]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        try:
-            async for i, d in self.group.deltas():
-                n_before = len(self.acc.choices[d.index].logprobs)
-                k, c = self.acc.add(i, d)
-                if not c.started:      # the first chunk of a choice carries the role
-                    c.started = True
-                    yield sse(self._chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], None, include_usage))
-                if not d.text and not d.token_ids and d.finish_reason is None:
-                    continue
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                yield sse(self._chunk([{"index": k, "delta": delta, "logprobs": self._logprobs(c.logprobs[n_before:]),
-                                        "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
-                                      None, include_usage))
-            if include_usage:
-                yield sse(self._chunk([], self.acc.usage(), True))
-        except APIError as e:
-            yield sse(e.body())
-        finally:
-            await self.group.close()
-        yield SSE_DONE
-
-
-def error_event(status: int, message: str) -> str:
-    return sse(error_body(status, message))
+    def _stream_choices(self, i, k, c, d, new_logprobs):
+        if not c.started:          # the first chunk of a choice carries the role
+            c.started = True
+            yield {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}
+        if d.text or d.token_ids or d.finish_reason is not None:
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            yield {"index": k, "delta": delta, "logprobs": self._logprobs(new_logprobs),
+                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
