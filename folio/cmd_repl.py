@@ -17,7 +17,8 @@ def register(subparsers) -> None:
     p.add_argument("--address", default=None,
                    help="server address (default tcp://127.0.0.1:5555 unless --model is given)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server message")
-    p.add_argument("--params", nargs="*", default=[], metavar="K=V", help="initial sampling parameters")
+    p.add_argument("--params", nargs="*", default=[], metavar="K=V",
+                   help="initial sampling parameters (on top of temperature=0.7 top_p=0.9 max_tokens=256)")
     add_engine_args(p)
     p.set_defaults(func=run, model=None)
 
@@ -41,7 +42,7 @@ def run(a: argparse.Namespace) -> int:
             if getattr(a, name) is not None:
                 flags += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         print(f"starting a server for {a.model} ...", flush=True)
-        proc, address = spawn_server(flags)
+        proc, address = spawn_server(flags, on_line=lambda line: print("  " + line, flush=True))
     try:
         with Client(address or DEFAULT_ADDRESS, timeout=a.timeout) as client:
             return Repl(client, params, history_file=history).run()

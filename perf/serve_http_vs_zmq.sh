@@ -8,12 +8,14 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-/tmp/folio-http-vs-zmq}
 mkdir -p "$OUT"
+rm -f "$OUT/serve.log"
 ADDR="ipc://$OUT/serve.sock"
 BENCH=(--num-prompts 16 --min-input-len 32 --max-input-len 128 --min-output-len 16 --max-output-len 32 "$@")
-"$PY" -m folio serve --device cpu --address "$ADDR" --port 0 --max-model-len 1024 > "$OUT/serve.log" 2>&1 &
+# prefix caching off: the same prompts run four times, and cached prefixes would favour the later runs
+"$PY" -m folio serve --device cpu --address "$ADDR" --port 0 --max-model-len 1024 --no-enable-prefix-caching > "$OUT/serve.log" 2>&1 &
 SERVER=$!
-trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
-until grep -q "ready on" "$OUT/serve.log"; do
+trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER || true' EXIT
+until grep -qs "ready on" "$OUT/serve.log"; do
   kill -0 $SERVER 2>/dev/null || { cat "$OUT/serve.log"; exit 1; }
   sleep 1
 done

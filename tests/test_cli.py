@@ -282,3 +282,20 @@ def test_bench_serve_over_http_and_zmq_count_the_same_tokens(echo_http):
     bad = asyncio.run(run_bench(address, work[:1], float("inf"), 1, 0, 60, backend="openai", base_url=url,
                                 api_key="wrong"))
     assert bad["failed_requests"] == 1 and "401" in bad["errors"][0]
+
+
+def test_a_dead_front_end_stops_the_server_with_code_4(tmp_path):
+    from folio.cmd_serve import EXIT_FRONTEND_DIED, spawn_server
+    proc, _ = spawn_server(ECHO, address=f"ipc://{tmp_path}/s.sock", env=echo_env(TMPDIR=str(tmp_path)),
+                           startup_timeout=180)
+    try:
+        front = [p for p in _our_processes(str(tmp_path)) if p != proc.pid and
+                 b"folio.api.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(front) == 1
+        os.kill(front[0], signal.SIGKILL)
+        assert proc.wait(60) == EXIT_FRONTEND_DIED
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    poll_until(lambda: not _our_processes(str(tmp_path)), 30, "the worker to exit")
