@@ -123,9 +123,11 @@ def _say(text: str) -> None:
 
 def _warm_up(engine) -> None:
     """Run one two-token request through the engine so the kernels are compiled (Numba) or loaded
-    before the first client; its prompt is shorter than a block, so the prefix cache keeps nothing."""
+    before the first client: a prefill of several tokens (the multi-token attention path), then a
+    decode step. Its prompt is shorter than a block, so the prefix cache keeps nothing."""
     from .runtime.sampling_params import SamplingParams
-    ids = engine.tokenizer.encode("Hello")[: max(1, engine.config.block_size - 1)] or [0]
+    text = "Warming up: one short prompt runs through prefill and decode before any client comes."
+    ids = engine.tokenizer.encode(text)[: max(1, engine.config.block_size - 1)] or [0]
     engine.add_request("folio-warm-up", None, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
                        prompt_token_ids=ids)
     while engine.has_unfinished_requests():

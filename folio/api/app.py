@@ -22,6 +22,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -102,8 +103,11 @@ def build_app(front: FrontEnd) -> FastAPI:
     async def run(request: Request, runner):
         await runner.group.start()                       # 400 / 503 here, before any status line
         if runner.req.stream:
+            # the background task runs however the response ends, even when the client left before the
+            # first chunk (then the stream generator never ran its own clean-up): nothing keeps running
             return StreamingResponse(runner.stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(runner.group.close))
         body = await cancel_on_disconnect(request, runner.response())
         if body is None:                                 # the client left; nobody reads this
             return Response(status_code=499)
