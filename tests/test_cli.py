@@ -299,3 +299,29 @@ def test_a_dead_front_end_stops_the_server_with_code_4(tmp_path):
             proc.kill()
             proc.wait()
     poll_until(lambda: not _our_processes(str(tmp_path)), 30, "the worker to exit")
+
+
+def test_chat_template_flag_applies_to_both_doors(tmp_path):
+    import httpx
+    from folio.api.frontend import load_chat_template
+    from folio.cmd_serve import spawn_server, stop_server
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template and load_chat_template(template) == template
+    for bad in ("no-such-file.jinja", "{% for %}"):
+        with pytest.raises(ValueError):
+            load_chat_template(bad)
+    r = run_folio("serve", "--chat-template", "{% if %}", "--port", "0", "--address", f"tcp://127.0.0.1:{free_port()}")
+    assert r.returncode == 1 and "--chat-template" in r.stderr and "loading" not in r.stdout
+    proc, address = spawn_server(ECHO + ["--chat-template", str(path)], env=echo_env(), startup_timeout=180)
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        ids = httpx.post(proc.http_url + "/tokenize", json={"messages": messages}).json()["tokens"]
+        with Client(address, timeout=60) as c:
+            assert c.generate("<user>hi\n", {"max_tokens": 1}).prompt_token_ids == ids
+            assert c.chat(messages, {"max_tokens": 1}).prompt_token_ids == ids          # the ZeroMQ door too
+        r = httpx.post(proc.http_url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        assert stop_server(proc) == 0
