@@ -14,7 +14,7 @@ first client does not pay for compiling the kernels), then one line, ``folio ser
 ADDRESS and http://HOST:PORT ...``. Loopback only unless ``--allow-remote`` (the ZeroMQ door has no
 authentication; ``--api-key`` guards the HTTP one).
 
-SIGINT / SIGTERM, to this process or to its whole process group, at any time: in-flight requests
+SIGINT / SIGTERM / SIGHUP, to this process or to its whole process group, at any time: in-flight requests
 get a ``shutdown`` error, the front end and the worker stop, temporary socket folders are
 removed, and the process exits 0. The worker and the front end also die with this process
 (``PR_SET_PDEATHSIG``). If the worker dies, this process fails every in-flight request and exits
@@ -110,11 +110,15 @@ class _Shutdown(BaseException):
     """SIGTERM during start-up: unwinds whatever is being built (it cleans up), then exit 0."""
 
 
+# SIGHUP too: a closed terminal stops the server as cleanly as Ctrl-C does
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _startup_signals() -> None:
     def on_term(signum, frame):
         raise _Shutdown()
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_term)
 
 
 def _say(text: str) -> None:
@@ -191,8 +195,8 @@ def _run(a: argparse.Namespace) -> int:
             state["stopping"] = True
             server.stop()
 
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, on_signal)
         _say(f"ready on {server.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
              f"(model {config.model}, device {info.get('device', '?')}, {num_blocks} KV blocks of "
              f"{config.block_size} tokens, worker pid {getattr(ex, 'worker_pid', '?')})")
@@ -201,8 +205,8 @@ def _run(a: argparse.Namespace) -> int:
             print(f"folio serve: the HTTP front end died (exit code {state['front_exit']})", file=sys.stderr)
             code = code or EXIT_FRONTEND_DIED
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)      # the clean-up below is not interrupted
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:                          # the clean-up below is not interrupted
+            signal.signal(sig, signal.SIG_IGN)
         if front is not None:
             front.stop()
         if server is not None:

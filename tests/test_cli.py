@@ -121,7 +121,7 @@ def _our_processes(tag: str) -> list[int]:
 
 
 @pytest.mark.parametrize("when", ["start-up", "serving"])
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGTERM to the group", "SIGINT to the group"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGTERM to the group", "SIGINT to the group", "SIGHUP to the group"])
 def test_a_signal_stops_everything_cleanly(tmp_path, how, when):
     import httpx
     tmp = tmp_path / "tmp"
@@ -154,7 +154,7 @@ def test_a_signal_stops_everything_cleanly(tmp_path, how, when):
         if how == "SIGTERM":
             proc.send_signal(signal.SIGTERM)
         else:
-            os.killpg(proc.pid, signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
+            os.killpg(proc.pid, getattr(signal, how.split()[0]))
         if stream is not None:   # the open HTTP stream ends (an error event, then [DONE]), never hangs
             rest = [line for line in events if line]
             assert rest[-1] == "data: [DONE]" and "error" in rest[-2]
