@@ -176,7 +176,7 @@ def _run(a: argparse.Namespace) -> int:
             server.tokenizer.set_chat_template(load_chat_template(a.chat_template))
         _warm_up(server.engine)
         api_address = server.bind_extra(private_ipc_address("api"))
-        num_blocks = server.engine.scheduler.kv.num_total_blocks
+        num_blocks = int(server.engine.get_metrics()["num_total_blocks"])
         front = FrontEndProcess(http_sock, api_address, {
             "--model-dir": str(model_dir), "--model-root": config.model,
             "--served-model-name": a.served_model_name or [config.model], "--max-model-len": max_model_len,
