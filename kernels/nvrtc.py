@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     files = (argv if argv is not None else sys.argv[1:]) or list(KERNEL_FILES)
     rc = 0
     for f in files:
-        src = kernel_source(f) if not os.path.exists(f) else pathlib.Path(f).read_text()
+        src = kernel_source(pathlib.Path(f).resolve() if os.path.exists(f) else f)
         for arch in ("compute_80", "compute_90"):
             try:
                 ptx, log = compile_ptx(src, pathlib.Path(f).name, arch)
