@@ -250,7 +250,7 @@ class CudaKernels:
         out = self.xp.empty((n,), dtype=np.uint16)
         rs = self.xp.random.RandomState(seed)
         chunk = 1 << 26
-        f32 = {} if self.xp is np else {"dtype": np.float32}  # NumPy's RandomState makes float64 only
+        f32 = {} if isinstance(rs, np.random.RandomState) else {"dtype": np.float32}  # NumPy's: float64 only
         for i in range(0, n, chunk):
             m = min(chunk, n - i)
             x = rs.standard_normal(m, **f32).astype(np.float32, copy=False) * np.float32(std) + np.float32(mean)
@@ -558,15 +558,15 @@ def get_cuda_kernels() -> CudaKernels:
         if major < 8:
             raise RuntimeError(f"compute capability {dev.compute_capability} < 8.0 (bf16 tensor cores)")
         smem_optin = dev.attributes.get("MaxSharedMemoryPerBlockOptin", DEFAULT_SMEM_LIMIT)
-        names = {}
-        for f in KERNEL_FILES:
+        functions = {}
+        for f in KERNEL_FILES:  # compile and load every kernel now
             mod = cupy.RawModule(code=kernel_source(f), options=("-std=c++17",))
             for k in kernel_names(f):
-                names[k] = mod
+                functions[k] = mod.get_function(k)
         from .cublas import CublasGemm
 
-        table = CudaKernels(cupy, lambda n: names[n].get_function(n), gemm=CublasGemm(cupy),
-                            smem_limit=smem_optin, device=CupyDevice(cupy), kernel_names=list(names))
+        table = CudaKernels(cupy, functions.__getitem__, gemm=CublasGemm(cupy), smem_limit=smem_optin,
+                            device=CupyDevice(cupy), kernel_names=list(functions))
     except Exception as e:  # CompileException, CUDADriverError, CublasError, ...
         raise RuntimeError(f"device 'cuda': kernels failed to build ({type(e).__name__}: {e}); "
                            "use --device cpu") from None

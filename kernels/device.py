@@ -7,6 +7,7 @@ SIMT emulator). Every launch, copy and synchronisation passes through a method h
 where the tests count them per step.
 
 Methods (both classes):
+    activate(): context manager under which all of a step's work goes to the device's stream.
     launch(fn, *args): run ``fn(*args)`` on the device's stream (a kernel launch or a cuBLAS call);
         while a graph is being captured it is recorded instead (CUDA stream capture semantics).
     empty(shape, dtype): a device array; pinned_empty(nbytes): page-locked host bytes.
@@ -51,6 +52,10 @@ class HostDevice:
         self._capturing: _HostGraph | None = None
         self.total_bytes = int(total_bytes)
         self._held = 0
+
+    def activate(self):
+        """Context manager making this device's stream current (nothing to do on the host)."""
+        return contextlib.nullcontext()
 
     def launch(self, fn, *args):
         if self._capturing is not None:
@@ -114,6 +119,11 @@ class CupyDevice:
         self.xp = cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._pool = cupy.get_default_memory_pool()
+
+    def activate(self):
+        """Context manager making folio's stream CuPy's current stream (kernel launches, cuBLAS
+        calls and copies inside go to it)."""
+        return self.stream
 
     def launch(self, fn, *args):
         fn(*args)

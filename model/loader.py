@@ -71,6 +71,9 @@ class _DeviceDummyWeights(Mapping):
         self._shapes = weight_shapes(config)
         self._kernels = kernels
 
+    def __contains__(self, name):  # without generating the tensor (Mapping's default calls __getitem__)
+        return name in self._shapes
+
     def __getitem__(self, name):
         shape = self._shapes[name]
         seed = zlib.crc32(name.encode())

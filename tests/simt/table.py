@@ -16,8 +16,13 @@ from .runner import SimtModule
 
 
 def numpy_gemm(xb, w, out):
-    """What cuBLAS gemmEx computes here: bf16 inputs (exact products), float32 accumulation."""
-    out[...] = bf16_bits_to_float32(xb) @ bf16_bits_to_float32(w).T
+    """What cuBLAS gemmEx computes here: bf16 inputs (exact products), float32 accumulation. Row
+    by row, so that a row's result does not depend on how many rows share the product (BLAS picks
+    its blocking, hence its summation order, by shape; tests compare padded and unpadded batches)."""
+    wt = bf16_bits_to_float32(w).T
+    x = bf16_bits_to_float32(xb)
+    for i in range(x.shape[0]):
+        np.matmul(x[i:i + 1], wt, out=out[i:i + 1])
 
 
 def simt_modules() -> dict:
