@@ -32,6 +32,7 @@ handles the decode rows of a mixed step. head_dim must be 32, 64, 128 or 256.
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import re
 
@@ -92,10 +93,12 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """NumPy: float32 -> uint16 bf16 bit patterns, round to nearest even (as the kernels do)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), r)
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)  # wraps only for NaN
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        r = np.where(nan, ((u >> 16) | np.uint32(0x40)).astype(np.uint16), r)
+    return r
 
 
 def decode_partitioning(max_seq_len: int, partition_size: int = DECODE_PARTITION_SIZE,
@@ -142,6 +145,7 @@ class CudaKernels:
         self.rope_inv_freq = reference.rope_inv_freq
         self.rope_cos_sin_cache = reference.rope_cos_sin_cache
         self._scratch_bufs: dict = {}
+        self.scratch_generation = 0  # bumped when a scratch buffer moves (CUDA graphs hold addresses)
         self._ptr_arrays: dict = {}
         for n in kernel_names:
             self._fn(n)
@@ -181,6 +185,7 @@ class CudaKernels:
         buf = self._scratch_bufs.get(name)
         if buf is None or buf.size < n:
             buf = self._scratch_bufs[name] = self.xp.empty(max(n, 1), dtype=dtype)
+            self.scratch_generation += 1
         return buf[:n].reshape(shape)
 
     def reserve_decode_scratch(self, max_num_seqs: int, num_heads: int, head_dim: int, max_model_len: int):
@@ -238,6 +243,8 @@ class CudaKernels:
         if w.dtype == np.uint16:
             return self.xp.asarray(np.ascontiguousarray(w))
         flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1)
+        if self.xp is np:  # host "device" (the emulator): the same rounding without a launch per chunk
+            return float32_to_bf16_bits(flat).reshape(w.shape)
         out = self.xp.empty(flat.shape, dtype=np.uint16)
         for i in range(0, flat.size, chunk_elems):
             out[i:i + chunk_elems] = self.float32_to_bf16(self.xp.asarray(flat[i:i + chunk_elems]))
@@ -254,7 +261,7 @@ class CudaKernels:
         for i in range(0, n, chunk):
             m = min(chunk, n - i)
             x = rs.standard_normal(m, **f32).astype(np.float32, copy=False) * np.float32(std) + np.float32(mean)
-            out[i:i + m] = self.float32_to_bf16(x)
+            out[i:i + m] = float32_to_bf16_bits(x) if isinstance(x, np.ndarray) else self.float32_to_bf16(x)
         return out.reshape(tuple(shape))
 
     def _weight(self, w):
@@ -531,7 +538,9 @@ def get_cuda_kernels() -> CudaKernels:
     compile failure surfaces here and ``--device auto`` can fall back to the CPU; CuPy caches the
     binaries on disk).
 
-    Works with cupy-cuda12x or cupy-cuda13x.
+    Works with cupy-cuda12x or cupy-cuda13x. ``$FOLIO_CUDA_TABLE=module:function`` names a factory
+    to call instead (perf/gpu_check.sh's dry run: ``simt.table:simt_kernels``, the kernels under the
+    SIMT emulator on the CPU).
 
     Raises:
         RuntimeError: CuPy is not installed, no usable NVIDIA GPU / driver is present, or a kernel
@@ -539,6 +548,13 @@ def get_cuda_kernels() -> CudaKernels:
     """
     global _TABLE
     if _TABLE is not None:
+        return _TABLE
+    factory = os.environ.get("FOLIO_CUDA_TABLE")
+    if factory:  # "module:function" returning a table (perf/gpu_check.sh's dry run: the SIMT emulator)
+        import importlib
+
+        mod, _, fn = factory.partition(":")
+        _TABLE = getattr(importlib.import_module(mod), fn)()
         return _TABLE
     try:
         import cupy

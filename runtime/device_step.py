@@ -169,7 +169,8 @@ class DeviceStep:
 
     def _graph(self, key, v, kv_caches):
         """The captured forward of ``key`` (captured now if new; None if capture is off/failed)."""
-        state = (self.inp.generation, id(self.model.workspace), tuple(id(c) for pair in kv_caches for c in pair))
+        state = (self.inp.generation, id(self.model.workspace), self.k.scratch_generation,
+                 tuple(id(c) for pair in kv_caches for c in pair))
         if state != self._graph_state:
             self.graphs.clear()
             self._graph_state = state
@@ -177,7 +178,13 @@ class DeviceStep:
         if g is None:
             B, P = key
             try:
-                self._forward(v, kv_caches, B, 1, P * DECODE_PARTITION_SIZE)  # warm-up (cuBLAS heuristics)
+                # warm-up: grows the workspace / scratch if this shape needs more (never while
+                # capturing), and lets cuBLAS pick its algorithm outside the graph
+                self._forward(v, kv_caches, B, 1, P * DECODE_PARTITION_SIZE)
+                state = (self.inp.generation, id(self.model.workspace), self.k.scratch_generation, state[3])
+                if state != self._graph_state:  # buffers moved: graphs captured before are stale
+                    self.graphs.clear()
+                    self._graph_state = state
                 with self.k.capture() as g:
                     self._forward(v, kv_caches, B, 1, P * DECODE_PARTITION_SIZE)
             except Exception as e:  # noqa: BLE001 - a capture the driver refuses: run eagerly from now on

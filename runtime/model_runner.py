@@ -163,8 +163,8 @@ class ModelRunner:
         self.device_step = None
         if self.device == "cuda":
             mc = self.model_config
-            self.kernels.reserve_decode_scratch(cfg.max_num_seqs, mc.num_attention_heads, mc.head_dim,
-                                                self.max_model_len)
+            graph_rows = 1 << max(0, (cfg.max_num_seqs - 1).bit_length())  # decode graphs pad to this
+            self.kernels.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
             self.device_step = DeviceStep(self.kernels, self.model, max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                                           max_model_len=self.max_model_len, block_size=self.block_size,

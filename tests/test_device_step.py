@@ -282,8 +282,10 @@ def test_decode_graph_replays_equal_eager_steps(modules, tmp_path, monkeypatch):
         runner.shutdown()
     for (a, la, ia), (b, lb, ib) in zip(results[True], results[False]):
         np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(la, lb)
         np.testing.assert_array_equal(ia, ib)
+        # the graph's lm_head multiplies 4 rows (one padding), the eager one 3: the GEMM may sum in
+        # another order (float32: a few ulp of logits of magnitude ~5, through log-softmax)
+        np.testing.assert_allclose(la, lb, rtol=0, atol=64 * 2.0 ** -24 * 8)
     # a replayed step launches only the sampler's kernels and the logprobs' operations itself
     assert launches[-1] < 2 * 3 + 8, launches
 

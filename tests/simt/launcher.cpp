@@ -189,6 +189,7 @@ static bool run_block(Launch& L, int nthreads) {
         b.warps[w].lanes = std::min(32, nthreads - (int)w * 32);
         b.warps[w].live = b.warps[w].lanes;
         b.warps[w].arrived = 0;
+        b.warps[w].mma_op[0] = b.warps[w].mma_op[1] = ~0u;  // op counters restart with the block
     }
     for (int i = 0; i < nthreads; ++i) {
         char* lo = g_stacks.get() + (size_t)i * kStack;

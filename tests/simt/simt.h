@@ -116,6 +116,8 @@ struct Warp {
     int arrived = 0;  // waiting at the current warp barrier
     unsigned long long slot[2][32];  // double-buffered: one warp barrier per exchange
     alignas(16) unsigned char big[2][32][64];  // the same for up to 64 bytes per lane (mma fragments)
+    float mma_out[2][32][4];                    // an mma's D fragments, computed once per warp
+    unsigned mma_op[2] = {~0u, ~0u};            // which warp op filled mma_out[parity]
 };
 
 struct Block {
@@ -232,24 +234,34 @@ inline void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsig
     std::memcpy(mine.a, a, sizeof mine.a);
     std::memcpy(mine.b, bfrag, sizeof mine.b);
     std::memcpy(mine.c, d, sizeof mine.c);
+    Block& blk = block();
+    const unsigned parity = blk.fibers[blk.cur].warp_ops & 1;
     const unsigned char (*all)[64] = gather(&mine, sizeof mine, "mma.sync");
-    auto half = [](unsigned reg, int i) { return std::bit_cast<float>((i & 1 ? reg >> 16 : reg & 0xffffu) << 16); };
-    float A[16][16], B[16][8], C[16][8];
-    for (int lane = 0; lane < 32; ++lane) {
-        Frag fr;
-        std::memcpy(&fr, all[lane], sizeof fr);
-        const int g = lane >> 2, t = lane % 4;
-        for (int i = 0; i < 8; ++i) A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >> 2)] = half(fr.a[i >> 1], i);
-        for (int i = 0; i < 4; ++i) B[2 * t + (i & 1) + 8 * (i >> 1)][g] = half(fr.b[i >> 1], i);
-        for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = fr.c[i];
+    Warp& w = block().warps[block().cur / 32];
+    const unsigned op = block().fibers[block().cur].warp_ops;  // the same for every lane of this op
+    if (w.mma_op[parity] != op) {  // the first lane to resume computes the whole 16x8 result
+        auto half = [](unsigned reg, int i) { return std::bit_cast<float>((i & 1 ? reg >> 16 : reg & 0xffffu) << 16); };
+        float A[16][16], B[16][8], C[16][8];
+        for (int lane = 0; lane < 32; ++lane) {
+            Frag fr;
+            std::memcpy(&fr, all[lane], sizeof fr);
+            const int g = lane >> 2, t = lane % 4;
+            for (int i = 0; i < 8; ++i) A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >> 2)] = half(fr.a[i >> 1], i);
+            for (int i = 0; i < 4; ++i) B[2 * t + (i & 1) + 8 * (i >> 1)][g] = half(fr.b[i >> 1], i);
+            for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = fr.c[i];
+        }
+        for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane >> 2, t = lane % 4;
+            for (int i = 0; i < 4; ++i) {
+                const int r = g + 8 * (i >> 1), c = 2 * t + (i & 1);
+                double acc = C[r][c];
+                for (int k = 0; k < 16; ++k) acc += (double)A[r][k] * (double)B[k][c];
+                w.mma_out[parity][lane][i] = (float)acc;
+            }
+        }
+        w.mma_op[parity] = op;
     }
-    const int lane = lane_id(), g = lane >> 2, t = lane % 4;
-    for (int i = 0; i < 4; ++i) {
-        const int r = g + 8 * (i >> 1), c = 2 * t + (i & 1);
-        double acc = C[r][c];
-        for (int k = 0; k < 16; ++k) acc += (double)A[r][k] * (double)B[k][c];
-        d[i] = (float)acc;
-    }
+    std::memcpy(d, w.mma_out[parity][lane_id()], sizeof d);
 }
 
 inline int src_xor(int lane, int m, int) { return lane ^ m; }

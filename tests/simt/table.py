@@ -4,6 +4,8 @@ by perf/gpu_check.sh's dry run (FOLIO_GPU_CHECK_DRY=1)."""
 
 from __future__ import annotations
 
+import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,14 +17,21 @@ from folio.kernels.device import HostDevice
 from .runner import SimtModule
 
 
+_f32_weights: dict = {}  # id(weight) -> (weakref, float32 transpose); a forward reuses its weights
+
+
+def _weight_f32(w):
+    hit = _f32_weights.get(id(w))
+    if hit is None or hit[0]() is not w:
+        hit = _f32_weights[id(w)] = (weakref.ref(w), bf16_bits_to_float32(w).T)
+        weakref.finalize(w, _f32_weights.pop, id(w), None)
+    return hit[1]
+
+
 def numpy_gemm(xb, w, out):
-    """What cuBLAS gemmEx computes here: bf16 inputs (exact products), float32 accumulation. Row
-    by row, so that a row's result does not depend on how many rows share the product (BLAS picks
-    its blocking, hence its summation order, by shape; tests compare padded and unpadded batches)."""
-    wt = bf16_bits_to_float32(w).T
-    x = bf16_bits_to_float32(xb)
-    for i in range(x.shape[0]):
-        np.matmul(x[i:i + 1], wt, out=out[i:i + 1])
+    """What cuBLAS gemmEx computes here: bf16 inputs (exact products), float32 accumulation (NumPy's
+    BLAS; its summation order depends on the shape, as cuBLAS's does)."""
+    np.matmul(bf16_bits_to_float32(xb), _weight_f32(w), out=out)
 
 
 def simt_modules() -> dict:
@@ -41,6 +50,8 @@ def simt_kernels(device=None, get_function=None, gemm=None) -> CudaKernels:
     def get(name):
         return names[name].get_function(name)
 
+    if device is None:  # the size a profiling step sees ($FOLIO_SIMT_DEVICE_BYTES, default 1 GiB)
+        device = HostDevice(total_bytes=int(os.environ.get("FOLIO_SIMT_DEVICE_BYTES", 1 << 30)))
     return CudaKernels(np, (lambda n: get_function(n, get)) if get_function else get,
-                       gemm=gemm or numpy_gemm, smem_limit=227 * 1024, device=device or HostDevice(),
+                       gemm=gemm or numpy_gemm, smem_limit=227 * 1024, device=device,
                        kernel_names=cuda_ops.all_kernel_names())
