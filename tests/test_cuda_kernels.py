@@ -399,8 +399,11 @@ def test_every_kernel_is_fetched_when_the_table_is_built():
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the no-GPU error path")
-def test_get_cuda_kernels_without_gpu_raises_clear_error():
+def test_get_cuda_kernels_without_gpu_raises_clear_error(monkeypatch):
     from folio.kernels import get_kernels
+
+    monkeypatch.delenv("FOLIO_CUDA_TABLE", raising=False)  # set in perf/gpu_check.sh's dry run
+    monkeypatch.setattr(cuda_ops, "_TABLE", None)
 
     with pytest.raises(RuntimeError, match="device 'cuda'.*use --device cpu"):
         get_kernels("cuda")
@@ -409,6 +412,7 @@ def test_get_cuda_kernels_without_gpu_raises_clear_error():
 def test_get_cuda_kernels_without_cupy_raises_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     monkeypatch.setattr(cuda_ops, "_TABLE", None)
+    monkeypatch.delenv("FOLIO_CUDA_TABLE", raising=False)
     with pytest.raises(RuntimeError, match="needs CuPy.*cupy-cuda12x or cupy-cuda13x"):
         cuda_ops.get_cuda_kernels()
 

@@ -94,7 +94,7 @@ def _generated_tu(cu: pathlib.Path) -> str:
         lines.append(f"alignas(16) thread_local {typ} {name}[SIMT_DYN_SMEM_BYTES / sizeof({typ})];")
     lines += [f'#include "{cu}"', f'#include "{HERE / "launcher.cpp"}"']
     for name in smem:
-        lines.append(f"static simt::Registrar simt_smem_{name}((void*){name}, sizeof({name}));")
+        lines.append(f"static simt::Registrar simt_smem_{name}([]() -> void* {{ return (void*){name}; }}, sizeof({name}));")
     for k in kernels:
         lines.append(f'static simt::Registrar simt_reg_{k}("{k}", &{k});')
     return "\n".join(lines) + "\n"
