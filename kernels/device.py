@@ -30,12 +30,19 @@ import numpy as np
 
 
 class _HostGraph:
-    def __init__(self):
+    """The launches captured on a HostDevice; ``replay()`` runs them as one launch of the device
+    (as cudaGraphLaunch is one launch)."""
+
+    def __init__(self, device):
+        self.device = device
         self.calls = []
 
-    def replay(self):
+    def _run(self):
         for fn, args in self.calls:
             fn(*args)
+
+    def replay(self):
+        self.device.launch(self._run)
 
 
 class HostDevice:
@@ -80,7 +87,7 @@ class HostDevice:
 
     @contextlib.contextmanager
     def capture(self):
-        graph = _HostGraph()
+        graph = _HostGraph(self)
         self._capturing = graph
         try:
             yield graph

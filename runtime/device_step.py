@@ -199,6 +199,8 @@ class DeviceStep:
         k = self.k
         R = len(states)
         T = plan.num_tokens
+        if not T and not R and not len(plan.block_copies):  # nothing for the device this step
+            return np.zeros(0, np.int64), None, None, 0.0, 0.0
         key = self._decode_graph_key(plan, R)
         sections = self._forward_sections(plan, key)
         copies = np.asarray(plan.block_copies, dtype=np.int64).reshape(-1, 2)
