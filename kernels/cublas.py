@@ -17,10 +17,11 @@ Row-major ``out[T, N] = x[T, K] @ w[N, K]^T`` is the column-major ``out^T = op_T
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
 
 import numpy as np
+
+from .nvrtc import wheel_libraries
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUDA_R_32F, CUDA_R_16BF = 0, 14
@@ -46,14 +47,7 @@ def _loaded_cublas() -> list[str]:
                     found.append(path)
     except OSError:
         pass
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            for sub in ("cublas/lib", "cu13/lib", "cu12/lib"):
-                found += sorted(glob.glob(os.path.join(root, sub, "libcublas.so*")), reverse=True)
-    except ImportError:
-        pass
+    found += [p for p in wheel_libraries("libcublas", ("cublas/lib", "cu13/lib", "cu12/lib")) if p not in found]
     return found + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
 
 

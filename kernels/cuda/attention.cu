@@ -381,39 +381,19 @@ __device__ __forceinline__ void prefill_attention_tile(
 // grid = (ceil(max_query_len / tokens_per_tile), num_kv_heads, S); block = 128 threads;
 // tokens_per_tile = 64 / group; dynamic shared memory = 2 * (64 * (D + 8) + BK * (D + 8) +
 // D * (BK + 8)) bytes with BK = 64 (32 for head_dim 256).
-extern "C" __global__ void paged_attention_prefill_d32_kernel(
-    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
-    const bf16_t* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int tokens_per_tile) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    prefill_attention_tile<32, 64>(smem_raw, out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, num_heads, num_kv_heads, block_size, max_blocks, tokens_per_tile);
-}
-extern "C" __global__ void paged_attention_prefill_d64_kernel(
-    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
-    const bf16_t* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int tokens_per_tile) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    prefill_attention_tile<64, 64>(smem_raw, out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, num_heads, num_kv_heads, block_size, max_blocks, tokens_per_tile);
-}
-extern "C" __global__ void paged_attention_prefill_d128_kernel(
-    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
-    const bf16_t* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int tokens_per_tile) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    prefill_attention_tile<128, 64>(smem_raw, out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, num_heads, num_kv_heads, block_size, max_blocks, tokens_per_tile);
-}
-extern "C" __global__ void paged_attention_prefill_d256_kernel(
-    bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
-    const bf16_t* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale, int num_heads,
-    int num_kv_heads, int block_size, int max_blocks, int tokens_per_tile) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    prefill_attention_tile<256, 32>(smem_raw, out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, num_heads, num_kv_heads, block_size, max_blocks, tokens_per_tile);
-}
+#define FOLIO_PREFILL_PARAMS                                                                        \
+    bf16_t *__restrict__ out, const bf16_t *__restrict__ q, const bf16_t *__restrict__ key_cache,    \
+        const bf16_t *__restrict__ value_cache, const int *__restrict__ block_tables,                \
+        const int *__restrict__ seq_lens, const int *__restrict__ query_start_loc, float scale,     \
+        int num_heads, int num_kv_heads, int block_size, int max_blocks, int tokens_per_tile
+#define FOLIO_PREFILL_BODY(D, BK)                                                                   \
+    {                                                                                               \
+        extern __shared__ __align__(16) unsigned char smem_raw[];                                   \
+        prefill_attention_tile<D, BK>(smem_raw, out, q, key_cache, value_cache, block_tables,        \
+                                      seq_lens, query_start_loc, scale, num_heads, num_kv_heads,    \
+                                      block_size, max_blocks, tokens_per_tile);                     \
+    }
+extern "C" __global__ void paged_attention_prefill_d32_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(32, 64)
+extern "C" __global__ void paged_attention_prefill_d64_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(64, 64)
+extern "C" __global__ void paged_attention_prefill_d128_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(128, 64)
+extern "C" __global__ void paged_attention_prefill_d256_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(256, 32)
