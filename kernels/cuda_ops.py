@@ -434,7 +434,6 @@ class CudaKernels:
             ValueError: head_dim not 32, 64, 128 or 256, a GQA group above 64 heads, or num_heads
                 not a multiple of num_kv_heads.
         """
-        xp = self.xp
         qb = self._bf16_input(q)
         block_tables = self._c(block_tables, np.int32)
         seq_lens = self._c(seq_lens, np.int32)

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     compute_80 and compute_90 and print a line per file."""
     import sys
 
-    from .cuda_ops import CUDA_DIR, KERNEL_FILES, kernel_source
+    from .cuda_ops import KERNEL_FILES, kernel_source
 
     files = (argv if argv is not None else sys.argv[1:]) or list(KERNEL_FILES)
     rc = 0

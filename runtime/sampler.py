@@ -323,6 +323,8 @@ def sampling_arrays(states: list[SamplingState]) -> tuple[np.ndarray, np.ndarray
 def penalty_entries(states: list[SamplingState], V: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The sparse work of penalties and min_tokens masks for the device kernel, or ``None``.
 
+    Vectorised over the batch (a handful of NumPy calls per step, whatever the number of rows).
+
     Returns:
         ``entries [N, 3]`` int64 rows ``(row * V + token, count in the row's output, flags)``, one
         per (row, token) (flags 1: mask to -inf for min_tokens, 2: seen in prompt or output), and
@@ -330,36 +332,40 @@ def penalty_entries(states: list[SamplingState], V: int) -> tuple[np.ndarray, np
         ``sample``'s min_tokens mask followed by ``apply_penalties``.
     """
     R = len(states)
-    idx, counts, flags = [], [], []
     row_params = np.zeros((R, 3), dtype=np.float32)
     row_params[:, 0] = 1.0
+
+    def flat(rows, arrays):
+        if not rows:
+            return np.zeros(0, np.int64)
+        lens = [len(a) for a in arrays]
+        tok = np.concatenate(arrays).astype(np.int64) if sum(lens) else np.zeros(0, np.int64)
+        idx = np.repeat(np.asarray(rows, dtype=np.int64), lens) * V + tok
+        return idx[(tok >= 0) & (tok < V)]
+
+    pen = [i for i, st in enumerate(states) if st.params.has_penalties]
+    for i in pen:
+        p = states[i].params
+        row_params[i] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    mask_rows, mask_ids = [], []
     for i, st in enumerate(states):
         p = st.params
-        masked = np.zeros(0, np.int64)
         if st.num_output_tokens < p.min_tokens:
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_token_ids)
-            masked = np.unique(np.asarray([t for t in ids if 0 <= t < V], dtype=np.int64))
-        if p.has_penalties:
-            row_params[i] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
-            out_tok, out_cnt = np.unique(st.output_token_ids, return_counts=True)
-            seen = np.union1d(st.prompt_token_ids, out_tok)
-            seen = seen[(seen >= 0) & (seen < V)]
-            cnt = np.zeros(len(seen), np.int64)
-            cnt[np.searchsorted(seen, out_tok[(out_tok >= 0) & (out_tok < V)])] = out_cnt[(out_tok >= 0) & (out_tok < V)]
-            fl = np.full(len(seen), 2, np.int64)
-            fl[np.isin(seen, masked)] |= 1
-            extra = np.setdiff1d(masked, seen)
-            toks = np.concatenate([seen, extra])
-            counts.append(np.concatenate([cnt, np.zeros(len(extra), np.int64)]))
-            flags.append(np.concatenate([fl, np.ones(len(extra), np.int64)]))
-        else:
-            toks = masked
-            counts.append(np.zeros(len(masked), np.int64))
-            flags.append(np.ones(len(masked), np.int64))
-        idx.append(i * V + toks)
-    if not idx or sum(len(a) for a in idx) == 0:
+            mask_rows.append(i)
+            mask_ids.append(np.asarray(list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_token_ids),
+                                       dtype=np.int64))
+    out_idx, out_cnt = np.unique(flat(pen, [states[i].output_token_ids for i in pen]), return_counts=True)
+    seen = np.union1d(flat(pen, [states[i].prompt_token_ids for i in pen]), out_idx)
+    masked = np.unique(flat(mask_rows, mask_ids))
+    if not len(seen) and not len(masked):
         return None
-    entries = np.stack([np.concatenate(idx), np.concatenate(counts), np.concatenate(flags)], axis=1)
+    counts = np.zeros(len(seen), np.int64)
+    counts[np.searchsorted(seen, out_idx)] = out_cnt
+    flags = np.full(len(seen), 2, np.int64)
+    flags[np.isin(seen, masked)] |= 1
+    extra = np.setdiff1d(masked, seen)
+    entries = np.stack([np.concatenate([seen, extra]), np.concatenate([counts, np.zeros(len(extra), np.int64)]),
+                        np.concatenate([flags, np.ones(len(extra), np.int64)])], axis=1)
     return np.ascontiguousarray(entries, dtype=np.int64), row_params
 
 

@@ -315,8 +315,9 @@ def test_device_sampler_matches_the_numpy_sampler(modules):
     cases = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
              dict(temperature=0.8, top_p=0.6), dict(temperature=1.2, top_k=40, top_p=0.9),
              dict(temperature=1.0, min_p=0.2), dict(temperature=1.0, top_k=1),
-             dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5, min_tokens=4),
-             dict(temperature=1.3, frequency_penalty=0.7, top_p=0.95, logprobs=3)]
+             dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5, min_tokens=12),
+             dict(temperature=1.3, frequency_penalty=0.7, top_p=0.95, logprobs=3, min_tokens=12, stop_token_ids=[5])]
+    logits[7:, [2, 5, 7]] = 30.0  # EOS (2, 7) and a stop token (5) win unless min_tokens masks them
 
     def states():
         out = []
@@ -339,6 +340,7 @@ def test_device_sampler_matches_the_numpy_sampler(modules):
     ids = np.zeros((9, 1 + K), np.int64)
     sample_on_device(kt, logits.copy(), params, uniforms, (pen[0], pen[1], len(pen[0])), K, tokens, lp, ids)
     np.testing.assert_array_equal(tokens, want.token_ids)
+    assert tokens[7] not in (2, 7) and tokens[8] not in (2, 5, 7)  # row 7 has no stop token 5
     np.testing.assert_array_equal(ids, want.logprob_token_ids)
     np.testing.assert_allclose(lp, want.logprobs, rtol=1e-5, atol=1e-5)
 
