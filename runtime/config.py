@@ -30,6 +30,7 @@ class EngineConfig:
             shapes, for benchmarks).
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"`` or ``"bfloat16"``.
         seed: base seed of the engine (random prefix-hash root is separate and per process).
+        enforce_eager: never capture CUDA graphs for decode steps (vLLM's flag of the same name).
         scheduling_policy: ``"continuous"`` (iteration-level batching) or ``"static"`` (request-level
             batches: a new batch is admitted only when the current one has finished; for perf
             comparisons).
@@ -52,6 +53,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False
     scheduling_policy: str = "continuous"
     extra: dict = field(default_factory=dict)
 
