@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     from folio.runtime.engine import LLMEngine
     model = tiny_model_dir()
     cfg = EngineConfig(model=model, device=a.device, load_format="dummy", max_num_seqs=max(a.seqs),
-                       max_model_len=256, max_num_batched_tokens=4096, num_gpu_blocks_override=8192,
+                       max_model_len=256, max_num_batched_tokens=4096, num_kv_blocks_override=8192,
                        enable_prefix_caching=False)
     rows = []
     for mode in ("in-process", "zmq"):

@@ -1,11 +1,14 @@
 """The worker side of a step: device, weights, KV cache tensors, forward pass and sampling.
 
-``ModelRunner`` is the in-process ``Executor`` (``.num_blocks``, ``.execute(plan)``,
-``.shutdown()``): the engine hands it a ``StepPlan`` and gets a ``StepResult``; the IPC layer
-runs the same object in a worker process. It never decides what runs (DESIGN.md, "Processes").
+``ModelRunner`` is a ``StepRunner`` (``runtime/executor.py``: ``.num_blocks``, ``.execute(plan)``,
+``.shutdown()``): it gets a ``StepPlan`` and returns a ``StepResult``; in this process the engine
+runs it through an ``InlineExecutor`` / ``ThreadedExecutor``, and the IPC layer runs the same
+object in a worker process. It never decides what runs (docs/architecture.md, "Processes"). Input
+ids that are placeholders (overlap scheduling) become the token the sequence sampled in the step
+before (``step.LastSampledTokens``).
 
-KV cache sizing (DESIGN.md, "KV cache"; vLLM's ``determine_num_available_blocks``):
-``num_gpu_blocks_override`` blocks if given, else ``kv_cache_memory`` bytes, else on CPU
+KV cache sizing (docs/architecture.md, "KV cache"; vLLM's ``determine_num_available_blocks``):
+``num_kv_blocks_override`` blocks if given, else ``kv_cache_memory`` bytes, else on CPU
 ``cpu_kv_cache_fraction`` of the available RAM (``MemAvailable`` in /proc/meminfo) and on GPU
 ``gpu_memory_utilization`` of device memory minus what a profiling forward pass of
 ``max_num_batched_tokens`` tokens used (weights, activations, the CUDA context). The automatic
@@ -25,7 +28,7 @@ from ..model.loader import allocate_kv_caches, load_model, resolve_device
 from .config import EngineConfig
 from .sampler import SamplingState, sample
 from .sampling_params import SamplingParams
-from .step import StepPlan, StepResult
+from .step import LastSampledTokens, StepPlan, StepResult
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,13 +59,13 @@ def num_kv_blocks(bytes_per_block: int, *, block_size: int, max_num_seqs: int, m
     """
     if num_blocks_override is not None:
         n = int(num_blocks_override)
-        source = "num_gpu_blocks_override"
+        source = "num_kv_blocks_override"
     elif kv_cache_memory is not None:
         n = int(kv_cache_memory) // bytes_per_block
         source = f"kv_cache_memory={kv_cache_memory} bytes"
     else:
         if available_bytes is None:
-            raise ValueError("no KV cache budget: give num_gpu_blocks_override, kv_cache_memory or "
+            raise ValueError("no KV cache budget: give num_kv_blocks_override, kv_cache_memory or "
                              "available_bytes")
         n = min(max(int(available_bytes), 0) // bytes_per_block,
                 max_useful_blocks(max_num_seqs, max_model_len, block_size))
@@ -86,7 +89,7 @@ def mem_available_bytes(path: str = "/proc/meminfo") -> int:
                     return int(line.split()[1]) * 1024
     except OSError as e:
         raise RuntimeError(f"cannot read {path}: {e}") from None
-    raise RuntimeError(f"no MemAvailable in {path}; set kv_cache_memory or num_gpu_blocks_override")
+    raise RuntimeError(f"no MemAvailable in {path}; set kv_cache_memory or num_kv_blocks_override")
 
 
 class ModelRunner:
@@ -126,15 +129,16 @@ class ModelRunner:
         itemsize = np.dtype(self.kernels.kv_cache_dtype).itemsize
         self.bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(itemsize)
         available = None
-        if cfg.num_gpu_blocks_override is None and cfg.kv_cache_memory is None:
+        if cfg.num_kv_blocks_override is None and cfg.kv_cache_memory is None:
             available = self._profile_gpu_budget() if self.device == "cuda" else \
                 int(cfg.cpu_kv_cache_fraction * mem_available_bytes())
         self.num_blocks = num_kv_blocks(
             self.bytes_per_block, block_size=self.block_size, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=self.max_model_len, num_blocks_override=cfg.num_gpu_blocks_override,
+            max_model_len=self.max_model_len, num_blocks_override=cfg.num_kv_blocks_override,
             kv_cache_memory=cfg.kv_cache_memory, available_bytes=available)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.kernels)
         self._seqs: dict[int, SamplingState] = {}
+        self._last_sampled = LastSampledTokens()
 
     # --- KV sizing on GPU ----------------------------------------------------------------------
     def _profile_gpu_budget(self) -> int:
@@ -187,6 +191,7 @@ class ModelRunner:
         xp = self.xp
         for sid in plan.finished_seq_ids:
             self._seqs.pop(int(sid), None)
+        self._last_sampled.forget(plan.finished_seq_ids)
         for ns in plan.new_seqs:
             self._seqs[int(ns.seq_id)] = SamplingState(
                 ns.seq_id, SamplingParams.from_dict(ns.sampling), ns.prompt_token_ids, ns.output_token_ids,
@@ -218,7 +223,7 @@ class ModelRunner:
                 max_query_len=int(np.diff(qsl).max()) if len(qsl) > 1 else 0,
                 max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0)
             rows = np.asarray(plan.logits_indices, dtype=np.int64) if R else np.array([T - 1], np.int64)
-            logits = self.model.forward(xp.asarray(np.asarray(plan.input_ids, dtype=np.int64)),
+            logits = self.model.forward(xp.asarray(self._last_sampled.resolve(plan)),
                                         xp.asarray(np.asarray(plan.positions, dtype=np.int64)),
                                         md, self.kv_caches, xp.asarray(rows))
             self._synchronize()
@@ -233,6 +238,7 @@ class ModelRunner:
         out = sample(logits, states, xp)
         for st, tok in zip(states, out.token_ids.tolist()):
             st.append(tok)
+        self._last_sampled.record(plan, out.token_ids)
         t2 = time.perf_counter()
         return StepResult(step_id=plan.step_id, sampled_token_ids=out.token_ids, logprobs=out.logprobs,
                           logprob_token_ids=out.logprob_token_ids, forward_time=t1 - t0,

@@ -1,6 +1,7 @@
 """A stand-in runner for ipc tests: the worker process machinery without a model.
 
-``EchoRunner`` answers each sampled row with (last input token + 1); ``config.extra`` tunes it:
+``EchoRunner`` answers each sampled row with (last input token + 1), a placeholder input being the
+token the sequence sampled in the step before (overlap scheduling); ``config.extra`` tunes it:
 ``num_blocks`` (default 64), ``step_s`` (simulated forward seconds), ``fail_init`` (raise at start);
 the environment variables FOLIO_ECHO_NUM_BLOCKS / FOLIO_ECHO_STEP_S set the same through ``folio serve``.
 """
@@ -10,7 +11,7 @@ import time
 
 import numpy as np
 
-from folio.runtime.step import StepResult
+from folio.runtime.step import LastSampledTokens, StepResult
 
 
 class EchoRunner:
@@ -22,13 +23,16 @@ class EchoRunner:
         self.step_s = float(extra.get("step_s", os.environ.get("FOLIO_ECHO_STEP_S", 0.0)))
         self.model_config = None
         self.seen_seqs = set()
+        self.last_sampled = LastSampledTokens()
 
     def execute(self, plan):
         t0 = time.perf_counter()
         if self.step_s:
             time.sleep(self.step_s)  # stands for the forward pass
         self.seen_seqs.update(s.seq_id for s in plan.new_seqs)
-        ids = np.asarray(plan.input_ids)[np.asarray(plan.logits_indices)] + 1
+        self.last_sampled.forget(plan.finished_seq_ids)
+        ids = self.last_sampled.resolve(plan)[np.asarray(plan.logits_indices)] + 1
+        self.last_sampled.record(plan, ids)
         return StepResult(plan.step_id, ids.astype(np.int64), forward_time=time.perf_counter() - t0)
 
     def shutdown(self):

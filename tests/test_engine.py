@@ -19,6 +19,7 @@ import pytest
 
 from folio import LLM, SamplingParams
 from folio.runtime.config import EngineConfig
+from folio.runtime.outputs import RequestOutput
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "smollm2_135m.json"
 NUM_BLOCKS = 256
@@ -27,7 +28,7 @@ NUM_BLOCKS = 256
 @pytest.fixture(scope="module")
 def runner():
     from folio.runtime.model_runner import ModelRunner
-    r = ModelRunner(EngineConfig(device="cpu", num_gpu_blocks_override=NUM_BLOCKS))
+    r = ModelRunner(EngineConfig(device="cpu", num_kv_blocks_override=NUM_BLOCKS))
     yield r
     r.shutdown()
 
@@ -246,18 +247,16 @@ def stream(llm, token_ids, sp):
     engine = llm.llm_engine
     rid = f"stream-{next(_stream_ids)}"
     engine.add_request(rid, None, sp, prompt_token_ids=token_ids)
-    deltas, seen, final = [], "", None
-    while final is None:
-        for out in engine.step():
-            if out.request_id != rid:
-                continue
-            text = out.outputs[0].text
-            assert text.startswith(seen), "streamed text was taken back"
-            deltas.append(text[len(seen):])
-            seen = text
-            if out.finished:
-                final = out
-    return deltas, final
+    got, finishes = [], 0
+    while not got or not got[-1].finished:
+        for d in engine.step():
+            if d.request_id == rid:
+                got.append(d)
+                finishes += sum(c.finish_reason is not None for c in d.outputs)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert finishes == sp.n, "each sample reports its finish exactly once"
+    return [c.text for d in got for c in d.outputs], RequestOutput.from_deltas(got)
 
 
 @pytest.mark.parametrize("stop", ["ari", "answer is:"])

@@ -23,7 +23,7 @@ NUM_BLOCKS = 64
 @pytest.fixture(scope="module")
 def runner(default_model_dir):
     r = ModelRunner(EngineConfig(model=str(default_model_dir), device="cpu", max_model_len=512,
-                                 num_gpu_blocks_override=NUM_BLOCKS, seed=3))
+                                 num_kv_blocks_override=NUM_BLOCKS, seed=3))
     yield r
     r.shutdown()
 
@@ -232,7 +232,7 @@ def test_runner_sizes_cpu_cache(runner, tmp_path, monkeypatch):
     # default max_model_len = max_position_embeddings
     assert r.max_model_len == 64 and mk(max_num_seqs=1).max_model_len == 1024
     assert mk(kv_cache_memory=tiny_block * 5 + 1).num_blocks == 5
-    assert mk(num_gpu_blocks_override=3).kv_caches[0][0].shape == (3, BS, 2, 16)
+    assert mk(num_kv_blocks_override=3).kv_caches[0][0].shape == (3, BS, 2, 16)
     # the RAM share: cpu_kv_cache_fraction of MemAvailable
     import folio.runtime.model_runner as mr
     monkeypatch.setattr(mr, "mem_available_bytes", lambda: tiny_block * 40)
