@@ -73,6 +73,9 @@ class TokenBytes:
         self._hf = hf
         self._skip = skip_special_tokens
         self._bytes: dict[int, bytes] = {}
+        # the text of each token seen whose bytes are whole UTF-8 characters by themselves (most
+        # tokens): after anything but an incomplete character, that is exactly the text it adds
+        self.text: dict[int, str] = {}
         if TokenBytes._CHAR_TO_BYTE is None:
             TokenBytes._CHAR_TO_BYTE = _byte_level_char_to_byte()
 
@@ -85,6 +88,10 @@ class TokenBytes:
         b = self._bytes.get(token_id)
         if b is None:
             b = self._bytes[token_id] = self._load(token_id)
+            try:
+                self.text[token_id] = b.decode("utf-8")
+            except UnicodeDecodeError:
+                pass
         return b
 
     def _load(self, token_id: int) -> bytes:
@@ -145,6 +152,12 @@ class IncrementalDetokenizer:
             token_bytes = TokenBytes(self._hf, self._skip_special)
         self._token_bytes = token_bytes if byte_level else None
         self._pending = b""   # byte-level path: bytes of an incomplete trailing character
+        # the common case gets its own path in add_token: byte-level, no stop string to match or
+        # hold back, no stop token whose text must be left out
+        self.simple = self._token_bytes is not None and not self._stops and (
+            self._include_stop or not self._stop_token_ids)
+        if self.simple:
+            self._text_of = self._token_bytes.text.get
         if self._token_bytes is None:
             self._token_text = {} if token_text_cache is None else token_text_cache
             prompt = [int(t) for t in prompt_token_ids]
@@ -181,6 +194,33 @@ class IncrementalDetokenizer:
         new = self._text[self._taken:self._released]
         self._taken = self._released
         return new
+
+    def add_token(self, token_id: int, stop_terminated: bool = False) -> str:
+        """``update([token_id], stop_terminated)`` then ``take_new_text()``: the new text this token
+        releases (the output processor's call, once per sequence per step). A stop string that
+        matched shows as ``finished`` with ``stop_reason`` set."""
+        if not self.simple or stop_terminated or self.finished:
+            self.update((token_id,), stop_terminated)
+            return self.take_new_text()
+        self.num_output_tokens += 1
+        if not self._pending:
+            text = self._text_of(token_id)
+            if text is not None:   # whole characters: no decoding at all
+                if text:
+                    self._text += text
+                    self._taken = self._released = len(self._text)
+                return text
+            data = self._token_bytes[token_id]
+        else:
+            data = self._pending + self._token_bytes[token_id]
+            self._pending = b""
+        text, used = utf_8_decode(data, "replace", False)
+        if used != len(data):
+            self._pending = data[used:]
+        if text:
+            self._text += text
+            self._taken = self._released = len(self._text)
+        return text
 
     def update(self, new_token_ids, stop_terminated: bool = False) -> str | None:
         """Add generated tokens.

@@ -11,6 +11,8 @@ a ``(src, dst)`` block copy that the worker performs before the forward pass.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 
 from .block_pool import BlockPool
@@ -20,6 +22,9 @@ from .sequence import Sequence
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_NO_COPIES: list[tuple[int, int]] = []  # returned, never modified: no block copy needed
 
 
 class KVCacheManager:
@@ -134,6 +139,22 @@ class KVCacheManager:
             self._cache_full_blocks(seq, blocks, min(total, len(seq.all_token_ids)))
         return copies
 
+    def append_slot(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """``allocate_slots(seq, 1)`` (a decode step), with the common case first: the token fits
+        the last block held and that block is not shared, so nothing is allocated."""
+        blocks = self.seq_blocks.get(seq.seq_id)
+        bs = self.block_size
+        c = seq.num_computed_tokens
+        if blocks is None or c >= len(blocks) * bs or blocks[c // bs].ref_cnt != 1:
+            return self.allocate_slots(seq, 1)
+        # a block that becomes full is registered once its tokens are known, which with overlap
+        # scheduling is up to two steps after its last slot was allocated
+        if self.enable_caching and (c + 1) % bs <= 2:
+            n = min(c + 1, len(seq.all_token_ids))
+            if n >= (self._num_registered_blocks.get(seq.seq_id, 0) + 1) * bs:
+                self._cache_full_blocks(seq, blocks, n)
+        return _NO_COPIES
+
     def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register every block that is full once ``num_tokens`` tokens are computed."""
         if not self.enable_caching:
@@ -189,11 +210,13 @@ class KVCacheManager:
 
         The rows are kept up to date as blocks are allocated, copied on write, shared and freed,
         so this is one gather, not a rebuild."""
-        row = self._row
-        rows = np.fromiter((row[i] for i in seq_ids), dtype=np.int64, count=len(seq_ids))
+        if not seq_ids:
+            return self.block_table[:0, :0]
+        rows = itemgetter(*seq_ids)(self._row) if len(seq_ids) > 1 else (self._row[seq_ids[0]],)
         seq_blocks = self.seq_blocks
-        width = max(len(seq_blocks[i]) for i in seq_ids) if seq_ids else 0
-        return self.block_table[rows, :width]
+        width = max(map(len, itemgetter(*seq_ids)(seq_blocks))) if len(seq_ids) > 1 \
+            else len(seq_blocks[seq_ids[0]])
+        return self.block_table[np.array(rows, dtype=np.int64), :width]
 
     def block_table_rows(self, seq_ids: list[int]) -> np.ndarray:
         """``[S]`` int64 rows of ``block_table`` holding these sequences' block ids (each must

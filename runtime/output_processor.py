@@ -84,43 +84,46 @@ class OutputProcessor:
         deltas: list[RequestDelta] = []
         stopped: list[tuple[Sequence, str]] = []
         by_request: dict[str, RequestDelta] = {}
-        states = self._states
         with_logprobs = result.logprobs is not None
         for seq, row in zip(update.seqs, update.rows):
             request = seq.request
-            state = states.get(request.request_id)
-            if state is None:
-                continue
-            token = seq.all_token_ids[-1]
             detok = seq.detokenizer or self._detokenizer(seq)
+            token = seq.all_token_ids[-1]
             reason = seq.finish_reason
-            stop_reason = seq.stop_reason
-            # the text of a stopping EOS / stop token is left out (unless include_stop_str_in_output)
-            matched = detok.update([token], reason == "stop")
-            if matched is not None:
-                if reason is None:
-                    stopped.append((seq, matched))
-                reason, stop_reason = "stop", matched
-            if reason is not None:
-                detok.finish()
+            if reason is None:
+                text = detok.add_token(token)
+                stop_reason = None
+                if detok.finished:  # a stop string: the engine finishes the sequence
+                    reason = "stop"
+                    stop_reason = detok.stop_reason
+                    stopped.append((seq, stop_reason))
+            else:
+                # the text of a stopping EOS / stop token is left out (unless include_stop_str_in_output)
+                text = detok.add_token(token, reason == "stop")
+                if detok.finished and detok.stop_reason is not None:
+                    reason, stop_reason = "stop", detok.stop_reason   # a stop string wins over length
+                else:
+                    stop_reason = seq.stop_reason
+                    detok.finish()
+                    text += detok.take_new_text()
             lps = None
             if with_logprobs and request.sampling_params.logprobs is not None:
                 lps = [self._logprobs_entry(seq, result, row)]
-            comp = CompletionDelta(seq.index, [token], detok.take_new_text(), reason, stop_reason, lps,
-                                   seq.cumulative_logprob)
+            comp = CompletionDelta(seq.index, [token], text, reason, stop_reason, lps, seq.cumulative_logprob)
             if request.n == 1:
-                delta = RequestDelta(request.request_id, [comp], False, request.num_prefix_hit_tokens or 0,
+                delta = RequestDelta(request.request_id, [comp], False, request.num_prefix_hit_tokens,
                                      request.prompt, request.prompt_token_ids)
                 deltas.append(delta)
             else:
                 delta = by_request.get(request.request_id)
                 if delta is None:
                     delta = by_request[request.request_id] = RequestDelta(
-                        request.request_id, [], False, request.num_prefix_hit_tokens or 0, request.prompt,
+                        request.request_id, [], False, request.num_prefix_hit_tokens, request.prompt,
                         request.prompt_token_ids)
                     deltas.append(delta)
                 delta.outputs.append(comp)
             if reason is not None:
+                state = self._states[request.request_id]
                 state.done[seq.index] = True
                 state.num_done += 1
                 if state.num_done == request.n:

@@ -202,41 +202,61 @@ class Scheduler:
         max_len = self.max_model_len
 
         # running sequences: decodes first, then chunked prefills in progress, oldest first
-        # (``running`` is kept in admission order, so a stable partition is that order)
-        decodes, prefills = [], []
-        for seq in self.running:
+        # (``running`` is kept in admission order). One pass: a decode is scheduled as it is met,
+        # prefills after all decodes. (The hot loop; ``_add`` is inlined for one token.)
+        prefills = []
+        seqs, num_new_tokens, num_computed = out.seqs, out.num_new_tokens, out.num_computed_tokens
+        sampled, copies_out = out.sampled_seqs, out.block_copies
+        for seq in list(self.running):
+            if seq.status is not _RUNNING:
+                continue  # preempted earlier in this pass
             p = seq.num_output_placeholders
-            num_left = len(seq.all_token_ids) + p - seq.num_computed_tokens - seq.is_parent
-            if num_left == 1:
-                if p:
-                    # its last token is still being sampled: if that one ends it by length, wait
-                    n_total = len(seq.all_token_ids) + p
-                    if n_total - seq.num_prompt_tokens >= seq.request.max_output_tokens or n_total >= max_len:
-                        continue
-                decodes.append(seq)
-            elif num_left > 1:
-                prefills.append(seq)
-        for seq in decodes if not prefills else decodes + prefills:
+            n_total = len(seq.all_token_ids) + p
+            c = seq.num_computed_tokens
+            num_left = n_total - c - seq.is_parent
+            if num_left != 1:
+                if num_left > 1:
+                    prefills.append((seq, num_left))
+                continue
+            # its last token is still being sampled: if that one ends it by length, wait
+            if p and (n_total - seq.num_prompt_tokens >= seq.request.max_output_tokens or n_total >= max_len):
+                continue
+            if budget <= 0:
+                break
+            copies = kv.append_slot(seq)
+            if copies is None:
+                copies = self._allocate_or_preempt(out, seq, 1, step)
+                if copies is None:
+                    continue
+            if copies:
+                copies_out.extend(copies)
+            seqs.append(seq)
+            num_new_tokens.append(1)
+            num_computed.append(c)
+            seq.num_computed_tokens = c + 1
+            seq.scheduled_step = step
+            if seq.is_parent:
+                out.fork_ready.append(seq)
+            else:
+                sampled.append(seq)
+                seq.num_output_placeholders = p + 1
+            if not seq.sent_to_worker:
+                seq.sent_to_worker = True
+                out.new_seqs.append(seq)
+            budget -= 1
+        for seq, num_new in prefills:
             if budget <= 0:
                 break
             if seq.status is not _RUNNING:
-                continue  # preempted earlier in this pass
-            num_new = len(seq.all_token_ids) + seq.num_output_placeholders - seq.num_computed_tokens - seq.is_parent
-            if num_new > budget:
-                num_new = budget
-            while True:
-                copies = kv.allocate_slots(seq, num_new)
-                if copies is not None:
-                    break
-                victim = self._pick_victim(step)
-                self.preempt(victim)
-                out.num_preempted += 1
-                if victim is seq:
-                    break
-            if seq.status is not _RUNNING:
                 continue
+            num_new = min(num_new, budget)
+            copies = kv.allocate_slots(seq, num_new)
+            if copies is None:
+                copies = self._allocate_or_preempt(out, seq, num_new, step)
+                if copies is None:
+                    continue
             if copies:
-                out.block_copies.extend(copies)
+                copies_out.extend(copies)
             self._add(out, seq, num_new, step)
             budget -= num_new
 
@@ -248,6 +268,20 @@ class Scheduler:
             self._finished_seq_ids = []
             out.block_tables = kv.get_block_tables([s.seq_id for s in out.seqs])
         return out
+
+    def _allocate_or_preempt(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int):
+        """Room for ``seq``'s tokens after the pool refused: preempt the newest running sequences
+        not scheduled in this step until it fits. Returns the block copies, or ``None`` when
+        ``seq`` itself was preempted."""
+        while True:
+            victim = self._pick_victim(step)
+            self.preempt(victim)
+            out.num_preempted += 1
+            if victim is seq:
+                return None
+            copies = self.kv_cache_manager.allocate_slots(seq, num_new)
+            if copies is not None:
+                return copies
 
     def _may_admit(self, seq: Sequence) -> bool:
         """Policy hook: whether ``seq`` (at the head of the waiting queue) may start now."""

@@ -130,27 +130,27 @@ def make_step_plan(out, block_size: int) -> StepPlan:
     """
     seqs = out.seqs
     S = len(seqs)
-    ids: list[int] = []
-    for seq, c, n in zip(seqs, out.num_computed_tokens, out.num_new_tokens):
-        toks = seq.all_token_ids
-        if n == 1:
-            ids.append(toks[c] if c < len(toks) else PLACEHOLDER_TOKEN_ID)
-        else:
-            chunk = toks[c:c + n]
+    T = sum(out.num_new_tokens)
+    start = np.array(out.num_computed_tokens, dtype=np.int64)
+    seq_ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
+    if T == S:  # decode only: one token per sequence
+        ids = [s.all_token_ids[c] if c < len(s.all_token_ids) else PLACEHOLDER_TOKEN_ID
+               for s, c in zip(seqs, out.num_computed_tokens)]
+        positions = start
+        token_seq = np.arange(S)
+        query_start_loc = np.arange(S + 1, dtype=np.int32)
+        seq_lens = start + 1
+    else:
+        ids = []
+        for seq, c, n in zip(seqs, out.num_computed_tokens, out.num_new_tokens):
+            chunk = seq.all_token_ids[c:c + n]
             ids.extend(chunk)
             if len(chunk) < n:  # only the last position can be in flight
                 ids.append(PLACEHOLDER_TOKEN_ID)
-    num_new = np.array(out.num_new_tokens, dtype=np.int64)
-    start = np.array(out.num_computed_tokens, dtype=np.int64)
-    seq_ids = np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=S)
-    query_start_loc = np.zeros(S + 1, dtype=np.int32)
-    np.cumsum(num_new, out=query_start_loc[1:])
-    seq_lens = start + num_new
-    T = int(query_start_loc[-1])
-    if T == S:  # decode only: one token per sequence
-        positions = start
-        token_seq = np.arange(S)
-    else:
+        num_new = np.array(out.num_new_tokens, dtype=np.int64)
+        query_start_loc = np.zeros(S + 1, dtype=np.int32)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        seq_lens = start + num_new
         token_seq = np.repeat(np.arange(S), num_new)
         positions = np.arange(T, dtype=np.int64) + np.repeat(start - query_start_loc[:-1], num_new)
     block_tables = out.block_tables
@@ -158,7 +158,7 @@ def make_step_plan(out, block_size: int) -> StepPlan:
         + positions % block_size
     sampled = out.sampled_seqs
     if len(sampled) == S:
-        logits_indices = query_start_loc[1:].astype(np.int64) - 1
+        logits_indices = np.arange(S, dtype=np.int64) if T == S else query_start_loc[1:].astype(np.int64) - 1
         sample_seq_ids = seq_ids
     else:
         is_sampled = {id(s) for s in sampled}
