@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from ..kernels import get_kernels
+from ..kernels.table import KernelTable
 from ..model.attention import AttentionMetadata
 from ..model.loader import allocate_kv_caches, load_model, resolve_device
 from .config import EngineConfig
@@ -121,7 +122,7 @@ class ModelRunner:
         if cfg.dtype not in ("auto", native):
             raise ValueError(f"dtype {cfg.dtype!r} is not available on {self.device} (it runs {native}); "
                              "use --dtype auto")
-        self.kernels = get_kernels(self.device)
+        self.kernels: KernelTable = get_kernels(self.device)
         self.xp = self.kernels.xp
         self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings

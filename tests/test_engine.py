@@ -351,3 +351,30 @@ def test_mistyped_prompts_are_value_errors_and_engine_keeps_serving(llm):
     with pytest.raises(ValueError):
         llm.chat([{"role": "user", "content": 5}], GREEDY2, use_tqdm=False)
     assert len(llm.generate("Hi", GREEDY2, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_overlap_equals_one_step_at_a_time_on_golden_cases_and_under_preemption(runner, llm):
+    # overlap scheduling (the default) against async_scheduling=False on the same scratch blocks:
+    # the golden greedy cases (checked against the reference implementation too) and, in a pool
+    # too small for the batch, seeded sampling with EOS allowed and n=2 (preemption, early stops,
+    # forks and the discarded token after a stop all on the overlap path)
+    cases = json.loads(GOLDEN.read_text())["greedy_cases"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for overlap in (False, True):
+        eng = make_llm(runner, async_scheduling=overlap, enable_prefix_caching=False)
+        outs = eng.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], greedy, use_tqdm=False)
+        runs[overlap] = [o.outputs[0].token_ids for o in outs]
+        assert eng.get_metrics()["async_scheduling"] is overlap
+    assert runs[True] == runs[False] == [c["generated_ids_32_ignore_eos"][:6] for c in cases]
+    tok = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(t)} for t in TEXTS[3:8]]
+    sampled = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=10)
+    got = {}
+    for overlap in (False, True):
+        tiny = make_llm(runner, num_blocks=6, async_scheduling=overlap, enable_prefix_caching=False)
+        outs = tiny.generate(prompts, sampled, use_tqdm=False)
+        got[overlap] = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+        m = tiny.get_metrics()
+        assert m["num_preemptions"] > 0 and m["num_free_blocks"] == 6
+    assert got[True] == got[False]

@@ -12,7 +12,7 @@ from folio.model.loader import allocate_kv_caches
 from folio.runtime.config import EngineConfig
 from folio.runtime.model_runner import ModelRunner, max_useful_blocks, mem_available_bytes, num_kv_blocks
 from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.step import NewSequence, StepPlan
+from folio.runtime.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
 
 GOLDEN = json.load(open("/work/shared/reference/smollm2_135m.json"))
 CASE_A = next(c for c in GOLDEN["greedy_cases"] if c["id"] == "a")
@@ -89,6 +89,28 @@ def test_golden_greedy_tokens(runner):
     assert out[1][0] == 7042
     assert out[1] == CASE_A["generated_ids_until_eos"][:8]
     assert runner.num_active_sequences == 0
+
+
+def test_runner_is_a_step_runner(runner):
+    from folio.runtime.executor import StepRunner
+    assert isinstance(runner, StepRunner)
+
+
+def test_placeholder_inputs_take_the_previous_sample(runner):
+    # overlap scheduling: decode plans built before the previous token is known carry
+    # placeholders; the runner feeds the token it sampled for that sequence in the step before
+    s = Seq(11, CASE_A["prompt_ids"], [20, 21], SamplingParams(temperature=0.0, max_tokens=8))
+    res = runner.execute(make_plan(1, [s], new=[s]))
+    got = res.sampled_token_ids.tolist()
+    for k in range(2, 7):
+        s.tokens.append(-1)  # unknown to the "scheduler": a placeholder
+        plan = make_plan(k, [s])
+        assert plan.input_ids.tolist() == [PLACEHOLDER_TOKEN_ID]
+        res = runner.execute(plan)
+        assert res.error is None, res.error
+        got += res.sampled_token_ids.tolist()
+    assert got == CASE_A["generated_ids_until_eos"][:6]
+    assert runner.execute(_finish_plan(7, [11])).error is None
 
 
 def test_block_copy_before_forward(runner):

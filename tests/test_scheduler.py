@@ -410,3 +410,112 @@ def test_n_samples_under_pressure_and_short_prompts(plen, num_blocks, overlap):
     if num_blocks == 7:
         assert engine.get_metrics()["num_preemptions"] > 0
     assert_idle(engine)
+
+
+# -- overlap scheduling, deltas, bounds ----------------------------------------------------------------
+
+def seq_id_of(ex, prompt_ids):
+    """The seq_id the fake worker was introduced to with this prompt (one sample)."""
+    return next(ns.seq_id for pl in ex.plans for ns in pl.new_seqs if list(ns.prompt_token_ids) == prompt_ids)
+
+
+def test_overlap_feeds_placeholders_and_discards_the_token_after_a_stop():
+    engine, ex = make_engine(async_scheduling=True)
+    p = prompt(5)
+    full = expected(p, 8)
+    stop_tok = full[3]
+    engine.add_request("s", None, SamplingParams(max_tokens=8, stop_token_ids=[stop_tok]), prompt_token_ids=p)
+    engine.add_request("m", None, SamplingParams(max_tokens=6), prompt_token_ids=prompt(3, 1))
+    final = run(engine)
+    # decode inputs were placeholders: plan N+1 left before step N's token was known
+    assert sum(int((pl.input_ids == PLACEHOLDER_TOKEN_ID).sum()) for pl in ex.plans) > 0
+    s_id = seq_id_of(ex, p)
+    samples = sum(int((pl.sample_seq_ids == s_id).sum()) for pl in ex.plans)
+    # it sampled its stop token in some step N; step N+1 was already scheduled with it: one token
+    # too many was computed there and discarded
+    assert samples == full.index(stop_tok) + 2
+    assert final["s"].outputs[0].token_ids == full[:full.index(stop_tok) + 1]
+    assert final["s"].outputs[0].finish_reason == "stop"
+    # a sequence that reaches max_tokens is never scheduled past it
+    m_id = seq_id_of(ex, prompt(3, 1))
+    assert sum(int((pl.sample_seq_ids == m_id).sum()) for pl in ex.plans) == 6
+    assert final["m"].outputs[0].token_ids == expected(prompt(3, 1), 6)
+    assert_idle(engine)
+
+
+@OVERLAP
+def test_stop_string_under_overlap_cuts_text_and_tokens(overlap):
+    engine, ex = make_engine(async_scheduling=overlap)
+    p = prompt(5, 2)
+    full = expected(p, 10)
+    text = FakeTokenizer().decode(full)
+    stop = text[4:6]   # spans tokens 4 and 5
+    engine.add_request("t", None, SamplingParams(max_tokens=10, stop=[stop]), prompt_token_ids=p)
+    out = run(engine)["t"].outputs[0]
+    k = text.find(stop)
+    assert out.text == text[:k] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == full[:k + len(stop)]   # one character per token here
+    assert_idle(engine)
+
+
+@OVERLAP
+def test_abort_while_a_step_is_in_flight(overlap):
+    engine, ex = make_engine(async_scheduling=overlap)
+    engine.add_request("x", None, SamplingParams(max_tokens=50), prompt_token_ids=prompt(9))
+    engine.add_request("y", None, SamplingParams(max_tokens=12), prompt_token_ids=prompt(9, 5))
+    for _ in range(4):
+        engine.step()
+    x_seq = engine.scheduler.requests["x"].seqs[0].seq_id
+    engine.abort_request("x")
+    assert engine.get_metrics()["num_running"] == 1          # freed at once
+    n_before = len(engine.deltas["x"])
+    final = run(engine)
+    x_deltas = engine.deltas["x"][n_before:]
+    assert len(x_deltas) == 1 and x_deltas[0].finished
+    assert [(c.index, c.token_ids, c.finish_reason) for c in x_deltas[0].outputs] == [(0, [], "abort")]
+    assert any(x_seq in pl.finished_seq_ids for pl in ex.plans)  # the worker drops its state
+    assert final["y"].outputs[0].token_ids == expected(prompt(9, 5), 12)
+    assert_idle(engine)
+
+
+@OVERLAP
+def test_each_sample_reports_its_finish_exactly_once(overlap):
+    # n=3 seeded samples; a token only one of them produces early ends that one first
+    engine, ex = make_engine(async_scheduling=overlap)
+    p = prompt(6, 4)
+    outs = [expected(p, 10, derive_seed(3, i, 3)) for i in range(3)]
+    k = next(i for i in range(3) if any(t not in outs[j][:9] for j in range(3) if j != i for t in outs[i][:2]))
+    stop_tok = next(t for t in outs[k][:2] if all(t not in outs[j][:9] for j in range(3) if j != k))
+    engine.add_request("n", None, SamplingParams(n=3, seed=3, max_tokens=10, stop_token_ids=[stop_tok]),
+                       prompt_token_ids=p)
+    final = run(engine)
+    finishes = {}
+    for d in engine.deltas["n"]:
+        for c in d.outputs:
+            assert c.index not in finishes, f"sample {c.index} got a delta after its finish"
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    assert finishes[k] == "stop" and all(finishes[j] == "length" for j in range(3) if j != k)
+    assert sum(d.finished for d in engine.deltas["n"]) == 1 and engine.deltas["n"][-1].finished
+    for o in final["n"].outputs:
+        want = outs[o.index]
+        assert o.token_ids == (want[:want.index(stop_tok) + 1] if o.index == k else want)
+    assert_idle(engine)
+
+
+def test_a_request_that_can_never_run_is_refused_before_admission():
+    engine, ex = make_engine(num_blocks=12, max_num_seqs=4, max_model_len=64)
+    free = engine.get_metrics()["num_free_blocks"]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request("big-n", None, SamplingParams(n=5, max_tokens=4), prompt_token_ids=prompt(6))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("long", None, SamplingParams(max_tokens=50), prompt_token_ids=prompt(4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("len", None, SamplingParams(max_tokens=10), prompt_token_ids=prompt(60))
+    assert engine.get_metrics()["num_free_blocks"] == free and not engine.has_unfinished_requests()
+    engine.add_request("ok", None, SamplingParams(n=4, seed=1, max_tokens=4), prompt_token_ids=prompt(6))
+    final = run(engine)
+    assert [o.token_ids for o in final["ok"].outputs] == [expected(prompt(6), 4, derive_seed(1, i, 4))
+                                                          for i in range(4)]
+    assert max(len(pl.seq_ids) for pl in ex.plans) <= 4
+    assert_idle(engine)
