@@ -34,6 +34,7 @@ supervisor (systemd, k8s, a shell loop) restarts ``folio serve`` if wanted.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import time
 import traceback
@@ -143,6 +144,10 @@ class Server:
         if self.executor is not None:
             poller.register(self.executor.result_socket, zmq.POLLIN)
         engine = self.engine
+        # what start-up built (tokenizer, configs, the engine) lives as long as the process: keep
+        # it out of the garbage collector's full passes (as vLLM's engine core does)
+        gc.collect()
+        gc.freeze()
         try:
             while not self._stop:
                 self._apply_pending()                                   # 1. client input

@@ -24,7 +24,6 @@ passes a ``ZmqExecutor`` (a worker process). Loop shape after vLLM's ``LLMEngine
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Any, Iterable
 
@@ -152,14 +151,13 @@ class LLMEngine:
             raise ValueError(f"the prompt has {num_prompt} tokens; without chunked prefill it must fit "
                              f"max_num_batched_tokens ({self.config.max_num_batched_tokens})")
         need = cdiv(num_prompt + max_tokens, self.config.block_size)
-        total = self.scheduler.kv_cache_manager.num_total_blocks
+        total = int(self.executor.num_blocks)
         if need > total:
             raise ValueError(f"the request needs {need} KV blocks per sample but the whole cache has {total}")
         request = Request(request_id, prompt, prompt_token_ids, sampling_params, max_tokens, cache_salt,
                           arrival_time, self.eos_token_ids)
         self.output_processor.add_request(request)
         if max_tokens == 0:
-            request.finished_time = time.time()
             self._pending.append(self.output_processor.finish_request(request, "length"))
             return
         self.scheduler.add_request(request)
@@ -173,7 +171,6 @@ class LLMEngine:
         for rid in request_ids:
             request = self.scheduler.abort_request(rid)
             if request is not None:
-                request.finished_time = time.time()
                 delta = self.output_processor.finish_request(request, "abort")
                 if delta is not None:
                     self._pending.append(delta)

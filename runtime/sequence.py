@@ -10,8 +10,9 @@ included. Token bookkeeping follows vLLM V1's unified view: a sequence has ``all
 "compute the tokens from ``num_computed_tokens`` up to the target".
 
 Who writes what (docs/architecture.md): the scheduler owns every field of ``Sequence`` and
-``Request`` except ``Sequence.detokenizer`` / ``logprobs`` / ``cumulative_logprob``, which only the
-output processor writes.
+``Request`` except ``Sequence.detokenizer`` / ``logprobs`` / ``cumulative_logprob`` and
+``Request.finished_time`` (set when the request's last delta is made), which only the output
+processor writes.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ contract), checked against the golden greedy tokens, a NumPy penalty reference, 
 arithmetic."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from folio.runtime.model_runner import ModelRunner, max_useful_blocks, mem_avail
 from folio.runtime.sampling_params import SamplingParams
 from folio.runtime.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
 
-GOLDEN = json.load(open("/work/shared/reference/smollm2_135m.json"))
+GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_135m.json").read_text(encoding="utf-8"))
 CASE_A = next(c for c in GOLDEN["greedy_cases"] if c["id"] == "a")
 BS = 16
 NUM_BLOCKS = 64
