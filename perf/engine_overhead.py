@@ -138,12 +138,17 @@ def main(argv=None) -> int:
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         engine.shutdown()
-    results["meta"]["load_average_end"] = os.getloadavg()[0]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {a.json}")
+    save_json(results, a.json)
     return 0
+
+
+def save_json(results: dict, path: str | None) -> None:
+    """Stamp the end load average into ``results["meta"]`` and write it to ``path`` (if any)."""
+    results["meta"]["load_average_end"] = os.getloadavg()[0]
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -20,14 +20,13 @@ Workers: ``echo`` (``tests/ipc_fake_runner.EchoRunner``: no model; its forward p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "perf"))
-from engine_overhead import cpu_model  # noqa: E402
+from engine_overhead import cpu_model, save_json  # noqa: E402
 
 
 def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
@@ -98,11 +97,7 @@ def main(argv=None) -> int:
                   f"of the step ({r['idle_us_per_step']:7.0f} us idle / {r['step_wall_us']:8.0f} us per step), "
                   f"worker forward+sample {r['worker_busy_us_per_step']:8.0f} us, engine CPU "
                   f"{r['engine_cpu_us_per_step']:6.0f} us/step, {r['tokens_per_s']:8.0f} tok/s", flush=True)
-    out["meta"]["load_average_end"] = os.getloadavg()[0]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {a.json}")
+    save_json(out, a.json)
     return 0
 
 

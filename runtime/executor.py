@@ -79,7 +79,19 @@ class Executor(Protocol):
         ...
 
 
-class InlineExecutor:
+class _LocalExecutor:
+    """An ``Executor`` over a ``StepRunner`` in this process."""
+
+    def __init__(self, runner: StepRunner):
+        self.runner = runner
+        self.num_blocks = int(runner.num_blocks)
+        self.model_config = getattr(runner, "model_config", None)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+class InlineExecutor(_LocalExecutor):
     """Runs each plan on the calling thread at ``submit`` (no overlap).
 
     Args:
@@ -87,9 +99,7 @@ class InlineExecutor:
     """
 
     def __init__(self, runner: StepRunner):
-        self.runner = runner
-        self.num_blocks = int(runner.num_blocks)
-        self.model_config = getattr(runner, "model_config", None)
+        super().__init__(runner)
         self._results: list[StepResult] = []
         self._last_end: float | None = None
 
@@ -108,11 +118,8 @@ class InlineExecutor:
     def result_ready(self) -> bool:
         return bool(self._results)
 
-    def shutdown(self) -> None:
-        self.runner.shutdown()
 
-
-class ThreadedExecutor:
+class ThreadedExecutor(_LocalExecutor):
     """Runs plans on one background thread, in order, so the caller can prepare the next plan
     meanwhile (overlap scheduling in one process).
 
@@ -124,9 +131,7 @@ class ThreadedExecutor:
     """
 
     def __init__(self, runner: StepRunner):
-        self.runner = runner
-        self.num_blocks = int(runner.num_blocks)
-        self.model_config = getattr(runner, "model_config", None)
+        super().__init__(runner)
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._num_pending = 0
@@ -171,5 +176,5 @@ class ThreadedExecutor:
             self._plans.put(None)
             self._thread.join(timeout=60)
             self._thread = None
-        self.runner.shutdown()
+        super().shutdown()
 

@@ -3,8 +3,8 @@
 The engine emits *deltas*: each step, one ``RequestDelta`` per request that changed, holding one
 ``CompletionDelta`` per sample that changed (its new token ids, its new text, its finish reason
 exactly once, on its last delta). ``RequestOutput`` / ``CompletionOutput`` are the *cumulative*
-view (everything generated so far) that ``LLM.generate`` returns; ``RequestOutput.add`` builds it
-from deltas (vLLM's ``RequestOutputKind.DELTA`` versus ``CUMULATIVE``).
+view (everything generated so far) that ``LLM.generate`` returns; ``RequestOutput.from_deltas``
+builds it from deltas (vLLM's ``RequestOutputKind.DELTA`` versus ``CUMULATIVE``).
 """
 
 from __future__ import annotations
@@ -137,34 +137,6 @@ class RequestOutput:
             c.text = "".join(texts[i])
         return cls(first.request_id, first.prompt, list(first.prompt_token_ids), [comps[i] for i in sorted(comps)],
                    last.finished, last.num_cached_tokens, last.metrics)
-
-    def add(self, delta: "RequestDelta") -> "RequestOutput":
-        """Fold the request's next ``RequestDelta`` into this cumulative output; returns ``self``.
-
-        Raises:
-            ValueError: the delta belongs to another request.
-        """
-        if delta.request_id != self.request_id:
-            raise ValueError(f"delta of request {delta.request_id!r} added to {self.request_id!r}")
-        by_index = {c.index: c for c in self.outputs}
-        for d in delta.outputs:
-            c = by_index.get(d.index)
-            if c is None:
-                c = by_index[d.index] = CompletionOutput(d.index, "", [])
-            c.token_ids.extend(d.token_ids)
-            c.text += d.text
-            if d.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + list(d.logprobs)
-            if d.cumulative_logprob is not None:
-                c.cumulative_logprob = d.cumulative_logprob
-            if d.finish_reason is not None:
-                c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-        self.outputs = [by_index[i] for i in sorted(by_index)]
-        self.finished = delta.finished
-        self.num_cached_tokens = delta.num_cached_tokens
-        if delta.metrics is not None:
-            self.metrics = delta.metrics
-        return self
 
 
 @dataclass(slots=True)
