@@ -14,7 +14,8 @@ Workers: ``echo`` (``tests/ipc_fake_runner.EchoRunner``: no model; its forward p
 ``--step-ms``, standing for a GPU's step, so only the engine's own time can leave it idle) and
 ``model`` (the real default model on this machine's CPU).
 
-    python perf/worker_idle.py [--worker echo --step-ms 5] [--seqs 64 256] [--steps 60] [--json PATH]
+    python perf/worker_idle.py [--worker echo --step-ms 5 | --worker model] [--seqs 64 256] [--steps 60]
+                               [--prompt-len 40] [--json PATH]
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
     return LLMEngine(cfg, executor=ex)
 
 
-def measure(engine, n: int, steps: int) -> dict:
+def measure(engine, n: int, steps: int, prompt_len: int = 40) -> dict:
     from folio.runtime.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     ids = [f"r{i}" for i in range(n)]
     for i, rid in enumerate(ids):
-        engine.add_request(rid, None, sp, prompt_token_ids=[1000 + (7 * i + j) % 20000 for j in range(40)])
+        engine.add_request(rid, None, sp, prompt_token_ids=[1000 + (7 * i + j) % 20000 for j in range(prompt_len)])
     while engine.get_metrics()["num_running"] < n or engine.get_metrics()["num_waiting"]:
         engine.step()
     for _ in range(5):
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--step-ms", type=float, default=5.0, help="echo worker: simulated forward time per step")
     p.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--prompt-len", type=int, default=40, help="prompt tokens per sequence")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     command = "python perf/worker_idle.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
         for overlap in (False, True):
             engine = make_engine(a.worker, n, overlap, a.step_ms)
             try:
-                r = measure(engine, n, a.steps)
+                r = measure(engine, n, a.steps, a.prompt_len)
             finally:
                 engine.shutdown()
             out.setdefault(str(n), {})["overlap" if overlap else "no_overlap"] = r
