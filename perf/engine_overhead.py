@@ -1,8 +1,9 @@
 """The engine's own per-step cost (issues 4 and 10): scheduler, plan, result, detokenizer, deltas.
 
 Runs ``LLMEngine`` with the default model's tokenizer and a worker that does no model work
-(``tests/ipc_fake_runner.EchoRunner``: each sampled row gets its last input token + 1, so the text
-keeps changing and the detokenizer does real work), with N running sequences in decode. Two modes:
+(``tests/ipc_fake_runner.EchoRunner``: each sampled row gets its last input token + 1, wrapped into
+4096 ids as a model's outputs come from a bounded vocabulary, so the text keeps changing and the
+detokenizer does real work on warm caches), with N running sequences in decode. Two modes:
 
   in-process: the echo runner in this process (pure engine overhead);
   zmq:        the echo runner in a worker process behind ``ZmqExecutor`` (+ the process hop).
@@ -35,6 +36,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ECHO_PERIOD = 4096  # distinct output ids of the echo worker (see its echo_period)
 
 
 def cpu_model() -> str:
@@ -52,7 +54,7 @@ def make_engine(mode: str, max_seqs: int, tests_dir: str, async_scheduling: bool
     from folio.runtime.config import EngineConfig
     from folio.runtime.engine import LLMEngine
     kw = dict(max_num_seqs=max_seqs, max_model_len=2048, max_num_batched_tokens=4096,
-              enable_prefix_caching=True, extra={"num_blocks": 8192})
+              enable_prefix_caching=True, extra={"num_blocks": 8192, "echo_period": ECHO_PERIOD})
     if async_scheduling is not None and "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["async_scheduling"] = async_scheduling
     cfg = EngineConfig(**kw)

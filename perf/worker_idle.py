@@ -27,7 +27,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "perf"))
-from engine_overhead import cpu_model, save_json  # noqa: E402
+from engine_overhead import ECHO_PERIOD, cpu_model, save_json  # noqa: E402
 
 
 def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
@@ -36,7 +36,8 @@ def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
     from folio.runtime.engine import LLMEngine
     if worker == "echo":
         cfg = EngineConfig(max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=4096,
-                           async_scheduling=overlap, extra={"num_blocks": 8192, "step_s": step_ms / 1000})
+                           async_scheduling=overlap, extra={"num_blocks": 8192, "step_s": step_ms / 1000,
+                                                            "echo_period": ECHO_PERIOD})
         tests = os.path.join(ROOT, "tests")
         env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
         ex = ZmqExecutor(cfg, runner="ipc_fake_runner:EchoRunner", env=env)

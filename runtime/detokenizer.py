@@ -133,7 +133,8 @@ class IncrementalDetokenizer:
             that could still begin a stop string. Only ever grows.
         stop_reason: the stop string that ended the text, else ``None``.
         finished: no more text will be added (a stop string matched, or ``finish()`` ran).
-        num_output_tokens: tokens passed to ``update`` so far.
+        num_output_tokens: tokens passed to ``update`` so far (``add_token`` on the simple path,
+            which has no stop string and so no use for it, does not count).
     """
 
     def __init__(self, tokenizer, prompt_token_ids, params: SamplingParams,
@@ -156,8 +157,10 @@ class IncrementalDetokenizer:
         # hold back, no stop token whose text must be left out
         self.simple = self._token_bytes is not None and not self._stops and (
             self._include_stop or not self._stop_token_ids)
+        self._parts: list[str] | None = None   # the text on the simple path (joined when needed)
         if self.simple:
             self._text_of = self._token_bytes.text.get
+            self._parts = []
         if self._token_bytes is None:
             self._token_text = {} if token_text_cache is None else token_text_cache
             prompt = [int(t) for t in prompt_token_ids]
@@ -187,39 +190,50 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
+        if self._parts is not None:
+            return "".join(self._parts)
         return self._text[: self._released]
 
     def take_new_text(self) -> str:
         """The text released since the previous call (each character is handed out once)."""
+        if self._parts is not None:
+            return ""   # add_token handed everything out
         new = self._text[self._taken:self._released]
         self._taken = self._released
         return new
 
+    def _leave_simple_path(self) -> None:
+        """From here on ``_text`` holds the text; everything so far was handed out by add_token."""
+        self._text = "".join(self._parts)
+        self._released = self._taken = len(self._text)
+        self._parts = None
+        self.simple = False
+
     def add_token(self, token_id: int, stop_terminated: bool = False) -> str:
         """``update([token_id], stop_terminated)`` then ``take_new_text()``: the new text this token
         releases (the output processor's call, once per sequence per step). A stop string that
-        matched shows as ``finished`` with ``stop_reason`` set."""
-        if not self.simple or stop_terminated or self.finished:
+        matched shows as ``finished`` with ``stop_reason`` set. On the simple path (byte-level, no
+        stop string, no stop token text to leave out) that is a table lookup, at most one UTF-8
+        decode, and an append."""
+        if not self.simple or stop_terminated:
             self.update((token_id,), stop_terminated)
             return self.take_new_text()
-        self.num_output_tokens += 1
-        if not self._pending:
+        pending = self._pending
+        if not pending:
             text = self._text_of(token_id)
             if text is not None:   # whole characters: no decoding at all
                 if text:
-                    self._text += text
-                    self._taken = self._released = len(self._text)
+                    self._parts.append(text)
                 return text
             data = self._token_bytes[token_id]
         else:
-            data = self._pending + self._token_bytes[token_id]
+            data = pending + self._token_bytes[token_id]
             self._pending = b""
         text, used = utf_8_decode(data, "replace", False)
         if used != len(data):
             self._pending = data[used:]
         if text:
-            self._text += text
-            self._taken = self._released = len(self._text)
+            self._parts.append(text)
         return text
 
     def update(self, new_token_ids, stop_terminated: bool = False) -> str | None:
@@ -237,6 +251,8 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return None
+        if self._parts is not None:
+            self._leave_simple_path()
         ids = new_token_ids if type(new_token_ids) is list else list(new_token_ids)
         self.num_output_tokens += len(ids)
         if stop_terminated and ids and not self._include_stop:
@@ -278,6 +294,8 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """End of the sequence: flush undecodable trailing bytes (as U+FFFD, exactly as a full
         decode shows them) and release held-back text. Returns the final ``output_text``."""
+        if self._parts is not None:
+            self._leave_simple_path()
         if not self.finished:
             start_len = len(self._text)
             if self._token_bytes is not None:
