@@ -8,7 +8,9 @@ steps, the worker's idle time as a share of the step cycle::
 
     idle share = sum of the worker's idle time before each plan / wall time of the steps
 
-(the idle time is measured by the worker: from sending a result to receiving the next plan).
+(the idle time is measured by the worker: from sending a result to receiving the next plan). As
+``folio serve`` does, the objects built at start-up are frozen out of the garbage collector's
+passes before measuring.
 
 Workers: ``echo`` (``tests/ipc_fake_runner.EchoRunner``: no model; its forward pass is a sleep of
 ``--step-ms``, standing for a GPU's step, so only the engine's own time can leave it idle) and
@@ -21,6 +23,7 @@ Workers: ``echo`` (``tests/ipc_fake_runner.EchoRunner``: no model; its forward p
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
     for n in a.seqs:
         for overlap in (False, True):
             engine = make_engine(a.worker, n, overlap, a.step_ms)
+            gc.collect()
+            gc.freeze()   # as folio serve does after start-up (ipc/server.py)
             try:
                 r = measure(engine, n, a.steps, a.prompt_len)
             finally:
