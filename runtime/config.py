@@ -33,6 +33,7 @@ class EngineConfig:
             shapes, for benchmarks).
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"`` or ``"bfloat16"``.
         seed: base seed of the engine (random prefix-hash root is separate and per process).
+        enforce_eager: never capture CUDA graphs for decode steps (vLLM's flag of the same name).
         async_scheduling: overlap scheduling (SGLang's overlap scheduler, vLLM's
             ``--async-scheduling``): the scheduler prepares and sends step N+1 while the worker runs
             step N, the tokens sampled in N being fed on the worker's side. Outputs are the same
@@ -56,6 +57,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False
     async_scheduling: bool = True
     extra: dict = field(default_factory=dict)
     num_gpu_blocks_override: InitVar[int | None] = None

@@ -202,11 +202,13 @@ class LastSampledTokens:
         self._last: dict[int, int] = {}
 
     def resolve(self, plan: StepPlan) -> np.ndarray:
-        ids = np.asarray(plan.input_ids, dtype=np.int64)
-        holes = np.flatnonzero(ids < 0)
+        """The plan's input ids with the placeholders filled (``plan.input_ids`` itself when it
+        has none)."""
+        ids = plan.input_ids
+        holes = np.flatnonzero(np.asarray(ids) < 0)
         if not len(holes):
             return ids
-        ids = ids.copy()
+        ids = np.array(ids, dtype=np.int64)
         rows = np.searchsorted(np.asarray(plan.query_start_loc), holes, side="right") - 1
         seq_ids = np.asarray(plan.seq_ids)[rows].tolist()
         last = self._last
