@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -124,7 +125,9 @@ class ThreadedExecutor(_LocalExecutor):
     meanwhile (overlap scheduling in one process).
 
     The runner is only ever called from that thread. An exception escaping ``execute`` becomes
-    an error result (the runner itself already reports errors inside a step that way).
+    an error result (the runner itself already reports errors inside a step that way). The
+    thread ends with ``shutdown()`` or when the executor is garbage-collected, so a dropped
+    ``LLM`` does not keep its model alive.
 
     Args:
         runner: a ``StepRunner``.
@@ -137,27 +140,13 @@ class ThreadedExecutor(_LocalExecutor):
         self._num_pending = 0
         self._thread: threading.Thread | None = None
 
-    def _loop(self) -> None:
-        last_end = None
-        while True:
-            plan = self._plans.get()
-            if plan is None:
-                return
-            start = time.perf_counter()
-            try:
-                result = self.runner.execute(plan)
-            except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises
-                result = StepResult(plan.step_id, sampled_token_ids=np.zeros(0, dtype=np.int64),
-                                    error=f"{type(e).__name__}: {e}")
-            end = time.perf_counter()
-            result.idle_time = 0.0 if last_end is None else start - last_end
-            last_end = end
-            self._results.put(result)
-
     def submit(self, plan: StepPlan) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="folio-step-runner", daemon=True)
+            # the thread holds the runner and the queues, not the executor
+            self._thread = threading.Thread(target=_run_plans, args=(self.runner, self._plans, self._results),
+                                            name="folio-step-runner", daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._plans.put, None)
         self._num_pending += 1
         self._plans.put(plan)
 
@@ -178,3 +167,22 @@ class ThreadedExecutor(_LocalExecutor):
             self._thread = None
         super().shutdown()
 
+
+
+def _run_plans(runner: StepRunner, plans: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
+    """``ThreadedExecutor``'s thread: run plans in order until ``None`` comes."""
+    last_end = None
+    while True:
+        plan = plans.get()
+        if plan is None:
+            return
+        start = time.perf_counter()
+        try:
+            result = runner.execute(plan)
+        except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises
+            result = StepResult(plan.step_id, sampled_token_ids=np.zeros(0, dtype=np.int64),
+                                error=f"{type(e).__name__}: {e}")
+        end = time.perf_counter()
+        result.idle_time = 0.0 if last_end is None else start - last_end
+        last_end = end
+        results.put(result)
