@@ -37,8 +37,9 @@ def run(a: argparse.Namespace) -> int:
                  "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                  "--load-format", a.load_format, "--dtype", a.dtype, "--seed", str(a.seed),
                  "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-                 "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching"]
-        for name in ("max_model_len", "kv_cache_memory", "num_gpu_blocks_override"):
+                 "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
+                 "--async-scheduling" if a.async_scheduling else "--no-async-scheduling"]
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks_override"):
             if getattr(a, name) is not None:
                 flags += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         print(f"starting a server for {a.model} ...", flush=True)

@@ -55,8 +55,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="KV cache bytes on CPU (None: a quarter of available memory, capped by what "
                         "max_num_seqs x max_model_len can use)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override,
-                   help="KV cache size in blocks, overriding the sizing (None: sized from memory)")
+    p.add_argument("--num-kv-blocks-override", "--num-gpu-blocks-override", dest="num_kv_blocks_override", type=int,
+                   default=d.num_kv_blocks_override,
+                   help="KV cache size in blocks on any device, overriding the sizing (None: sized from memory)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="overlap scheduling: prepare step N+1 while the worker runs step N")
     p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                    help="auto: weights from the files; dummy: random weights of the model's shapes")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
@@ -70,8 +73,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=a.gpu_memory_utilization,
                         enable_prefix_caching=a.enable_prefix_caching,
                         enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory,
-                        num_gpu_blocks_override=a.num_gpu_blocks_override, load_format=a.load_format,
-                        dtype=a.dtype, seed=a.seed)
+                        num_kv_blocks_override=a.num_kv_blocks_override, load_format=a.load_format,
+                        dtype=a.dtype, seed=a.seed, async_scheduling=a.async_scheduling)
 
 
 def register(subparsers) -> None:

@@ -4,7 +4,7 @@ This module is the spec: the Numba kernels (``kernels/cpu.py``) and the CUDA ker
 (``kernels/cuda/*.cu``) are tested against these functions. They favour clarity over speed
 (plain loops are fine) and compute in float64 internally, returning float32.
 
-Conventions shared by all kernels (see DESIGN.md, "Processes" and "KV cache"):
+Conventions shared by all kernels (docs/architecture.md, "One step" and "KV cache"):
 
 * A step's batch is *flattened*: ``T`` tokens from ``S`` sequences laid end to end.
   ``query_start_loc [S+1] int32`` gives each sequence's token range

@@ -1,7 +1,7 @@
 """The Llama decoder forward pass over a flattened varlen batch and a paged KV cache.
 
-Written against a kernel table (``folio.kernels.get_kernels``) and its array module
-``kernels.xp`` only, so the same code runs on NumPy + Numba (CPU) and CuPy + CUDA kernels (GPU).
+Written against a kernel table (``folio.kernels.table.KernelTable``, from
+``folio.kernels.get_kernels``) and its array module ``kernels.xp`` only, so the same code runs on NumPy + Numba (CPU) and CuPy + CUDA kernels (GPU).
 
 Architecture: Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
 Models"; Hugging Face ``modeling_llama.py`` naming): pre-norm decoder layers of RMSNorm ->
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import reference
+from ..kernels.table import KernelTable
 from .attention import AttentionMetadata
 from .config import ModelConfig
 
@@ -93,9 +94,9 @@ class LlamaForCausalLM:
         ValueError: a tensor is missing or has the wrong shape (the message names it).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict, kernels):
+    def __init__(self, config: ModelConfig, weights: dict, kernels: KernelTable):
         self.config = config
-        self.kernels = kernels
+        self.kernels: KernelTable = kernels
         self.xp = kernels.xp
         missing = [n for n in required_weight_names(config) if n not in weights]
         if missing:

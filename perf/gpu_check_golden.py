@@ -167,7 +167,8 @@ def graphs(dry: bool) -> dict:
                   max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.3)
         t0 = time.perf_counter()
         res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        step = llm.llm_engine.executor.device_step if hasattr(llm, "llm_engine") else None
+        ex = llm.llm_engine.executor
+        step = getattr(ex, "runner", ex).device_step  # in-process executors wrap the ModelRunner
         out[eager] = {"tokens": [list(r.outputs[0].token_ids) for r in res],
                       "seconds": round(time.perf_counter() - t0, 3),
                       "graphs": sorted(map(list, step.graphs)) if step is not None else None,

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         cuda_ops._TABLE = simt_kernels(device=dev)
         runner = ModelRunner(EngineConfig(model=d, device="cuda", load_format="dummy", block_size=8,
                                           max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128,
-                                          num_gpu_blocks_override=64, enforce_eager=eager))
+                                          num_kv_blocks_override=64, enforce_eager=eager))
         seqs = [Seq(i, list(range(3, 3 + 9 + i)), list(range(8 * i, 8 * i + 8)),
                     SamplingParams(temperature=0.8, top_p=0.9, seed=i)) for i in range(args.seqs)]
         dev.take()

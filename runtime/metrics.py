@@ -14,12 +14,14 @@ What is measured follows vLLM V1's ``IterationStats`` / ``FinishedRequestStats``
 - counters: prompt_tokens (each request's prompt length, counted at its first token),
   generation_tokens, request_success by finished_reason ("stop", "length", "abort").
 
-Times are the engine's wall-clock stamps (``RequestMetrics``, seconds). Pure Python, no I/O.
+Times are wall-clock seconds: the engine's stamps (``RequestMetrics``) where a request's last delta
+carries them, the time a step's deltas were handed out for inter-token latency. Pure Python, no I/O.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from typing import Iterable
 
 # bucket upper bounds (seconds / tokens); an implicit +Inf bucket follows, as in Prometheus
@@ -61,10 +63,12 @@ class Histogram:
 
 
 class ServingStats:
-    """Accumulates the figures above from the ``RequestOutput``s of each engine step.
+    """Accumulates the figures above from the ``RequestDelta``s of each engine step.
 
-    Call ``on_step(outputs, num_scheduled_tokens)`` once per step with every output of that step
-    (aborted ones included); ``to_dict()`` gives the counters and histograms.
+    Call ``on_step(deltas, num_scheduled_tokens)`` once per step with every delta of that step
+    (aborted requests included); ``to_dict()`` gives the counters and histograms. Inter-token
+    latency is timed here, at the step that delivered the tokens; TTFT, end-to-end latency and
+    queue time come from the engine's own stamps (``RequestMetrics``) on a request's last delta.
     """
 
     def __init__(self):
@@ -78,38 +82,39 @@ class ServingStats:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.request_success: dict[str, int] = {}
-        self._seen: dict[str, tuple[int, float | None]] = {}   # request id -> (tokens so far, last token time)
+        self._last_token_time: dict[str, float] = {}   # request id -> when its latest tokens came out
 
-    def on_step(self, outputs, num_scheduled_tokens: int | None) -> None:
-        """Record one engine step: its token count (``None``/0 when nothing ran) and its outputs."""
+    def on_step(self, deltas, num_scheduled_tokens: int | None, now: float | None = None) -> None:
+        """Record one engine step: its token count (``None``/0 when nothing ran) and its deltas,
+        delivered at ``now`` (seconds, ``time.time()``; default: the current time)."""
         if num_scheduled_tokens:
             self.histograms["iteration_tokens_total"].observe(num_scheduled_tokens)
+        if now is None:
+            now = time.time()
         h = self.histograms
-        for out in outputs:
-            rid = out.request_id
-            n_tokens = sum(len(c.token_ids) for c in out.outputs)
-            seen, last_time = self._seen.get(rid, (0, None))
-            m = out.metrics
-            if n_tokens > seen:
-                self.generation_tokens += n_tokens - seen
-                if seen == 0:
-                    self.prompt_tokens += len(out.prompt_token_ids)
-                    if m is not None and m.first_token_time is not None:
-                        h["time_to_first_token_seconds"].observe(max(0.0, m.first_token_time - m.arrival_time))
-                elif m is not None and last_time is not None and m.last_token_time is not None:
-                    h["inter_token_latency_seconds"].observe(max(0.0, m.last_token_time - last_time))
-                seen, last_time = n_tokens, (m.last_token_time if m is not None else None)
-            if out.finished:
-                self._seen.pop(rid, None)
-                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "abort"
+        for d in deltas:
+            rid = d.request_id
+            n_new = sum(len(c.token_ids) for c in d.outputs)
+            if n_new:
+                self.generation_tokens += n_new
+                last = self._last_token_time.get(rid)
+                if last is None:
+                    self.prompt_tokens += len(d.prompt_token_ids)
+                else:
+                    h["inter_token_latency_seconds"].observe(max(0.0, now - last))
+                self._last_token_time[rid] = now
+            if d.finished:
+                self._last_token_time.pop(rid, None)
+                reason = next((c.finish_reason for c in d.outputs if c.finish_reason), None) or "abort"
                 self.request_success[reason] = self.request_success.get(reason, 0) + 1
+                m = d.metrics
                 if m is not None:
+                    if m.first_token_time is not None:
+                        h["time_to_first_token_seconds"].observe(max(0.0, m.first_token_time - m.arrival_time))
                     if m.finished_time is not None:
                         h["e2e_request_latency_seconds"].observe(max(0.0, m.finished_time - m.arrival_time))
                     if m.first_scheduled_time is not None:
                         h["request_queue_time_seconds"].observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-            else:
-                self._seen[rid] = (seen, last_time)
 
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,

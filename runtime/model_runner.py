@@ -1,11 +1,14 @@
 """The worker side of a step: device, weights, KV cache tensors, forward pass and sampling.
 
-``ModelRunner`` is the in-process ``Executor`` (``.num_blocks``, ``.execute(plan)``,
-``.shutdown()``): the engine hands it a ``StepPlan`` and gets a ``StepResult``; the IPC layer
-runs the same object in a worker process. It never decides what runs (DESIGN.md, "Processes").
+``ModelRunner`` is a ``StepRunner`` (``runtime/executor.py``: ``.num_blocks``, ``.execute(plan)``,
+``.shutdown()``): it gets a ``StepPlan`` and returns a ``StepResult``; in this process the engine
+runs it through an ``InlineExecutor`` / ``ThreadedExecutor``, and the IPC layer runs the same
+object in a worker process. It never decides what runs (docs/architecture.md, "Processes"). Input
+ids that are placeholders (overlap scheduling) become the token the sequence sampled in the step
+before (``step.LastSampledTokens``).
 
-KV cache sizing (DESIGN.md, "KV cache"; vLLM's ``determine_num_available_blocks``):
-``num_gpu_blocks_override`` blocks if given, else ``kv_cache_memory`` bytes, else on CPU
+KV cache sizing (docs/architecture.md, "KV cache"; vLLM's ``determine_num_available_blocks``):
+``num_kv_blocks_override`` blocks if given, else ``kv_cache_memory`` bytes, else on CPU
 ``cpu_kv_cache_fraction`` of the available RAM (``MemAvailable`` in /proc/meminfo) and on GPU
 ``gpu_memory_utilization`` of device memory minus what a profiling step of the largest shape used
 (``gpu_kv_budget``: memory outside CuPy's pool, such as the CUDA context, plus the pool's *peak*
@@ -20,18 +23,20 @@ sampling, one download, one sync per step, and CUDA graphs for decode steps.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
 from ..kernels import get_kernels
+from ..kernels.table import KernelTable
 from ..model.attention import AttentionMetadata
 from ..model.loader import allocate_kv_caches, load_model, resolve_device
 from .config import EngineConfig
 from .device_step import DeviceStep
 from .sampler import SamplingState, sample
 from .sampling_params import SamplingParams
-from .step import StepPlan, StepResult
+from .step import LastSampledTokens, StepPlan, StepResult
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,13 +67,13 @@ def num_kv_blocks(bytes_per_block: int, *, block_size: int, max_num_seqs: int, m
     """
     if num_blocks_override is not None:
         n = int(num_blocks_override)
-        source = "num_gpu_blocks_override"
+        source = "num_kv_blocks_override"
     elif kv_cache_memory is not None:
         n = int(kv_cache_memory) // bytes_per_block
         source = f"kv_cache_memory={kv_cache_memory} bytes"
     else:
         if available_bytes is None:
-            raise ValueError("no KV cache budget: give num_gpu_blocks_override, kv_cache_memory or "
+            raise ValueError("no KV cache budget: give num_kv_blocks_override, kv_cache_memory or "
                              "available_bytes")
         n = min(max(int(available_bytes), 0) // bytes_per_block,
                 max_useful_blocks(max_num_seqs, max_model_len, block_size))
@@ -92,7 +97,7 @@ def mem_available_bytes(path: str = "/proc/meminfo") -> int:
                     return int(line.split()[1]) * 1024
     except OSError as e:
         raise RuntimeError(f"cannot read {path}: {e}") from None
-    raise RuntimeError(f"no MemAvailable in {path}; set kv_cache_memory or num_gpu_blocks_override")
+    raise RuntimeError(f"no MemAvailable in {path}; set kv_cache_memory or num_kv_blocks_override")
 
 
 def gpu_kv_budget(total: int, free: int, pool_held: int, pool_peak_used: int, profile_kv_bytes: int,
@@ -153,7 +158,7 @@ class ModelRunner:
         if cfg.dtype not in ("auto", native):
             raise ValueError(f"dtype {cfg.dtype!r} is not available on {self.device} (it runs {native}); "
                              "use --dtype auto")
-        self.kernels = get_kernels(self.device)
+        self.kernels: KernelTable = get_kernels(self.device)
         self.xp = self.kernels.xp
         self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
@@ -170,15 +175,16 @@ class ModelRunner:
                                           max_model_len=self.max_model_len, block_size=self.block_size,
                                           enforce_eager=getattr(cfg, "enforce_eager", False))
         available = None
-        if cfg.num_gpu_blocks_override is None and cfg.kv_cache_memory is None:
+        if cfg.num_kv_blocks_override is None and cfg.kv_cache_memory is None:
             available = self._profile_gpu_budget() if self.device == "cuda" else \
                 int(cfg.cpu_kv_cache_fraction * mem_available_bytes())
         self.num_blocks = num_kv_blocks(
             self.bytes_per_block, block_size=self.block_size, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=self.max_model_len, num_blocks_override=cfg.num_gpu_blocks_override,
+            max_model_len=self.max_model_len, num_blocks_override=cfg.num_kv_blocks_override,
             kv_cache_memory=cfg.kv_cache_memory, available_bytes=available)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.kernels)
         self._seqs: dict[int, SamplingState] = {}
+        self._last_sampled = LastSampledTokens()
 
     # --- KV sizing on GPU ----------------------------------------------------------------------
     def _profile_gpu_budget(self) -> int:
@@ -221,6 +227,7 @@ class ModelRunner:
         xp = self.xp
         for sid in plan.finished_seq_ids:
             self._seqs.pop(int(sid), None)
+        self._last_sampled.forget(plan.finished_seq_ids)
         for ns in plan.new_seqs:
             self._seqs[int(ns.seq_id)] = SamplingState(
                 ns.seq_id, SamplingParams.from_dict(ns.sampling), ns.prompt_token_ids, ns.output_token_ids,
@@ -233,6 +240,11 @@ class ModelRunner:
         if len(plan.logits_indices) != R:
             raise ValueError(f"logits_indices has {len(plan.logits_indices)} rows but sample_seq_ids {R}")
 
+        # overlap scheduling: placeholder inputs are the tokens sampled in the step before
+        input_ids = self._last_sampled.resolve(plan)
+        if input_ids is not plan.input_ids:
+            plan = dataclasses.replace(plan, input_ids=input_ids)
+
         if self.device_step is not None:
             if R and not plan.num_tokens:
                 raise ValueError("plan samples rows but has no tokens")
@@ -240,6 +252,7 @@ class ModelRunner:
             tokens, lp, lp_ids, fwd, smp = self.device_step.run(plan, states, self.kv_caches)
             for st, tok in zip(states, tokens.tolist()):
                 st.append(tok)
+            self._last_sampled.record(plan, tokens)
             return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=lp,
                               logprob_token_ids=lp_ids, forward_time=fwd, sample_time=smp)
 
@@ -276,6 +289,7 @@ class ModelRunner:
         out = sample(logits, states, xp)
         for st, tok in zip(states, out.token_ids.tolist()):
             st.append(tok)
+        self._last_sampled.record(plan, out.token_ids)
         t2 = time.perf_counter()
         return StepResult(step_id=plan.step_id, sampled_token_ids=out.token_ids, logprobs=out.logprobs,
                           logprob_token_ids=out.logprob_token_ids, forward_time=t1 - t0,

@@ -155,7 +155,7 @@ def model_dir(tmp_path, **overrides):
 def make_runner(monkeypatch, table, path, **kw):
     monkeypatch.setattr(cuda_ops, "_TABLE", table)
     args = dict(model=path, device="cuda", load_format="dummy", block_size=BS, max_num_seqs=8,
-                max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks_override=64, seed=5)
+                max_num_batched_tokens=64, max_model_len=128, num_kv_blocks_override=64, seed=5)
     args.update(kw)
     return ModelRunner(EngineConfig(**args))
 
@@ -376,7 +376,7 @@ def test_kv_sizing_profiles_the_real_step_shape_and_counts_the_pool_peak(modules
 
     monkeypatch.setattr(sys.modules["folio.runtime.model_runner"], "gpu_kv_budget", spy)
     runner = make_runner(monkeypatch, table, model_dir(tmp_path), max_num_seqs=8, max_model_len=100,
-                         max_num_batched_tokens=128, num_gpu_blocks_override=None, gpu_memory_utilization=0.5)
+                         max_num_batched_tokens=128, num_kv_blocks_override=None, gpu_memory_utilization=0.5)
     assert seen[0] == 128
     (total, free, held, peak, kv, util), = budgets
     assert total == 1 << 28 and total - free - held == 30 << 20  # outside the pool: the context only
@@ -426,3 +426,28 @@ def test_auto_falls_back_to_cpu_when_kernels_fail_to_build(monkeypatch):
     with pytest.raises(RuntimeError, match="kernels failed to build.*CompileException: nvrtc: error in"):
         get_kernels("cuda")
     assert resolve_device("auto") == "cpu"
+
+
+def test_placeholder_inputs_on_the_device_path(modules, tmp_path, monkeypatch):
+    # overlap scheduling hands over decode plans whose inputs are placeholders for the tokens the
+    # step before sampled; on the CUDA table (graphs on) the runner fills them in before the upload:
+    # the same tokens and logprobs as plans carrying the ids
+    from folio.runtime.step import PLACEHOLDER_TOKEN_ID
+    results = {}
+    for placeholders in (False, True):
+        runner = make_runner(monkeypatch, make_table(modules, CountingDevice()), model_dir(tmp_path))
+        seqs = _seqs(PARAMS)
+        steps = run_steps(runner, seqs, n_decode=0)
+        got = [steps[-1][0].sampled_token_ids.tolist()]
+        for k in range(3):
+            plan = plan_for(20 + k, seqs)
+            if placeholders:
+                plan.input_ids[:] = PLACEHOLDER_TOKEN_ID
+            res = runner.execute(plan)
+            assert res.error is None, res.error
+            got.append(res.sampled_token_ids.tolist())
+            for sq, t in zip(seqs, res.sampled_token_ids.tolist()):
+                sq.tokens.append(t)
+        results[placeholders] = got
+        runner.shutdown()
+    assert results[True] == results[False]

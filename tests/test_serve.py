@@ -100,6 +100,26 @@ def test_malformed_input_gets_an_error_reply_and_the_server_keeps_serving(echo_s
         assert c.get_metrics()["num_bad_messages"] >= 4
 
 
+def test_oversized_n_is_refused_and_samples_finish_once_on_the_wire(echo_server):
+    # an n the engine can never run side by side used to be admitted and stall the server
+    _, addr = echo_server
+    sp = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    with Client(addr, timeout=30) as c:
+        with pytest.raises(ServerError, match="max_num_seqs") as ei:
+            c.generate(prompt_token_ids=[5, 6, 7], sampling_params={**sp, "n": 10_000})
+        assert ei.value.code == "invalid_argument"
+        finishes, seen = {}, []
+        for d in c.generate_stream(prompt_token_ids=[30, 31], sampling_params={**sp, "n": 2}):
+            assert d.index not in finishes, f"sample {d.index}: a delta after its finish"
+            seen.append((d.index, d.token_ids))
+            if d.finish_reason is not None:
+                finishes[d.index] = d.finish_reason
+        assert finishes == {0: "length", 1: "length"}
+        for i in (0, 1):
+            assert sum((ids for j, ids in seen if j == i), []) == echo_chain(31, 4)
+        assert c.health()["healthy"]
+
+
 # -- abort and vanished clients ------------------------------------------------------------------------
 
 VANISHING_CLIENT = textwrap.dedent("""
