@@ -4,12 +4,14 @@ Offline: ``folio.LLM(model).generate(prompts, SamplingParams(...))``. Online: ``
 ``folio.Client`` / ``folio.AsyncClient``.
 """
 
+__version__ = "0.1.0"
+
 from .llm import LLM
 from .runtime.config import EngineConfig
 from .runtime.outputs import CompletionOutput, RequestOutput
 from .runtime.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
+__all__ = ["__version__", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
 
 
 def __getattr__(name):

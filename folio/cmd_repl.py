@@ -13,11 +13,12 @@ import os
 def register(subparsers) -> None:
     from .cmd_serve import add_engine_args
     p = subparsers.add_parser("repl", help="interactive chat with streamed answers",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__)
     p.add_argument("--address", default=None,
                    help="server address (default tcp://127.0.0.1:5555 unless --model is given)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server message")
-    p.add_argument("--params", nargs="*", default=[], metavar="K=V", help="initial sampling parameters")
+    p.add_argument("--params", nargs="*", default=[], metavar="K=V",
+                   help="initial sampling parameters (on top of temperature=0.7 top_p=0.9 max_tokens=256)")
     add_engine_args(p)
     p.set_defaults(func=run, model=None)
 
@@ -36,12 +37,13 @@ def run(a: argparse.Namespace) -> int:
                  "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                  "--load-format", a.load_format, "--dtype", a.dtype, "--seed", str(a.seed),
                  "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-                 "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching"]
-        for name in ("max_model_len", "kv_cache_memory", "num_gpu_blocks_override"):
+                 "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
+                 "--async-scheduling" if a.async_scheduling else "--no-async-scheduling"]
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks_override"):
             if getattr(a, name) is not None:
                 flags += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         print(f"starting a server for {a.model} ...", flush=True)
-        proc, address = spawn_server(flags)
+        proc, address = spawn_server(flags, on_line=lambda line: print("  " + line, flush=True))
     try:
         with Client(address or DEFAULT_ADDRESS, timeout=a.timeout) as client:
             return Repl(client, params, history_file=history).run()

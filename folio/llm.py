@@ -1,7 +1,8 @@
 """The offline API: ``LLM(model).generate(prompts, sampling_params)``, shaped like vLLM's ``LLM``.
 
 All prompts of one call are queued at once and the engine's continuous batching runs them
-together; the call returns one finished ``RequestOutput`` per prompt, in prompt order.
+together; the call returns one finished ``RequestOutput`` per prompt, in prompt order (the
+cumulative view, built from the engine's per-step deltas when each request finishes).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class LLM:
     Args:
         model: a folio model name (default ``smollm2-135m-instruct``) or a Hugging Face Llama folder.
         **engine_args: any ``EngineConfig`` field (``block_size``, ``max_num_seqs``,
-            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``num_gpu_blocks_override``, ...).
+            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``num_kv_blocks_override``, ...).
     Raises:
         TypeError: an unknown engine argument. ValueError: an invalid value.
     Attributes:
@@ -115,20 +116,27 @@ class LLM:
             raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of ``ids`` finished; the engine emits deltas, and
+        each request's cumulative output is built once, when it finishes."""
         pending = set(ids)
+        deltas: dict[str, list] = {rid: [] for rid in ids}
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while pending:
+            while pending or self.llm_engine.has_unfinished_requests():
                 if not self.llm_engine.has_unfinished_requests():
                     raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
-                for out in self.llm_engine.step():
-                    if out.finished and out.request_id in pending:
-                        final[out.request_id] = out
-                        pending.discard(out.request_id)
+                for delta in self.llm_engine.step():
+                    rid = delta.request_id
+                    if rid not in pending:
+                        continue
+                    deltas[rid].append(delta)
+                    if delta.finished:
+                        final[rid] = RequestOutput.from_deltas(deltas.pop(rid))
+                        pending.discard(rid)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
@@ -141,8 +149,10 @@ class LLM:
         return [final[i] for i in ids]
 
     def _drain(self, ids: set[str]) -> None:
-        """Let pending aborts take effect so no request of a failed call stays queued."""
+        """Let pending aborts take effect and steps in flight end, so no request of a failed call
+        stays queued and the worker is idle."""
         try:
-            self.llm_engine.step()
+            while self.llm_engine.has_unfinished_requests():
+                self.llm_engine.step()
         except Exception:
             pass

@@ -1,8 +1,9 @@
-"""``ZmqExecutor``: the scheduler side of the worker process (the Executor protocol over ZeroMQ).
+"""``ZmqExecutor``: the scheduler side of the worker process (``runtime.executor.Executor`` over ZeroMQ).
 
 ``LLMEngine(config, executor=ZmqExecutor(config))`` runs exactly as with the in-process
-``ModelRunner``: ``.num_blocks``, ``.execute(plan) -> StepResult``, ``.shutdown()``; each
-``execute`` is one message out (``step``) and one back (``step_result``).
+``ModelRunner``: ``submit(plan)`` sends one ``step`` message and returns, ``get_result()`` reads
+the oldest step's ``step_result``; the worker runs the plans in the order sent, so with overlap
+scheduling the next plan waits in the worker's socket while the current step runs.
 
 Liveness: while waiting, the executor polls every ``poll_interval`` seconds and checks
 (a) that the worker process has not exited (``Popen.poll``), and (b) that a heartbeat arrived in
@@ -11,10 +12,9 @@ busy in a long forward pass still beats; a stopped or wedged one does not). Eith
 ``WorkerDiedError`` (after killing a silent worker), within about ``heartbeat_timeout`` seconds
 at worst; it never hangs. ``step_timeout`` (default: none) bounds one step as well.
 
-Overlap: ``wait_hooks`` is a list of ``(zmq socket, callback)``; while a step runs on the worker
-the executor polls these sockets too and calls the callback when one is readable, and calls
-``on_plan_sent`` right after a plan leaves. The server uses this to receive, validate and
-tokenize client messages and to send the previous step's deltas while the worker computes.
+A serving loop that must not block (``ipc/server.py``) polls ``result_socket`` together with its
+client socket, reads a result with ``get_result()`` once ``result_ready()``, and calls
+``check_health()`` between polls.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections import deque
 
 import zmq
 
@@ -58,11 +58,10 @@ class ZmqExecutor:
         self.step_timeout = step_timeout
         self.poll_interval = poll_interval
         self.max_message_bytes = max_message_bytes
-        self.wait_hooks: list[tuple[zmq.Socket, Callable[[], None]]] = []
-        self.on_plan_sent: Callable[[], None] | None = None
         self.dead_reason: str | None = None
-        self.last_wait_time = 0.0        # seconds the last execute() waited for the worker
-        self.last_ipc_time = 0.0         # last execute(): wall time minus worker forward + sample
+        self.ipc_time = 0.0              # seconds, summed over steps: see get_result()
+        self._submitted: deque[tuple[int, float]] = deque()  # (step_id, time sent), oldest first
+        self._last_result_time = 0.0
         self._ctx = zmq.Context.instance()
         self._addr = private_ipc_address("worker")
         self._hb_addr = private_ipc_address("heartbeat")
@@ -74,7 +73,10 @@ class ZmqExecutor:
         cmd = [sys.executable, "-m", "folio.ipc.worker", "--address", self._addr,
                "--heartbeat-address", self._hb_addr, "--runner", runner,
                "--max-message-bytes", str(max_message_bytes)]
-        self.proc = subprocess.Popen(cmd, env=env)
+        # its own session: a terminal's Ctrl-C or a signal to folio serve's process group reaches only
+        # the scheduler, which then stops the worker in order (a worker still importing would print a
+        # traceback); PR_SET_PDEATHSIG still ties it to the scheduler
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self._last_beat = time.monotonic()
         try:
             send_frames(self._sock, M.encode("init", config=M.config_to_dict(config), parent_pid=os.getpid()))
@@ -128,14 +130,11 @@ class ZmqExecutor:
                 return
             self._last_beat = time.monotonic()
 
-    def _wait_reply(self, timeout: float | None, what: str, hooks: bool = False,
+    def _wait_reply(self, timeout: float | None, what: str,
                     heartbeat_timeout: float | None = None) -> tuple[str, dict]:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._hb, zmq.POLLIN)
-        if hooks:
-            for s, _ in self.wait_hooks:
-                poller.register(s, zmq.POLLIN)
         started = time.monotonic()
         self._last_beat = max(self._last_beat, started - self.heartbeat_timeout / 2)
         while True:
@@ -144,10 +143,6 @@ class ZmqExecutor:
                 self._drain_heartbeats()
             if self._sock in ready:
                 return M.decode(recv_frames(self._sock), self.max_message_bytes)
-            if hooks:
-                for s, cb in self.wait_hooks:
-                    if s in ready:
-                        cb()
             self._check_alive(started, timeout, what, heartbeat_timeout)
 
     # -- Executor protocol --------------------------------------------------------------------------
@@ -172,28 +167,57 @@ class ZmqExecutor:
                 self._check_alive(started, self.step_timeout, what)
                 self._sock.poll(50, zmq.POLLOUT)
 
-    def execute(self, plan):
-        """Run one plan on the worker. Raises ``WorkerDiedError`` if the worker is gone or silent,
-        ``RuntimeError`` if the worker rejected the message."""
+    @property
+    def result_socket(self) -> zmq.Socket:
+        """The socket step results arrive on (for a caller's own poller; read them with
+        ``get_result``, never from the socket directly)."""
+        return self._sock
+
+    def submit(self, plan) -> None:
+        """Send one plan to the worker and return. Raises ``WorkerDiedError`` if the worker is gone."""
         if self.dead_reason is not None:
             raise WorkerDiedError(self.dead_reason)
-        t0 = time.perf_counter()
         self._send_plan(M.encode_plan(plan), f"step {plan.step_id}")
-        if self.on_plan_sent is not None:
-            self.on_plan_sent()
-        t1 = time.perf_counter()
-        msg_type, fields = self._wait_reply(self.step_timeout, what=f"step {plan.step_id}", hooks=True)
+        self._submitted.append((int(plan.step_id), time.perf_counter()))
+
+    def result_ready(self) -> bool:
+        """Whether the oldest submitted step's answer has arrived (``get_result`` will not wait)."""
+        return bool(self._submitted) and bool(self._sock.poll(0, zmq.POLLIN))
+
+    def get_result(self):
+        """The result of the oldest submitted step, waiting for it while the worker is alive.
+
+        ``ipc_time`` grows by this step's wall time as the scheduler saw it, from when the worker
+        could start it (sent, and the previous result back) to its result arriving, minus the
+        worker's forward + sampling time: message encoding, the hop both ways, decoding.
+        Raises:
+            WorkerDiedError: the worker exited or went silent (``heartbeat_timeout``).
+            RuntimeError: nothing was submitted, the worker rejected the message, or it answered
+                another step.
+        """
+        if self.dead_reason is not None:
+            raise WorkerDiedError(self.dead_reason)
+        if not self._submitted:
+            raise RuntimeError("get_result() with no step submitted")
+        step_id, sent = self._submitted.popleft()
+        msg_type, fields = self._wait_reply(self.step_timeout, what=f"step {step_id}")
         if msg_type == "error":
-            raise RuntimeError(f"worker rejected step {plan.step_id}: {fields['message']}")
+            raise RuntimeError(f"worker rejected step {step_id}: {fields['message']}")
         if msg_type != "step_result":
             raise RuntimeError(f"worker answered {msg_type} to step")
         result = M.result_from_fields(fields)
-        if result.step_id != plan.step_id:
-            raise RuntimeError(f"worker answered step {result.step_id} to step {plan.step_id}")
-        t2 = time.perf_counter()
-        self.last_wait_time = t2 - t1
-        self.last_ipc_time = max(0.0, (t2 - t0) - result.forward_time - result.sample_time)
+        if result.step_id != step_id:
+            raise RuntimeError(f"worker answered step {result.step_id} to step {step_id}")
+        now = time.perf_counter()
+        could_start = max(sent, self._last_result_time)
+        self.ipc_time += max(0.0, (now - could_start) - result.forward_time - result.sample_time)
+        self._last_result_time = now
         return result
+
+    def execute(self, plan):
+        """``submit`` + ``get_result`` (one step at a time)."""
+        self.submit(plan)
+        return self.get_result()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the worker to stop, wait up to ``timeout`` s, then kill it; idempotent."""

@@ -128,6 +128,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
         "logprob_token_ids": ("?array", False),
         "forward_time": ("float", True),
         "sample_time": ("float", True),
+        "idle_time": ("float", False),
         "error": ("?str", False),
     },
     "shutdown": {},
@@ -370,7 +371,7 @@ def encode_result(result: StepResult) -> list:
                   logprob_token_ids=None if result.logprob_token_ids is None
                   else np.asarray(result.logprob_token_ids),
                   forward_time=float(result.forward_time), sample_time=float(result.sample_time),
-                  error=result.error)
+                  idle_time=float(result.idle_time), error=result.error)
 
 
 def result_from_fields(fields: dict) -> StepResult:
@@ -378,7 +379,7 @@ def result_from_fields(fields: dict) -> StepResult:
     return StepResult(step_id=fields["step_id"], sampled_token_ids=fields["sampled_token_ids"],
                       logprobs=fields.get("logprobs"), logprob_token_ids=fields.get("logprob_token_ids"),
                       forward_time=float(fields["forward_time"]), sample_time=float(fields["sample_time"]),
-                      error=fields.get("error"))
+                      idle_time=float(fields.get("idle_time", 0.0)), error=fields.get("error"))
 
 
 def config_to_dict(config) -> dict:

@@ -1,16 +1,20 @@
 """The scheduler process: clients on a ROUTER socket, the engine in a loop, the worker behind it.
 
 ``Server`` binds a ROUTER socket for clients and runs ``runtime.engine.LLMEngine`` with a
-``ZmqExecutor`` (the forward pass runs in the worker process). Per loop iteration it admits the
-requests and aborts received so far, runs one ``engine.step()``, and turns each ``RequestOutput``
-into a *delta* for the client that asked (the cumulative token ids / text minus what was already
-sent to it; the first message also carries the prompt ids, the last the request's metrics).
+``ZmqExecutor`` (the forward pass runs in the worker process). The serving loop, all in
+``serve_forever``:
 
-Overlap with the worker's forward pass: while ``ZmqExecutor.execute`` waits for a step result it
-polls the client socket too (``wait_hooks``): incoming messages are received, validated, and
-chat-templated / tokenized then, health and metrics requests are answered then, and the previous
-step's deltas are sent right after the plan leaves (``on_plan_sent``). Only admitting into the
-engine and applying aborts wait for the step to end (the engine is single-threaded).
+1. admit what clients sent since the last turn (new requests into the engine, aborts);
+2. ``engine.step(block=False)``: hand the next step(s) to the worker and, if the oldest step's
+   result has arrived, apply it (with overlap scheduling the next plan is already queued at the
+   worker, so it never waits for this loop);
+3. send each request's delta to its client (the first message also carries the prompt ids, the
+   last the request's metrics);
+4. wait on one poller for whichever comes first, a client message or a step result; client
+   messages are received, validated and tokenized / chat-templated right away (while the worker
+   computes); health and metrics requests are answered at once; the worker's health is checked.
+
+Nothing calls back into the server from inside the engine or the executor.
 
 Errors: a malformed message (see ``ipc.messages``), invalid sampling parameters or a prompt the
 engine rejects (``ValueError``) -> an ``error`` reply to that sender only; nothing else changes.
@@ -30,6 +34,7 @@ supervisor (systemd, k8s, a shell loop) restarts ``folio serve`` if wanted.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import time
 import traceback
@@ -39,6 +44,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..runtime.metrics import ServingStats
 from . import messages as M
 from .transport import check_address, cleanup_ipc_address, make_socket, recv_frames, send_frames
 
@@ -102,9 +108,11 @@ class Server:
         self.healthy = True
         self.unhealthy_reason: str | None = None
         self.started_time = time.time()
-        self.stats = {"num_steps": 0, "step_time_s": 0.0, "ipc_time_s": 0.0, "num_requests": 0,
-                      "num_finished": 0, "num_aborted": 0, "num_errors": 0, "num_streamed_tokens": 0,
-                      "num_bad_messages": 0, "num_vanished_clients": 0}
+        self.serving_stats = ServingStats()      # TTFT / ITL / ... histograms for the /metrics front end
+        self._extra_addresses: list[str] = []
+        self._last_scheduled_tokens = 0
+        self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0, "num_errors": 0,
+                      "num_streamed_tokens": 0, "num_bad_messages": 0, "num_vanished_clients": 0}
         # bind first: a busy address fails at once, before any model is loaded
         self._ctx = zmq.Context.instance()
         self.sock = make_socket(self._ctx, zmq.ROUTER, linger_ms=2000)
@@ -126,42 +134,67 @@ class Server:
                 self.close()
                 raise
         self.tokenizer = getattr(self.engine, "tokenizer", None)
-        if self.executor is not None:
-            self.executor.wait_hooks = [(self.sock, self._on_client_readable)]
-            self.executor.on_plan_sent = self._flush
 
     # -- public ---------------------------------------------------------------------------------
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
         self._stop = True
 
+    def bind_extra(self, address: str) -> str:
+        """Also accept clients on ``address`` (e.g. a private ``ipc://`` path for the HTTP front end);
+        its socket file is removed on close. Raises ``ValueError`` if it cannot be bound."""
+        try:
+            self.sock.bind(address)
+        except zmq.ZMQError as e:
+            raise ValueError(f"cannot bind {address}: {e}") from None
+        self._extra_addresses.append(address)
+        return address
+
     def serve_forever(self) -> int:
-        """Run until ``stop()``; returns the exit code (0, or ``EXIT_WORKER_DIED``)."""
+        """Run the serving loop (module docstring) until ``stop()``; returns the exit code (0, or
+        ``EXIT_WORKER_DIED``)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.executor is not None:
+            poller.register(self.executor.result_socket, zmq.POLLIN)
+        engine = self.engine
+        # what start-up built (tokenizer, configs, the engine) lives as long as the process: keep
+        # it out of the garbage collector's full passes (as vLLM's engine core does)
+        gc.collect()
+        gc.freeze()
         try:
             while not self._stop:
-                self._apply_pending()
-                if self.engine.has_unfinished_requests():
+                self._apply_pending()                                   # 1. client input
+                busy = engine.has_unfinished_requests()
+                if busy:
                     try:
-                        outputs = self.engine.step()
+                        deltas = engine.step(block=False)               # 2. hand over, apply
                     except Exception as e:
                         return self._fail_all(e)
-                    self._flush()
-                    self._emit(outputs)
-                    if not self.engine.has_unfinished_requests() or self._pending_adds or self._pending_aborts:
-                        self._flush()
-                    self._poll_clients(0)
+                    self._emit(deltas)                                  # 3. deltas out
+                    busy = engine.has_unfinished_requests()
+                self._flush()
+                if self._pending_adds or self._pending_aborts:
+                    timeout_ms = 0
+                elif busy:
+                    timeout_ms = self.POLL_MS if self.executor is not None else 1
                 else:
-                    self._flush()
-                    self._poll_clients(100)
-                    if self.executor is not None:
-                        try:
-                            self.executor.check_health()   # a worker that died while idle
-                        except Exception as e:
-                            return self._fail_all(e)
+                    timeout_ms = 100
+                ready = dict(poller.poll(timeout_ms))                   # 4. wait for input
+                if self.sock in ready:
+                    self._on_client_readable()
+                if self.executor is not None:
+                    try:
+                        self.executor.check_health()                    # a worker that died
+                    except Exception as e:
+                        return self._fail_all(e)
             self._shutdown_requests("server shutting down")
             return 0
         finally:
             self.close()
+
+    # the longest the loop sleeps while a step runs (it wakes at once when the result arrives)
+    POLL_MS = 50
 
     def close(self) -> None:
         if self.executor is not None:
@@ -175,7 +208,8 @@ class Server:
         if not self.sock.closed:
             self._flush()
             self.sock.close(linger=1000)
-            cleanup_ipc_address(self.address)
+            for address in [self.address, *self._extra_addresses]:
+                cleanup_ipc_address(address)
 
     # -- client side ------------------------------------------------------------------------------
     def _poll_clients(self, timeout_ms: int) -> None:
@@ -287,15 +321,16 @@ class Server:
             adds = {p.engine_id for p in self._pending_adds}
             self._pending_adds = [p for p in self._pending_adds if p.engine_id not in live]
             in_engine = [eid for eid in live if eid not in adds]
-            if in_engine:
+            if in_engine:   # their last delta (abort, once per unfinished sample) comes from the engine
                 self.engine.abort_request(in_engine)
             for eid in live:
-                r = self._requests.pop(eid)
                 self.stats["num_aborted"] += 1
-                self._outbox.append((r.identity, M.encode(
-                    "output", request_id=r.client_request_id, finished=True,
-                    outputs=[{"index": 0, "token_ids": np.zeros(0, np.int64), "text": "", "finish_reason": "abort",
-                              "stop_reason": None}])))
+                if eid in adds:   # never reached the engine
+                    r = self._requests.pop(eid)
+                    self._outbox.append((r.identity, M.encode(
+                        "output", request_id=r.client_request_id, finished=True,
+                        outputs=[{"index": 0, "token_ids": np.zeros(0, np.int64), "text": "",
+                                  "finish_reason": "abort", "stop_reason": None}])))
         adds, self._pending_adds = self._pending_adds, []
         for p in adds:
             r = self._requests.get(p.engine_id)
@@ -311,46 +346,45 @@ class Server:
                 self.stats["num_errors"] += 1
                 self._outbox.append((r.identity, M.error_reply(str(e), "invalid_argument", r.client_request_id)))
 
-    def _emit(self, outputs) -> None:
-        self.stats["num_steps"] += 1
-        if self.executor is not None:
-            self.stats["ipc_time_s"] += self.executor.last_ipc_time
-        for out in outputs:
-            r = self._requests.get(out.request_id)
+    def _emit(self, deltas) -> None:
+        """One ``output`` message per request delta: only the samples that changed, each sample's
+        finish reason on its last message only. The step's deltas also feed the serving statistics."""
+        scheduled = self.engine.stats["num_scheduled_tokens"]
+        self.serving_stats.on_step(deltas, scheduled - self._last_scheduled_tokens)
+        self._last_scheduled_tokens = scheduled
+        for d in deltas:
+            r = self._requests.get(d.request_id)
             if r is None:          # aborted meanwhile
                 continue
             comps = []
-            for c in out.outputs:
-                nt, nc = r.sent_tokens.get(c.index, 0), r.sent_text.get(c.index, 0)
-                new_ids = c.token_ids[nt:]
-                self.stats["num_streamed_tokens"] += len(new_ids)
-                d = {"index": c.index, "token_ids": np.asarray(new_ids, dtype=np.int64), "text": c.text[nc:],
+            for c in d.outputs:
+                self.stats["num_streamed_tokens"] += len(c.token_ids)
+                o = {"index": c.index, "token_ids": np.asarray(c.token_ids, dtype=np.int64), "text": c.text,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if c.logprobs is not None:
-                    nl = r.sent_logprobs.get(c.index, 0)
-                    d["logprobs"] = [[[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in pos.items()]
-                                     for pos in c.logprobs[nl:]]
-                    d["cumulative_logprob"] = c.cumulative_logprob
-                    r.sent_logprobs[c.index] = len(c.logprobs)
-                r.sent_tokens[c.index] = len(c.token_ids)
-                r.sent_text[c.index] = len(c.text)
-                comps.append(d)
-            extra: dict = {"num_cached_tokens": int(out.num_cached_tokens or 0)}
+                    o["logprobs"] = [[[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in pos.items()]
+                                     for pos in c.logprobs]
+                    o["cumulative_logprob"] = c.cumulative_logprob
+                comps.append(o)
+            extra: dict = {"num_cached_tokens": int(d.num_cached_tokens)}
             if not r.started:
                 r.started = True
-                extra["prompt"] = out.prompt
-                extra["prompt_token_ids"] = np.asarray(out.prompt_token_ids, dtype=np.int64)
-            if out.finished:
-                self._requests.pop(out.request_id, None)
+                extra["prompt"] = d.prompt
+                extra["prompt_token_ids"] = np.asarray(d.prompt_token_ids, dtype=np.int64)
+            if d.finished:
+                self._requests.pop(d.request_id, None)
                 self.stats["num_finished"] += 1
-                if out.metrics is not None:
-                    extra["metrics"] = {k: v for k, v in asdict(out.metrics).items()}
+                if d.metrics is not None:
+                    extra["metrics"] = asdict(d.metrics)
             self._outbox.append((r.identity, M.encode("output", request_id=r.client_request_id, outputs=comps,
-                                                      finished=bool(out.finished), **extra)))
+                                                      finished=bool(d.finished), **extra)))
 
     def _fail_all(self, exc: BaseException) -> int:
         """The worker died or the engine failed: error every request, stay unhealthy, then exit."""
         from .executor import WorkerDiedError
+        if self._stop:       # asked to stop (SIGTERM to the process group reaches the worker too)
+            self._shutdown_requests("server shutting down")
+            return 0
         code = "worker_died" if isinstance(exc, WorkerDiedError) else "engine_error"
         if code == "engine_error":
             traceback.print_exc()
@@ -381,22 +415,24 @@ class Server:
     def get_metrics(self) -> dict:
         """Engine metrics (``LLMEngine.get_metrics``) plus the server's own counters.
 
-        Server keys: num_steps, step_ipc_overhead_us (mean per step: wall time of one
-        ``execute`` minus the worker's forward + sample time), num_requests, num_finished,
-        num_aborted, num_errors, num_streamed_tokens, num_bad_messages, num_vanished_clients,
-        num_requests_in_flight, uptime_s.
+        Server keys: step_ipc_overhead_us (mean per step: ``ZmqExecutor.ipc_time`` / num_steps,
+        the time a step's result took beyond the worker's forward + sample time once the worker
+        could start it), num_requests, num_finished, num_aborted, num_errors,
+        num_streamed_tokens, num_bad_messages, num_vanished_clients, num_requests_in_flight,
+        uptime_s, healthy, serving (``runtime.metrics.ServingStats.to_dict``: token counters, finished
+        requests by reason, TTFT / ITL / latency / iteration histograms).
         """
         try:
             m = dict(self.engine.get_metrics())
         except Exception as e:
             m = {"engine_metrics_error": str(e)}
         s = dict(self.stats)
-        steps = max(1, s["num_steps"])
-        s["step_ipc_overhead_us"] = 1e6 * s.pop("ipc_time_s") / steps
-        s.pop("step_time_s")
+        if self.executor is not None:
+            s["step_ipc_overhead_us"] = 1e6 * self.executor.ipc_time / max(1, int(m.get("num_steps", 0) or 0))
         s["num_requests_in_flight"] = len(self._requests)
         s["uptime_s"] = time.time() - self.started_time
         s["healthy"] = self.healthy
+        s["serving"] = self.serving_stats.to_dict()
         m.update(s)
         return {k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
                 for k, v in m.items()}

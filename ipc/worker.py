@@ -10,7 +10,9 @@ Life cycle (driven by ``ipc.executor.ZmqExecutor``, which spawns this module as
    failure answer ``error`` and exit 1;
 3. loop: ``step`` -> ``runner.execute(plan)`` -> ``step_result`` (an exception inside a step
    becomes ``StepResult.error``; a malformed message becomes an ``error`` reply); ``shutdown`` ->
-   ``runner.shutdown()``, ``shutdown_ack``, exit 0.
+   ``runner.shutdown()``, ``shutdown_ack``, exit 0. Plans queue up in the socket: with overlap
+   scheduling the next plan is usually there before the current step ends. Each result carries the
+   time the worker waited for its plan after sending the previous result (``idle_time``).
 
 Orphans: the worker asks the kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
 Linux) and also polls its parent pid, so it never outlives the scheduler. SIGINT is ignored (a
@@ -115,8 +117,10 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
             return 1
 
         # steps
+        last_sent = None
         while True:
             frames = recv_frames(sock)
+            received = time.perf_counter()
             try:
                 msg_type, fields = M.decode(frames, max_message_bytes)
                 if msg_type == "shutdown":
@@ -135,7 +139,9 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
                 import numpy as np
                 result = StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, np.int64),
                                     error=f"{type(e).__name__}: {e}")
+            result.idle_time = 0.0 if last_sent is None else received - last_sent
             send_frames(sock, M.encode_result(result))
+            last_sent = time.perf_counter()
         try:
             runner.shutdown()
         finally:

@@ -1,12 +1,17 @@
 """folio kernels: NumPy specs (reference.py), Numba CPU kernels (cpu.py), CUDA kernels (cuda/).
 
-``get_kernels(device)`` returns the kernel table the forward pass is written against: an object
-with ``xp`` (numpy or cupy) and the operations of ``reference.py`` plus ``linear``, ``embedding``,
-``prepare_weight`` and ``kv_cache_dtype``. Only the table differs between CPU and GPU.
+``get_kernels(device)`` returns the kernel table the forward pass is written against, a
+``table.KernelTable``: ``xp`` (numpy or cupy) and the operations of ``reference.py`` plus
+``linear``, ``embedding``, ``prepare_weight`` and ``kv_cache_dtype``. Only the table differs
+between CPU and GPU.
 """
+
+from __future__ import annotations
 
 
 import numpy as np
+
+from .table import KernelTable
 
 
 def to_numpy(a) -> np.ndarray:
@@ -14,7 +19,7 @@ def to_numpy(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
-def get_kernels(device: str):
+def get_kernels(device: str) -> "KernelTable":
     """The kernel table for ``device`` (``"cpu"`` or ``"cuda"``).
 
     Raises:

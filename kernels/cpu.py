@@ -38,6 +38,7 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
+    "rope_and_cache",
     "silu_and_mul",
     "linear",
     "embedding",
@@ -172,12 +173,13 @@ def _counter():
     return np.zeros(1, np.int64)
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, out=None):
     """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x**2, -1) + eps) * weight``.
 
-    ``x [T, hidden]`` float32, ``weight [hidden]`` float32; returns ``[T, hidden]`` float32.
+    ``x [T, hidden]`` float32, ``weight [hidden]`` float32; returns ``[T, hidden]`` float32 (into
+    ``out`` when given).
     """
-    out = np.empty(x.shape, dtype=_F32)
+    out = np.empty(x.shape, dtype=_F32) if out is None else out
     n = _tasks(x.size, x.shape[0])
     if n == 1:
         _rms_norm_rows(x, weight, float(eps), out, 0, x.shape[0])
@@ -186,13 +188,20 @@ def rms_norm(x, weight, eps):
     return out
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps, out=None, residual_out=None, rows=None):
     """Residual add then RMSNorm in one pass; returns ``(rms_norm(x + residual), x + residual)``.
 
-    ``x, residual [T, hidden]`` float32 (not modified).
+    ``x, residual [T, hidden]`` float32. ``out`` / ``residual_out``: optional output buffers
+    (``residual_out`` may be ``residual``: each element is read before it is written). With
+    ``rows`` (``[R]`` int64) only those rows are normalised and ``(out [R, hidden], None)`` is
+    returned (the final norm before ``lm_head``).
     """
-    out = np.empty(x.shape, dtype=_F32)
-    new_residual = np.empty(x.shape, dtype=_F32)
+    if rows is not None:
+        rows = np.asarray(rows, dtype=np.int64)
+        normed, _ = fused_add_rms_norm(x[rows], residual[rows], weight, eps, out=out)
+        return normed, None
+    out = np.empty(x.shape, dtype=_F32) if out is None else out
+    new_residual = np.empty(x.shape, dtype=_F32) if residual_out is None else residual_out
     n = _tasks(x.size, x.shape[0])
     if n == 1:
         _fused_add_rms_norm_rows(x, residual, weight, float(eps), out, new_residual, 0, x.shape[0])
@@ -271,10 +280,11 @@ def _silu_and_mul_parallel(x, out, rows, n_tasks, counter):
             _silu_and_mul_rows(x, out, i * rows, min(T, (i + 1) * rows))
 
 
-def silu_and_mul(x):
-    """SwiGLU activation (Shazeer 2020): ``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32."""
+def silu_and_mul(x, out=None):
+    """SwiGLU activation (Shazeer 2020): ``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32
+    (into ``out`` when given)."""
     T = x.shape[0]
-    out = np.empty((T, x.shape[1] // 2), dtype=_F32)
+    out = np.empty((T, x.shape[1] // 2), dtype=_F32) if out is None else out
     n = _tasks(x.size, T)
     if n == 1:
         _silu_and_mul_rows(x, out, 0, T)
@@ -295,13 +305,32 @@ def prepare_weight(w):
     return np.ascontiguousarray(w, dtype=_F32)
 
 
-def embedding(ids, table):
-    """Rows of ``table [vocab, hidden]`` for ``ids [T]`` int64 -> ``[T, hidden]`` float32.
+def embedding(ids, table, out=None):
+    """Rows of ``table [vocab, hidden]`` for ``ids [T]`` int64 -> ``[T, hidden]`` float32 (into
+    ``out`` when given).
 
     Raises:
         IndexError: an id outside ``[0, vocab)``.
     """
-    return np.take(table, np.asarray(ids, dtype=np.int64), axis=0)
+    return np.take(table, np.asarray(ids, dtype=np.int64), axis=0, out=out)
+
+
+def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
+                   num_kv_heads, out=None):
+    """``reference.rope_and_cache``: RoPE on the q / k slices of the fused projection ``qkv [T,
+    (H + 2 Hkv) * D]``, rotated keys and values appended to the cache; returns the rotated queries
+    ``[T, H, D]`` float32 (into ``out`` when given)."""
+    T = qkv.shape[0]
+    D = cos_sin_cache.shape[1]
+    qd, kvd = num_heads * D, num_kv_heads * D
+    q_rot, k_rot = rotary_embedding(positions, qkv[:, :qd].reshape(T, num_heads, D),
+                                    qkv[:, qd:qd + kvd].reshape(T, num_kv_heads, D), cos_sin_cache)
+    reshape_and_cache(k_rot, qkv[:, qd + kvd:qd + 2 * kvd].reshape(T, num_kv_heads, D), key_cache,
+                      value_cache, slot_mapping)
+    if out is None:
+        return q_rot
+    out[...] = q_rot
+    return out
 
 
 CPU_KERNELS = SimpleNamespace(
@@ -309,6 +338,7 @@ CPU_KERNELS = SimpleNamespace(
     name="cpu",
     kv_cache_dtype=np.dtype(np.float32),
     act_dtype=np.dtype(np.float32),
+    matmul_input_dtype=np.dtype(np.float32),
     paged_attention=paged_attention,
     reshape_and_cache=reshape_and_cache,
     copy_blocks=copy_blocks,
@@ -317,6 +347,7 @@ CPU_KERNELS = SimpleNamespace(
     rope_inv_freq=reference.rope_inv_freq,
     rope_cos_sin_cache=reference.rope_cos_sin_cache,
     rotary_embedding=rotary_embedding,
+    rope_and_cache=rope_and_cache,
     silu_and_mul=silu_and_mul,
     linear=linear,
     embedding=embedding,

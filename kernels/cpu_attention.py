@@ -299,7 +299,7 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    max_query_len=None, max_seq_len=None):
+                    max_query_len=None, max_seq_len=None, out=None):
     """Causal attention of a flattened varlen batch over a paged KV cache (GQA aware).
 
     Same contract as ``reference.paged_attention``: ``q [T, num_heads, head_dim]`` float32,
@@ -308,7 +308,8 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     to int64), ``scale`` float. Returns ``[T, num_heads, head_dim]`` float32; rows at or past
     ``query_start_loc[S]`` are zero. Decodes and prefill chunks of one step go through one
     parallel region (see the module docstring). ``max_query_len`` and ``max_seq_len`` are
-    accepted for signature compatibility with the CUDA table and unused.
+    accepted for signature compatibility with the CUDA table and unused. ``out``: an optional
+    C-contiguous ``[T, num_heads, head_dim]`` float32 buffer for the result.
 
     Raises:
         ValueError: a KV cache that is not C-contiguous (the kernels address blocks directly).
@@ -322,7 +323,13 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
     block_tables = np.asarray(block_tables, dtype=np.int64)
-    out = np.zeros((T, H, D), dtype=_F32)
+    if out is None or not out.flags.c_contiguous:
+        if out is not None:
+            out[...] = paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+            return out
+        out = np.zeros((T, H, D), dtype=_F32)
+    else:
+        out[int(query_start_loc[-1]):] = 0  # padding rows; every other row is written by its item
     tile_tokens = max(1, TILE_ROWS // group)
     q_lens = np.diff(query_start_loc)
     # multiply-adds of QK^T (the same again for PV): every new token against its context

@@ -156,16 +156,21 @@ def gemm_tiles(T: int, N: int, threads: int) -> tuple[int, int]:
     return tile_m, tile_n
 
 
-def linear(x, weight):
-    """``x [T, in]`` float32 @ ``weight [out, in]``.T -> ``[T, out]`` float32 (C-contiguous).
+def linear(x, weight, out=None):
+    """``x [T, in]`` float32 @ ``weight [out, in]``.T -> ``[T, out]`` float32 (into ``out`` when
+    given, else a new C-contiguous array).
 
     ``T <= GEMV_MAX_ROWS``: the weight-streaming kernel; more rows: sgemm tiles (see the module
     docstring). ``weight`` must be C-contiguous float32 (``prepare_weight``); ``x`` may be any
-    float32 view (copied to contiguous rows if needed).
+    float32 view (copied to contiguous rows if needed); ``out``, when given, ``[T, out]`` float32
+    (a buffer that is not C-contiguous gets the result copied in).
     """
     x = np.ascontiguousarray(x, dtype=_F32)
     T, N = x.shape[0], weight.shape[0]
-    out = np.empty((T, N), dtype=_F32)
+    if out is not None and not (out.flags.c_contiguous and out.dtype == _F32):
+        out[...] = linear(x, weight)
+        return out
+    out = np.empty((T, N), dtype=_F32) if out is None else out
     if T == 0:
         return out
     threads = num_threads()

@@ -21,18 +21,23 @@ class NvrtcError(RuntimeError):
     """Compilation failed (the message holds NVRTC's log) or NVRTC is not available."""
 
 
-def _candidates() -> list[str]:
+def wheel_libraries(lib: str, subdirs: tuple[str, ...]) -> list[str]:
+    """``lib.so*`` files in the pip ``nvidia-*`` wheels' folders (the ``nvidia`` namespace
+    package), newest version first; ``[]`` when no such wheel is installed."""
     out = []
-    if os.environ.get("FOLIO_NVRTC"):
-        out.append(os.environ["FOLIO_NVRTC"])
     try:
         import nvidia  # namespace package of the nvidia-* wheels
-
-        for root in nvidia.__path__:
-            for sub in ("cuda_nvrtc/lib", "cu13/lib", "cuda_nvrtc/lib64"):
-                out += sorted(glob.glob(os.path.join(root, sub, "libnvrtc.so*")), reverse=True)
     except ImportError:
-        pass
+        return out
+    for root in nvidia.__path__:
+        for sub in subdirs:
+            out += sorted(glob.glob(os.path.join(root, sub, f"{lib}.so*")), reverse=True)
+    return out
+
+
+def _candidates() -> list[str]:
+    out = [os.environ["FOLIO_NVRTC"]] if os.environ.get("FOLIO_NVRTC") else []
+    out += wheel_libraries("libnvrtc", ("cuda_nvrtc/lib", "cu13/lib", "cuda_nvrtc/lib64"))
     out += ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
     return [p for p in out if "builtins" not in p and ".alt." not in p]
 
@@ -108,12 +113,12 @@ def main(argv=None) -> int:
     compute_80 and compute_90 and print a line per file."""
     import sys
 
-    from .cuda_ops import CUDA_DIR, KERNEL_FILES, kernel_source
+    from .cuda_ops import KERNEL_FILES, kernel_source
 
     files = (argv if argv is not None else sys.argv[1:]) or list(KERNEL_FILES)
     rc = 0
     for f in files:
-        src = kernel_source(f) if not os.path.exists(f) else pathlib.Path(f).read_text()
+        src = kernel_source(pathlib.Path(f).resolve() if os.path.exists(f) else f)
         for arch in ("compute_80", "compute_90"):
             try:
                 ptx, log = compile_ptx(src, pathlib.Path(f).name, arch)

@@ -4,7 +4,7 @@ This module is the spec: the Numba kernels (``kernels/cpu.py``) and the CUDA ker
 (``kernels/cuda/*.cu``) are tested against these functions. They favour clarity over speed
 (plain loops are fine) and compute in float64 internally, returning float32.
 
-Conventions shared by all kernels (see DESIGN.md, "Processes" and "KV cache"):
+Conventions shared by all kernels (docs/architecture.md, "One step" and "KV cache"):
 
 * A step's batch is *flattened*: ``T`` tokens from ``S`` sequences laid end to end.
   ``query_start_loc [S+1] int32`` gives each sequence's token range
@@ -39,6 +39,7 @@ __all__ = [
     "rope_inv_freq",
     "rope_cos_sin_cache",
     "rotary_embedding",
+    "rope_and_cache",
     "silu_and_mul",
 ]
 
@@ -221,6 +222,39 @@ def rotary_embedding(
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
 
     return rot(q), rot(k)
+
+
+def rope_and_cache(
+    positions: np.ndarray,
+    qkv: np.ndarray,
+    cos_sin_cache: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+) -> np.ndarray:
+    """RoPE on the query and key parts of a fused QKV projection, then the KV-cache append.
+
+    Args:
+        positions: ``[T]`` int64.
+        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` float32: per row the query heads,
+            then the key heads, then the value heads (``model/llama.py``'s fused projection).
+        cos_sin_cache: ``[max_position, head_dim]``; key_cache, value_cache, slot_mapping: as in
+            ``reshape_and_cache`` (the rotated keys and the values are written, in place).
+    Returns:
+        the rotated queries ``[T, num_heads, head_dim]`` float32. Equal to ``rotary_embedding`` on
+        the q and k slices followed by ``reshape_and_cache`` of the rotated keys and the values.
+    """
+    T = qkv.shape[0]
+    D = cos_sin_cache.shape[1]
+    qd, kvd = num_heads * D, num_kv_heads * D
+    q = qkv[:, :qd].reshape(T, num_heads, D)
+    k = qkv[:, qd:qd + kvd].reshape(T, num_kv_heads, D)
+    v = qkv[:, qd + kvd:qd + 2 * kvd].reshape(T, num_kv_heads, D)
+    q_rot, k_rot = rotary_embedding(positions, q, k, cos_sin_cache)
+    reshape_and_cache(k_rot, v, key_cache, value_cache, slot_mapping)
+    return q_rot
 
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Attention metadata of one forward step over a flattened varlen batch (see DESIGN.md, "Processes")."""
+"""Attention metadata of one forward step over a flattened varlen batch (docs/architecture.md, "One step")."""
 
 from __future__ import annotations
 

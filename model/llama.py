@@ -1,14 +1,17 @@
 """The Llama decoder forward pass over a flattened varlen batch and a paged KV cache.
 
-Written against a kernel table (``folio.kernels.get_kernels``) and its array module
-``kernels.xp`` only, so the same code runs on NumPy + Numba (CPU) and CuPy + CUDA kernels (GPU).
+Written against a kernel table (``folio.kernels.table.KernelTable``, from
+``folio.kernels.get_kernels``) and its array module ``kernels.xp`` only, so the same code runs on NumPy + Numba (CPU) and CuPy + CUDA kernels (GPU).
 
 Architecture: Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
 Models"; Hugging Face ``modeling_llama.py`` naming): pre-norm decoder layers of RMSNorm ->
 grouped-query attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual, a final
 RMSNorm and an ``lm_head`` (tied to the embedding table when ``tie_word_embeddings``).
 As in vLLM, q/k/v projections are fused into one ``[q + 2 kv, hidden]`` weight and gate/up into
-one ``[2 * intermediate, hidden]`` weight at load time, so a layer runs four matrix products.
+one ``[2 * intermediate, hidden]`` weight at load time, so a layer runs four matrix products; RoPE
+and the KV-cache append run as one operation on the fused projection (``rope_and_cache``), and the
+residual add is fused with the next RMSNorm. Activations live in a ``Workspace`` of buffers sized
+once (grown only when a step has more tokens than any before): nothing is allocated per layer.
 """
 
 from __future__ import annotations
@@ -19,8 +22,41 @@ from typing import Any
 import numpy as np
 
 from ..kernels import reference
+from ..kernels.table import KernelTable
 from .attention import AttentionMetadata
 from .config import ModelConfig
+
+
+class Workspace:
+    """The forward pass's activation buffers for up to ``tokens`` tokens and ``rows`` logits rows.
+
+    ``x``, ``q``, ``attn`` and ``act`` (the inputs of matrix products and of attention) have the
+    table's ``matmul_input_dtype`` (float32 on CPU, bf16 bits on CUDA); the residual stream and the
+    matrix products' outputs are float32. ``view(T, R)`` returns the first rows of each buffer.
+    """
+
+    def __init__(self, config: ModelConfig, kernels, tokens: int, rows: int):
+        c = config
+        xp = kernels.xp
+        mm = getattr(kernels, "matmul_input_dtype", kernels.act_dtype)
+        f32 = np.float32
+        H, Hkv, D, hid, inter = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
+                                 c.intermediate_size)
+        self.tokens, self.rows = int(tokens), int(rows)
+        self.buffers = {
+            "residual": xp.empty((tokens, hid), dtype=f32),
+            "hidden": xp.empty((tokens, hid), dtype=f32),
+            "x": xp.empty((tokens, hid), dtype=mm),
+            "qkv": xp.empty((tokens, (H + 2 * Hkv) * D), dtype=f32),
+            "q": xp.empty((tokens, H, D), dtype=mm),
+            "attn": xp.empty((tokens, H, D), dtype=mm),
+            "gate_up": xp.empty((tokens, 2 * inter), dtype=f32),
+            "act": xp.empty((tokens, inter), dtype=mm),
+            "final": xp.empty((rows, hid), dtype=mm),
+        }
+
+    def view(self, T: int, R: int) -> dict:
+        return {name: (b[:R] if name == "final" else b[:T]) for name, b in self.buffers.items()}
 
 
 @dataclass
@@ -58,9 +94,9 @@ class LlamaForCausalLM:
         ValueError: a tensor is missing or has the wrong shape (the message names it).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict, kernels):
+    def __init__(self, config: ModelConfig, weights: dict, kernels: KernelTable):
         self.config = config
-        self.kernels = kernels
+        self.kernels: KernelTable = kernels
         self.xp = kernels.xp
         missing = [n for n in required_weight_names(config) if n not in weights]
         if missing:
@@ -95,6 +131,17 @@ class LlamaForCausalLM:
         inv_freq = reference.rope_inv_freq(D, c.rope_theta, c.rope_scaling)
         self.cos_sin_cache = self.xp.asarray(reference.rope_cos_sin_cache(inv_freq, c.max_position_embeddings))
         self.scale = float(D ** -0.5)
+        self.workspace: Workspace | None = None
+
+    def workspace_for(self, num_tokens: int, num_rows: int) -> Workspace:
+        """The workspace, reallocated (larger) only when a step needs more than any before."""
+        ws = self.workspace
+        if ws is None or ws.tokens < num_tokens or ws.rows < num_rows:
+            tokens = max(num_tokens, ws.tokens if ws else 0)
+            rows = max(num_rows, ws.rows if ws else 0)
+            self.workspace = ws = None  # free the old buffers first
+            self.workspace = ws = Workspace(self.config, self.kernels, tokens, rows)
+        return ws
 
     @staticmethod
     def _check(weights, name: str, shape: tuple):
@@ -104,7 +151,7 @@ class LlamaForCausalLM:
         return w
 
     def forward(self, input_ids, positions, attn_metadata: AttentionMetadata, kv_caches: list,
-                logits_indices):
+                logits_indices, out=None):
         """Run one step and return the logits of the requested rows.
 
         Args:
@@ -115,40 +162,40 @@ class LlamaForCausalLM:
             kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks,
                 block_size, num_kv_heads, head_dim]``; this step's K/V are appended in place.
             logits_indices: ``[R]`` int64 rows of the batch whose logits are wanted.
+            out: optional ``[R, vocab_size]`` float32 buffer for the logits.
         Returns:
-            ``[R, vocab_size]`` float32 xp array.
+            ``[R, vocab_size]`` float32 xp array (``out`` when given, else a new array).
         """
         k = self.kernels
         c = self.config
         md = attn_metadata
         H, Hkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        qd, kvd = H * D, Hkv * D
-        hidden = k.embedding(input_ids, self.embed_tokens)
-        T = hidden.shape[0]
-        residual = None
+        T = int(input_ids.shape[0])
+        R = int(logits_indices.shape[0])
+        ws = self.workspace_for(T, R).view(T, R)
+        residual = k.embedding(input_ids, self.embed_tokens, out=ws["residual"])
+        hidden = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             # attention
-            if residual is None:
-                residual = hidden
-                x = k.rms_norm(hidden, layer.input_layernorm, eps)
+            if hidden is None:
+                x = k.rms_norm(residual, layer.input_layernorm, eps, out=ws["x"])
             else:
-                x, residual = k.fused_add_rms_norm(hidden, residual, layer.input_layernorm, eps)
-            qkv = k.linear(x, layer.qkv_proj)
-            q = qkv[:, :qd].reshape(T, H, D)
-            key = qkv[:, qd:qd + kvd].reshape(T, Hkv, D)
-            value = qkv[:, qd + kvd:].reshape(T, Hkv, D)
-            q, key = k.rotary_embedding(positions, q, key, self.cos_sin_cache)
-            k.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+                x, residual = k.fused_add_rms_norm(hidden, residual, layer.input_layernorm, eps,
+                                                   out=ws["x"], residual_out=residual)
+            qkv = k.linear(x, layer.qkv_proj, out=ws["qkv"])
+            q = k.rope_and_cache(positions, qkv, self.cos_sin_cache, key_cache, value_cache, md.slot_mapping,
+                                 H, Hkv, out=ws["q"])
             attn = k.paged_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens,
                                      md.query_start_loc, self.scale, max_query_len=md.max_query_len,
-                                     max_seq_len=md.max_seq_len)
-            hidden = k.linear(attn.reshape(T, qd), layer.o_proj)
+                                     max_seq_len=md.max_seq_len, out=ws["attn"])
+            hidden = k.linear(attn.reshape(T, H * D), layer.o_proj, out=ws["hidden"])
             # MLP
-            x, residual = k.fused_add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps)
-            hidden = k.linear(k.silu_and_mul(k.linear(x, layer.gate_up_proj)), layer.down_proj)
+            x, residual = k.fused_add_rms_norm(hidden, residual, layer.post_attention_layernorm, eps,
+                                               out=ws["x"], residual_out=residual)
+            act = k.silu_and_mul(k.linear(x, layer.gate_up_proj, out=ws["gate_up"]), out=ws["act"])
+            hidden = k.linear(act, layer.down_proj, out=ws["hidden"])
         # final norm and lm_head on the sampled rows only (RMSNorm is per row)
-        idx = logits_indices
-        x, _ = k.fused_add_rms_norm(hidden[idx], residual[idx], self.norm, eps)
-        return k.linear(x, self.lm_head)
+        x, _ = k.fused_add_rms_norm(hidden, residual, self.norm, eps, rows=logits_indices, out=ws["final"])
+        return k.linear(x, self.lm_head, out=out)
 
     __call__ = forward

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+
+import numpy as np
 from pathlib import Path
 
 from ..kernels import get_kernels
@@ -54,7 +56,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
     model_dir = Path(resolve_model(name_or_path))
     config = ModelConfig.from_pretrained(model_dir)
     if load_format == "auto":
-        weights = load_weights(model_dir, config)
+        weights = load_weights(model_dir, config, keep_bf16=kernels.kv_cache_dtype == np.uint16)
     elif hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
         weights = _DeviceDummyWeights(config, kernels)
     else:
@@ -70,6 +72,9 @@ class _DeviceDummyWeights(Mapping):
     def __init__(self, config: ModelConfig, kernels):
         self._shapes = weight_shapes(config)
         self._kernels = kernels
+
+    def __contains__(self, name):  # without generating the tensor (Mapping's default calls __getitem__)
+        return name in self._shapes
 
     def __getitem__(self, name):
         shape = self._shapes[name]

@@ -91,8 +91,11 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
-def load_weights(model_dir, config: ModelConfig) -> dict[str, np.ndarray]:
+def load_weights(model_dir, config: ModelConfig, keep_bf16: bool = False) -> dict[str, np.ndarray]:
     """Load every tensor ``weight_shapes(config)`` names as a C-contiguous float32 array.
+
+    With ``keep_bf16`` a BF16 tensor is returned as its raw ``uint16`` bit patterns instead (a bf16
+    device copies them as they are, with no float32 round trip on the host).
 
     Reads ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``; F32, F16
     and BF16 on disk. Extra tensors in the files are ignored; with tied embeddings a stored
@@ -136,7 +139,10 @@ def load_weights(model_dir, config: ModelConfig) -> dict[str, np.ndarray]:
                                      f"config expects {list(expected[name])}")
                 begin, end = info["data_offsets"]
                 raw = mm[data_start + begin:data_start + end].view(_STORAGE[dtype]).reshape(shape)
-                out[name] = np.ascontiguousarray(_to_float32(raw, dtype), dtype=np.float32)
+                if keep_bf16 and dtype == "BF16":
+                    out[name] = np.array(raw, dtype=np.uint16, copy=True, order="C")
+                else:
+                    out[name] = np.ascontiguousarray(_to_float32(raw, dtype), dtype=np.float32)
         finally:
             del mm
     return out

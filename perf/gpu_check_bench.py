@@ -47,7 +47,9 @@ SMOLLM2_135M = {
     "rope_scaling": None, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
     "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False,
 }
-DUMMY = {"llama-3.1-8b-dummy": LLAMA_31_8B, "smollm2-135m-dummy": SMOLLM2_135M}
+# smollm2-2l-dummy: two layers and a 2048-token vocabulary, for perf/gpu_check.sh's dry run (emulator)
+DUMMY = {"llama-3.1-8b-dummy": LLAMA_31_8B, "smollm2-135m-dummy": SMOLLM2_135M,
+         "smollm2-2l-dummy": dict(SMOLLM2_135M, num_hidden_layers=2, vocab_size=2048)}
 
 
 def workload(num_requests: int, seed: int, vocab: int, min_len: int = 100, max_len: int = 1024):
@@ -100,7 +102,7 @@ def run_folio(path, dummy, cfg, reqs, args):
 
     t0 = time.perf_counter()
     llm = LLM(model=path, device=args.device, load_format="dummy" if dummy else "auto",
-              max_model_len=2048, max_num_seqs=args.max_num_seqs,
+              max_model_len=max(args.max_len * 2, 64), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization)
     load_s = time.perf_counter() - t0

@@ -117,8 +117,9 @@ def main(argv=None) -> int:
     from folio.runtime.engine import LLMEngine
     model = tiny_model_dir()
     cfg = EngineConfig(model=model, device=a.device, load_format="dummy", max_num_seqs=max(a.seqs),
-                       max_model_len=256, max_num_batched_tokens=4096, num_gpu_blocks_override=8192,
-                       enable_prefix_caching=False)
+                       max_model_len=256, max_num_batched_tokens=4096, num_kv_blocks_override=8192,
+                       enable_prefix_caching=False,
+                       async_scheduling=False)  # one step at a time: wall minus forward is the overhead
     rows = []
     for mode in ("in-process", "zmq"):
         executor = ZmqExecutor(cfg) if mode == "zmq" else None

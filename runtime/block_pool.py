@@ -117,8 +117,8 @@ class BlockPool:
         """Blocks with ``ref_cnt == 0`` (including cached-free ones, which are reclaimable)."""
         return self.free_block_queue.num_free_blocks
 
-    def get_num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache (in use or cached-free)."""
+    def get_num_registered_blocks(self) -> int:
+        """Full blocks registered in the prefix-cache map (in use or cached-free)."""
         return len(self.cached_block_hash_to_block)
 
     def get_usage(self) -> float:

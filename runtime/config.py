@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import warnings
+from dataclasses import InitVar, dataclass, field, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -22,17 +23,21 @@ class EngineConfig:
             ``max_position_embeddings``.
         enable_prefix_caching: automatic prefix caching (hash-chained full blocks).
         enable_chunked_prefill: split prefills that do not fit the step's token budget.
-        num_gpu_blocks_override / kv_cache_memory: size the KV cache by block count, or by bytes
-            (CPU; default: ``cpu_kv_cache_fraction`` of available RAM, capped by what
-            max_num_seqs x max_model_len could ever use).
+        num_kv_blocks_override / kv_cache_memory: size the KV cache by block count (any device),
+            or by bytes (CPU; default: ``cpu_kv_cache_fraction`` of available RAM, capped by what
+            max_num_seqs x max_model_len could ever use). ``num_gpu_blocks_override`` (vLLM's name)
+            is accepted as a deprecated alias of ``num_kv_blocks_override``; the new name wins when
+            both are given.
         gpu_memory_utilization: fraction of device memory folio may use (GPU).
         load_format: ``"auto"`` (weights from files) or ``"dummy"`` (random weights of the config's
             shapes, for benchmarks).
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"`` or ``"bfloat16"``.
         seed: base seed of the engine (random prefix-hash root is separate and per process).
-        scheduling_policy: ``"continuous"`` (iteration-level batching) or ``"static"`` (request-level
-            batches: a new batch is admitted only when the current one has finished; for perf
-            comparisons).
+        enforce_eager: never capture CUDA graphs for decode steps (vLLM's flag of the same name).
+        async_scheduling: overlap scheduling (SGLang's overlap scheduler, vLLM's
+            ``--async-scheduling``): the scheduler prepares and sends step N+1 while the worker runs
+            step N, the tokens sampled in N being fed on the worker's side. Outputs are the same
+            either way; ``False`` runs one step at a time.
     Raises:
         ValueError: on any inconsistent value, at construction.
     """
@@ -45,17 +50,23 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    num_gpu_blocks_override: int | None = None
+    num_kv_blocks_override: int | None = None
     kv_cache_memory: int | None = None
     cpu_kv_cache_fraction: float = 0.25
     gpu_memory_utilization: float = 0.92
     load_format: str = "auto"
     dtype: str = "auto"
     seed: int = 0
-    scheduling_policy: str = "continuous"
+    enforce_eager: bool = False
+    async_scheduling: bool = True
     extra: dict = field(default_factory=dict)
+    num_gpu_blocks_override: InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, num_gpu_blocks_override: int | None = None):
+        if num_gpu_blocks_override is not None and self.num_kv_blocks_override is None:
+            warnings.warn("num_gpu_blocks_override is deprecated; use num_kv_blocks_override",
+                          DeprecationWarning, stacklevel=3)
+            self.num_kv_blocks_override = num_gpu_blocks_override
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -73,22 +84,45 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
             raise ValueError(f"cpu_kv_cache_fraction must be in (0, 1], got {self.cpu_kv_cache_fraction}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError("num_gpu_blocks_override must be >= 1")
+        if self.num_kv_blocks_override is not None and self.num_kv_blocks_override < 1:
+            raise ValueError("num_kv_blocks_override must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be > 0 bytes")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.scheduling_policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling_policy must be continuous or static, got {self.scheduling_policy!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """The engine's max_model_len: ``max_model_len`` if set, else the model's
+        ``max_position_embeddings`` (tokens).
+
+        Raises:
+            ValueError: ``max_model_len`` exceeds ``max_position_embeddings`` (positions the model
+                was not trained for; RoPE would extrapolate), naming both numbers.
+        """
+        limit = int(max_position_embeddings)
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({limit}); use --max-model-len {limit} or less")
+        return int(self.max_model_len)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from keyword arguments; unknown names raise ``TypeError`` naming them."""
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} | {"num_gpu_blocks_override"}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+# the deprecated name reads the new field (set after the dataclass is built, so that it is not
+# taken for the InitVar's default)
+EngineConfig.num_gpu_blocks_override = property(  # type: ignore[assignment]
+    lambda self: self.num_kv_blocks_override,
+    doc="Deprecated alias of ``num_kv_blocks_override`` (vLLM's name; it sizes the CPU cache too).")

@@ -1,13 +1,17 @@
-"""What a sequence needs from the KV cache: its cached prefix, new slots, forks, frees.
+"""What a sequence needs from the KV cache: its cached prefix, new slots, forks, frees, the
+block tables of a step, and the rollback of a step that failed.
 
 Shape after vLLM V1's ``v1/core/kv_cache_manager.py`` (policy-free: the scheduler decides who
 runs; this file only answers "can this sequence get room for k more tokens" and does the block
-bookkeeping). Copy-on-write of a shared, partly filled block follows vLLM V0's block manager
+bookkeeping). Nothing outside this file reads ``BlockPool`` or the per-sequence block lists: callers
+use the methods below. Copy-on-write of a shared, partly filled block follows vLLM V0's block manager
 (PagedAttention, Kwon et al. 2023, section 4.4): the writer gets a fresh block and the plan carries
 a ``(src, dst)`` block copy that the worker performs before the forward pass.
 """
 
 from __future__ import annotations
+
+from operator import itemgetter
 
 import numpy as np
 
@@ -18,6 +22,9 @@ from .sequence import Sequence
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_NO_COPIES: list[tuple[int, int]] = []  # returned, never modified: no block copy needed
 
 
 class KVCacheManager:
@@ -41,7 +48,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.seq_blocks: dict[int, list[KVCacheBlock]] = {}
-        self._num_cached_blocks: dict[int, int] = {}  # per seq: blocks already registered
+        self._num_registered_blocks: dict[int, int] = {}  # per seq: leading blocks in the prefix-cache map
         self.block_table = np.zeros((16, 16), dtype=np.int32)
         self._row: dict[int, int] = {}  # seq_id -> its row of block_table
         self._free_rows: list[int] = list(range(15, -1, -1))
@@ -80,7 +87,9 @@ class KVCacheManager:
         ``new_computed_blocks`` being taken now).
 
         Blocks are only allocated when the last one is full. When the block the first new token
-        goes into is shared (``ref_cnt > 1``), it is replaced by a private copy.
+        goes into is shared (``ref_cnt > 1``), it is replaced by a private copy. Full blocks are
+        registered in the prefix cache as soon as their tokens are known (a block whose last token
+        is a placeholder of overlap scheduling is registered at a later call).
         Returns:
             the ``(src, dst)`` block copies to do before the forward pass (possibly empty), or
             ``None`` when the pool cannot supply the blocks (then nothing changed).
@@ -92,8 +101,8 @@ class KVCacheManager:
         # decode fast path: the new tokens fit the blocks held, the first one's block is private
         if not new_computed_blocks and total <= len(blocks) * bs and (
                 num_new_tokens == 0 or blocks[num_computed // bs].ref_cnt == 1):
-            if self.enable_caching and total >= (self._num_cached_blocks.get(seq.seq_id, 0) + 1) * bs:
-                self._cache_full_blocks(seq, blocks, total)
+            if self.enable_caching and total >= (self._num_registered_blocks.get(seq.seq_id, 0) + 1) * bs:
+                self._cache_full_blocks(seq, blocks, min(total, len(seq.all_token_ids)))
             return []
         new_computed_blocks = new_computed_blocks or []
         num_computed += len(new_computed_blocks) * bs
@@ -126,22 +135,38 @@ class KVCacheManager:
             if num_new_blocks:
                 blocks.extend(self.pool.get_new_blocks(num_new_blocks))
             self._write_row(seq.seq_id, blocks, first_changed)
-        if self.enable_caching and total >= (self._num_cached_blocks.get(seq.seq_id, 0) + 1) * bs:
-            self._cache_full_blocks(seq, blocks, total)
+        if self.enable_caching and total >= (self._num_registered_blocks.get(seq.seq_id, 0) + 1) * bs:
+            self._cache_full_blocks(seq, blocks, min(total, len(seq.all_token_ids)))
         return copies
+
+    def append_slot(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """``allocate_slots(seq, 1)`` (a decode step), with the common case first: the token fits
+        the last block held and that block is not shared, so nothing is allocated."""
+        blocks = self.seq_blocks.get(seq.seq_id)
+        bs = self.block_size
+        c = seq.num_computed_tokens
+        if blocks is None or c >= len(blocks) * bs or blocks[c // bs].ref_cnt != 1:
+            return self.allocate_slots(seq, 1)
+        # a block that becomes full is registered once its tokens are known, which with overlap
+        # scheduling is up to two steps after its last slot was allocated
+        if self.enable_caching and (c + 1) % bs <= 2:
+            n = min(c + 1, len(seq.all_token_ids))
+            if n >= (self._num_registered_blocks.get(seq.seq_id, 0) + 1) * bs:
+                self._cache_full_blocks(seq, blocks, n)
+        return _NO_COPIES
 
     def _cache_full_blocks(self, seq: Sequence, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register every block that is full once ``num_tokens`` tokens are computed."""
         if not self.enable_caching:
             return
-        start = self._num_cached_blocks.get(seq.seq_id, 0)
+        start = self._num_registered_blocks.get(seq.seq_id, 0)
         end = num_tokens // self.block_size
         if end <= start:
             return
         hashes = seq.update_block_hashes(self.block_size)
         for i in range(start, end):
             self.pool.cache_full_block(blocks[i], hashes[i])
-        self._num_cached_blocks[seq.seq_id] = end
+        self._num_registered_blocks[seq.seq_id] = end
 
     # sharing and freeing
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -149,13 +174,13 @@ class KVCacheManager:
         blocks = list(self.seq_blocks.get(parent.seq_id, []))
         self.pool.touch(blocks)
         self.seq_blocks[child.seq_id] = blocks
-        self._num_cached_blocks[child.seq_id] = self._num_cached_blocks.get(parent.seq_id, 0)
+        self._num_registered_blocks[child.seq_id] = self._num_registered_blocks.get(parent.seq_id, 0)
         self._write_row(child.seq_id, blocks, 0)
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so the chain's tail is evicted first."""
         blocks = self.seq_blocks.pop(seq.seq_id, [])
-        self._num_cached_blocks.pop(seq.seq_id, None)
+        self._num_registered_blocks.pop(seq.seq_id, None)
         self.pool.free_blocks(reversed(blocks))
         row = self._row.pop(seq.seq_id, None)
         if row is not None:
@@ -165,7 +190,34 @@ class KVCacheManager:
     def get_block_ids(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.seq_blocks.get(seq.seq_id, [])]
 
-    # block table rows
+    def drop_unwritten_hashes(self, seq: Sequence, num_written_tokens: int) -> None:
+        """Rollback of a failed step: forget the prefix-cache hashes of ``seq``'s blocks from the
+        one holding token ``num_written_tokens`` on (their K/V may never have been written, so
+        they must not serve a prefix hit). The blocks stay with ``seq`` until it is freed."""
+        blocks = self.seq_blocks.get(seq.seq_id)
+        if not blocks:
+            return
+        first = num_written_tokens // self.block_size
+        for block in blocks[first:]:
+            self.pool.drop_hash(block)
+        if self._num_registered_blocks.get(seq.seq_id, 0) > first:
+            self._num_registered_blocks[seq.seq_id] = first
+
+    # block tables
+    def get_block_tables(self, seq_ids: list[int]) -> np.ndarray:
+        """A step's block tables: ``[S, W]`` int32, row ``i`` the block ids of ``seq_ids[i]``
+        padded with 0, ``W`` the most blocks any of them holds. Each sequence must hold blocks.
+
+        The rows are kept up to date as blocks are allocated, copied on write, shared and freed,
+        so this is one gather, not a rebuild."""
+        if not seq_ids:
+            return self.block_table[:0, :0]
+        rows = itemgetter(*seq_ids)(self._row) if len(seq_ids) > 1 else (self._row[seq_ids[0]],)
+        seq_blocks = self.seq_blocks
+        width = max(map(len, itemgetter(*seq_ids)(seq_blocks))) if len(seq_ids) > 1 \
+            else len(seq_blocks[seq_ids[0]])
+        return self.block_table[np.array(rows, dtype=np.int64), :width]
+
     def block_table_rows(self, seq_ids: list[int]) -> np.ndarray:
         """``[S]`` int64 rows of ``block_table`` holding these sequences' block ids (each must
         hold blocks). ``block_table[rows, :w]`` is their block table (padding 0)."""
@@ -196,6 +248,18 @@ class KVCacheManager:
     @property
     def num_total_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks with no reference (plain free or cached-free)."""
+        return self.pool.get_num_free_blocks()
+
+    def get_metrics(self) -> dict:
+        """num_total_blocks, num_free_blocks, num_cached_blocks (full blocks registered in the
+        prefix cache, in use or free), num_evictions, prefix_cache_queries, prefix_cache_hits."""
+        pool = self.pool
+        return {"num_total_blocks": pool.num_blocks, "num_free_blocks": pool.get_num_free_blocks(),
+                "num_cached_blocks": pool.get_num_registered_blocks(), "num_evictions": pool.num_evictions,
+                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits}
 
     def kv_token_usage(self, seqs) -> tuple[int, int]:
         """(token slots holding K/V, token slots in blocks in use), each shared block once."""

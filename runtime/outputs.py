@@ -1,7 +1,10 @@
 """Request outputs as vLLM shapes them (``vllm/outputs.py``, ``vllm/sequence.py``).
 
-Outputs are cumulative: ``CompletionOutput.text`` / ``.token_ids`` hold everything generated so
-far; a streaming consumer derives the new part from the lengths it has already seen.
+The engine emits *deltas*: each step, one ``RequestDelta`` per request that changed, holding one
+``CompletionDelta`` per sample that changed (its new token ids, its new text, its finish reason
+exactly once, on its last delta). ``RequestOutput`` / ``CompletionOutput`` are the *cumulative*
+view (everything generated so far) that ``LLM.generate`` returns; ``RequestOutput.from_deltas``
+builds it from deltas (vLLM's ``RequestOutputKind.DELTA`` versus ``CUMULATIVE``).
 """
 
 from __future__ import annotations
@@ -100,3 +103,85 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None)
+
+    @classmethod
+    def from_deltas(cls, deltas: list["RequestDelta"]) -> "RequestOutput":
+        """The cumulative output of one request from its deltas so far, in order (texts and
+        token lists joined once, not step by step).
+
+        Raises:
+            ValueError: no deltas, or deltas of different requests.
+        """
+        if not deltas:
+            raise ValueError("no deltas")
+        first, last = deltas[0], deltas[-1]
+        texts: dict[int, list[str]] = {}
+        comps: dict[int, CompletionOutput] = {}
+        for delta in deltas:
+            if delta.request_id != first.request_id:
+                raise ValueError(f"delta of request {delta.request_id!r} among {first.request_id!r}'s")
+            for d in delta.outputs:
+                c = comps.get(d.index)
+                if c is None:
+                    c = comps[d.index] = CompletionOutput(d.index, "", [])
+                    texts[d.index] = []
+                c.token_ids.extend(d.token_ids)
+                texts[d.index].append(d.text)
+                if d.logprobs is not None:
+                    c.logprobs = (c.logprobs or []) + list(d.logprobs)
+                if d.cumulative_logprob is not None:
+                    c.cumulative_logprob = d.cumulative_logprob
+                if d.finish_reason is not None:
+                    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        for i, c in comps.items():
+            c.text = "".join(texts[i])
+        return cls(first.request_id, first.prompt, list(first.prompt_token_ids), [comps[i] for i in sorted(comps)],
+                   last.finished, last.num_cached_tokens, last.metrics)
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one engine step added to one sample.
+
+    Attributes:
+        index: the sample's index in ``0 .. n-1``.
+        token_ids: the token ids generated in this step (usually one; none for an abort).
+        text: the text released in this step (whole characters; text held back because it
+            could begin a stop string comes later, once, or never if the stop string matched).
+        finish_reason: ``None``, or on the sample's last delta only: ``"stop"``, ``"length"``
+            or ``"abort"``.
+        stop_reason: the stop string or stop token id that ended it (with ``finish_reason``).
+        logprobs: ``{token_id: Logprob}`` per new token when asked for, else ``None``.
+        cumulative_logprob: the sample's running sum of sampled-token logprobs, or ``None``.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one engine step changed in one request.
+
+    Attributes:
+        request_id: the caller's id.
+        outputs: one ``CompletionDelta`` per sample that changed in this step.
+        finished: every sample has finished (this is the request's last delta).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        prompt / prompt_token_ids: the request's prompt (references, not copies).
+        metrics: the request's times, on the last delta only.
+    """
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool
+    num_cached_tokens: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics | None = None
+

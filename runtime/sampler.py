@@ -295,3 +295,113 @@ def sample(logits, states: list[SamplingState], xp=np) -> SamplerOutput:
         out.logprobs = to_numpy(lp).astype(np.float32)
         out.logprob_token_ids = to_numpy(ids).astype(np.int64)
     return out
+
+
+# ---- the device path: the same semantics as sample(), run by the CUDA table's sampling kernels ----
+
+def sampling_arrays(states: list[SamplingState]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row inputs of the device sampler, built on the host before the step's single upload.
+
+    Returns:
+        ``params [R, 4]`` float32 rows ``(temperature, top_k, top_p, min_p)`` (temperature 0 for
+        greedy rows, top_k 0 = off), and ``uniforms [R]`` float64 in (0, 1]: one draw from each
+        random row's generator, in row order, exactly as ``sample`` draws them (greedy rows draw
+        nothing and get 1.0).
+    """
+    R = len(states)
+    params = np.zeros((R, 4), dtype=np.float32)
+    uniforms = np.ones(R, dtype=np.float64)
+    for i, st in enumerate(states):
+        p = st.params
+        if p.greedy:
+            continue
+        params[i] = (p.temperature, max(p.top_k, 0), p.top_p, p.min_p)
+        uniforms[i] = 1.0 - st.rng.random()
+    return params, uniforms
+
+
+def penalty_entries(states: list[SamplingState], V: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The sparse work of penalties and min_tokens masks for the device kernel, or ``None``.
+
+    Vectorised over the batch (a handful of NumPy calls per step, whatever the number of rows).
+
+    Returns:
+        ``entries [N, 3]`` int64 rows ``(row * V + token, count in the row's output, flags)``, one
+        per (row, token) (flags 1: mask to -inf for min_tokens, 2: seen in prompt or output), and
+        ``row_params [R, 3]`` float32 ``(repetition, frequency, presence)``. Same semantics as
+        ``sample``'s min_tokens mask followed by ``apply_penalties``.
+    """
+    R = len(states)
+    row_params = np.zeros((R, 3), dtype=np.float32)
+    row_params[:, 0] = 1.0
+
+    def flat(rows, arrays):
+        if not rows:
+            return np.zeros(0, np.int64)
+        lens = [len(a) for a in arrays]
+        tok = np.concatenate(arrays).astype(np.int64) if sum(lens) else np.zeros(0, np.int64)
+        idx = np.repeat(np.asarray(rows, dtype=np.int64), lens) * V + tok
+        return idx[(tok >= 0) & (tok < V)]
+
+    pen = [i for i, st in enumerate(states) if st.params.has_penalties]
+    for i in pen:
+        p = states[i].params
+        row_params[i] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    mask_rows, mask_ids = [], []
+    for i, st in enumerate(states):
+        p = st.params
+        if st.num_output_tokens < p.min_tokens:
+            mask_rows.append(i)
+            mask_ids.append(np.asarray(list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_token_ids),
+                                       dtype=np.int64))
+    out_idx, out_cnt = np.unique(flat(pen, [states[i].output_token_ids for i in pen]), return_counts=True)
+    seen = np.union1d(flat(pen, [states[i].prompt_token_ids for i in pen]), out_idx)
+    masked = np.unique(flat(mask_rows, mask_ids))
+    if not len(seen) and not len(masked):
+        return None
+    counts = np.zeros(len(seen), np.int64)
+    counts[np.searchsorted(seen, out_idx)] = out_cnt
+    flags = np.full(len(seen), 2, np.int64)
+    flags[np.isin(seen, masked)] |= 1
+    extra = np.setdiff1d(masked, seen)
+    entries = np.stack([np.concatenate([seen, extra]), np.concatenate([counts, np.zeros(len(extra), np.int64)]),
+                        np.concatenate([flags, np.ones(len(extra), np.int64)])], axis=1)
+    return np.ascontiguousarray(entries, dtype=np.int64), row_params
+
+
+def max_logprobs(states: list[SamplingState]) -> int | None:
+    """The largest ``logprobs`` any row asks for, or ``None`` when none does."""
+    want = [s.params.logprobs for s in states if s.params.logprobs is not None]
+    return max(want) if want else None
+
+
+def sample_on_device(kernels, logits, params, uniforms, penalties, K: int | None, tokens_out, lp_out=None,
+                     ids_out=None) -> None:
+    """``sample``'s pipeline on the device, writing into preallocated outputs (no host sync).
+
+    Args:
+        kernels: the CUDA table (``sample``, ``apply_penalties``, ``xp``).
+        logits: ``[R, V]`` float32 device array; penalties are applied to it in place.
+        params, uniforms: from ``sampling_arrays`` (device views); penalties: ``(entries,
+            row_params, num_entries)`` device views or ``None``.
+        K: ``max_logprobs(states)``; with ``lp_out [R, 1 + K]`` float32 and ``ids_out [R, 1 + K]``
+            int64 the raw logprobs (sampled token first, then the top K) are written there.
+        tokens_out: ``[R]`` int64.
+    """
+    xp = kernels.xp
+    R, V = logits.shape
+    raw = None
+    if K is not None:
+        raw = log_softmax(logits, xp)  # raw logprobs: before any processing
+    if penalties is not None:
+        kernels.apply_penalties(logits, *penalties)
+    kernels.sample(logits, params, uniforms, out=tokens_out)
+    if raw is not None:
+        lp_out[:, 0] = xp.take_along_axis(raw, tokens_out[:, None], axis=1)[:, 0]
+        ids_out[:, 0] = tokens_out
+        if K > 0:
+            top = xp.argpartition(-raw, K - 1, axis=1)[:, :K] if K < V else xp.broadcast_to(xp.arange(V), (R, V))
+            top_lp = xp.take_along_axis(raw, top, axis=1)
+            order = xp.argsort(-top_lp, axis=1, kind="stable") if xp is np else xp.argsort(-top_lp, axis=1)
+            ids_out[:, 1:] = xp.take_along_axis(top, order, axis=1)
+            lp_out[:, 1:] = xp.take_along_axis(top_lp, order, axis=1)

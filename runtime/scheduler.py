@@ -1,15 +1,24 @@
-"""Iteration-level scheduling policy (continuous batching, Orca, Yu et al., OSDI 2022).
+"""Iteration-level scheduling (continuous batching, Orca, Yu et al., OSDI 2022) and the post-step
+update: the scheduler owns every sequence's lifecycle.
 
-One call to ``schedule()`` decides the next step: decode-first (every running sequence that is
-decoding gets its one token), then prefills oldest first within ``max_num_batched_tokens``,
-chunked when they do not fit (Sarathi, Agrawal et al. 2023), at most ``max_num_seqs`` sequences.
-When a running sequence cannot get a block, the newest running sequence is preempted by
-recompute: its blocks are freed (their hashes stay, so the prefix cache usually gives most of
-them back) and it goes to the front of the waiting queue. This file is policy only; the block
-bookkeeping lives in ``kv_cache_manager.py`` (as in vLLM V1's ``sched/scheduler.py``).
+``schedule()`` decides the next step: decode-first (every running sequence that is decoding gets
+its one token), then prefills oldest first within ``max_num_batched_tokens``, chunked when they do
+not fit (Sarathi, Agrawal et al. 2023), at most ``max_num_seqs`` sequences. When a running
+sequence cannot get a block, the newest running sequence is preempted by recompute: its blocks
+are freed (their hashes stay, so the prefix cache usually gives most of them back) and it goes to
+the front of the waiting queue. ``num_computed_tokens`` advances when a step is scheduled, and a
+sequence that samples in a step gets an output *placeholder* until the step's result comes back,
+so the next step can be scheduled before that (overlap scheduling, see ``engine.py``).
 
-``scheduling_policy="static"`` is request-level batching for comparisons: a batch of up to
-``max_num_seqs`` requests is admitted only when the previous batch has completely finished.
+``update_from_output()`` applies a step's result: it appends the sampled tokens, checks the
+token-level stop conditions (EOS, ``stop_token_ids``, ``max_tokens``, ``max_model_len``; stop
+*strings* are text and are checked by the output processor, which then calls ``finish_seq``, as
+in vLLM V1), forks parents that reached their fork point, finishes and frees. A token sampled for
+a sequence that finished or was aborted while the step was in flight is discarded.
+
+The block bookkeeping lives in ``kv_cache_manager.py`` (as in vLLM V1's ``sched/scheduler.py``);
+this file never touches a block. Subclasses may restrict admission (``_may_admit``), e.g. the
+benchmarks' request-level static batching (``folio/bench/static_batching.py``).
 """
 
 from __future__ import annotations
@@ -24,34 +33,64 @@ from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .sequence import Request, Sequence, SequenceStatus
 
-
-@dataclass
-class ScheduledSeq:
-    """One sequence in the step: compute ``num_new_tokens`` from ``seq.num_computed_tokens``;
-    ``sample`` = the step ends at the sequence's last known token, so its logits are sampled."""
-
-    seq: Sequence
-    num_new_tokens: int
-    sample: bool
+_RUNNING = SequenceStatus.RUNNING
+_WAITING = SequenceStatus.WAITING
+_FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
 class SchedulerOutput:
-    """What runs in one step (turned into a ``StepPlan`` by the engine)."""
+    """What runs in one step, column by column (turned into a ``StepPlan`` by ``step.make_step_plan``).
 
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    Attributes:
+        step_id: increasing step number.
+        seqs: the scheduled sequences, in batch order (decodes first).
+        num_new_tokens: per scheduled sequence, tokens computed in this step.
+        num_computed_tokens: per scheduled sequence, its ``num_computed_tokens`` before this step
+            (the position of its first new token).
+        sampled_seqs: the sequences whose last new token's logits are sampled, in batch order
+            (the rows of the step's result).
+        new_seqs: sequences the worker sees for the first time (their sampling state goes along).
+        finished_seq_ids: sequences whose worker-side state can be dropped.
+        block_copies: ``(src, dst)`` copy-on-write block copies to do before the forward pass.
+        block_tables: ``[S, W]`` int32 block ids of the scheduled sequences (from the KV manager).
+        fork_ready: parents whose prefill reaches the fork point in this step (forked when the
+            step's result is applied).
+        num_preempted: sequences preempted while scheduling this step.
+    """
+
+    step_id: int
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    sampled_seqs: list[Sequence] = field(default_factory=list)
     new_seqs: list[Sequence] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    block_tables: object = None
+    fork_ready: list[Sequence] = field(default_factory=list)
+    num_preempted: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(self.num_new_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.seqs
+
+
+@dataclass
+class SchedulerUpdate:
+    """What one step's result changed, for the output processor.
+
+    Attributes:
+        seqs: the sequences that got one new token (their last), in result-row order.
+        rows: each one's row in the ``StepResult`` (for logprobs).
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
 
 
 # seq ids are unique in the process, so engines that share one worker never collide
@@ -70,31 +109,32 @@ def derive_seed(seed: int | None, index: int, n: int) -> int | None:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the ``KVCacheManager``.
+    """Owns the waiting and running queues, the requests and the ``KVCacheManager``.
 
     Args:
         config: the engine configuration (block_size, max_num_seqs, max_num_batched_tokens,
-            enable_prefix_caching, enable_chunked_prefill, scheduling_policy).
+            enable_prefix_caching, enable_chunked_prefill).
         num_blocks: physical KV blocks available (from the executor).
+        max_model_len: longest prompt + output in tokens (a sequence that reaches it stops).
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
         self.config = config
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.chunked = config.enable_chunked_prefill
-        self.static = config.scheduling_policy == "static"
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._step_id = 0
         self._admit_counter = 0
-        self._pending_finished_ids: list[int] = []
-        self._static_batch: set[str] = set()
+        self._finished_seq_ids: list[int] = []  # to tell the worker in the next plan
 
-    # requests
+    # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request: one parent sequence when ``n > 1`` and the prompt has at
         least two tokens (forked after its prefill), otherwise ``n`` sequences."""
@@ -103,116 +143,163 @@ class Scheduler:
         n = request.n
         seed = getattr(request.sampling_params, "seed", None)
         if n > 1 and len(request.prompt_token_ids) >= 2:
-            seqs = [Sequence(self._new_seq_id(), request, 0, request.prompt_token_ids,
+            seqs = [Sequence(next(_SEQ_IDS), request, 0, request.prompt_token_ids,
                              derive_seed(seed, 0, n), is_parent=True)]
         else:
-            seqs = [Sequence(self._new_seq_id(), request, i, request.prompt_token_ids,
+            seqs = [Sequence(next(_SEQ_IDS), request, i, request.prompt_token_ids,
                              derive_seed(seed, i, n)) for i in range(n)]
         request.seqs = seqs
         self.requests[request.request_id] = request
         self.waiting.extend(seqs)
 
-    def _new_seq_id(self) -> int:
-        return next(_SEQ_IDS)
-
     def finish_seq(self, seq: Sequence, reason: str, stop_reason=None) -> None:
-        """End ``seq`` now: its blocks go back to the pool, the worker drops its state at the
-        next step."""
-        if seq.is_finished:
+        """End ``seq`` now: its blocks go back to the pool, the worker drops its state with the
+        next plan, a request whose samples all ended leaves ``requests``. No effect on a sequence
+        that already finished."""
+        if seq.status is _FINISHED:
             return
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
-        if seq in self.running:
+        if seq.status is _RUNNING:
             self.running.remove(seq)
         else:
             try:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        self.kv.free(seq)
+        seq.status = _FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.kv_cache_manager.free(seq)
         if seq.sent_to_worker:
-            self._pending_finished_ids.append(seq.seq_id)
+            self._finished_seq_ids.append(seq.seq_id)
+        request = seq.request
+        request.num_finished_seqs += 1
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Finish every sequence of the request with reason ``"abort"``; returns the request."""
+        """Finish every sequence of the request with reason ``"abort"``; returns the request
+        (``None`` for an unknown or finished id)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         request.aborted = True
         for seq in request.seqs:
-            self.finish_seq(seq, "abort")
+            self.finish_seq(seq, "abort")  # samples that already ended keep their reason
+        self.requests.pop(request_id, None)
         return request
-
-    def remove_finished_request(self, request: Request) -> None:
-        self.requests.pop(request.request_id, None)
-        self._static_batch.discard(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # one step
+    # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring for the policy)."""
-        out = SchedulerOutput()
+        self._step_id += 1
+        step = self._step_id
+        out = SchedulerOutput(step)
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
+        kv = self.kv_cache_manager
+        max_len = self.max_model_len
 
         # running sequences: decodes first, then chunked prefills in progress, oldest first
-        # (``running`` is kept in admission order, so a stable partition is that order)
-        todo = [(seq, seq.prefill_target - seq.num_computed_tokens) for seq in self.running]
-        queue = [t for t in todo if t[1] <= 1] + [t for t in todo if t[1] > 1]
-        running = SequenceStatus.RUNNING
-        for seq, num_left in queue:
+        # (``running`` is kept in admission order). One pass: a decode is scheduled as it is met,
+        # prefills after all decodes. (The hot loop; ``_add`` is inlined for one token.)
+        prefills = []
+        seqs, num_new_tokens, num_computed = out.seqs, out.num_new_tokens, out.num_computed_tokens
+        sampled, copies_out = out.sampled_seqs, out.block_copies
+        for seq in list(self.running):
+            if seq.status is not _RUNNING:
+                continue  # preempted earlier in this pass
+            p = seq.num_output_placeholders
+            n_total = len(seq.all_token_ids) + p
+            c = seq.num_computed_tokens
+            num_left = n_total - c - seq.is_parent
+            if num_left != 1:
+                if num_left > 1:
+                    prefills.append((seq, num_left))
+                continue
+            # its last token is still being sampled: if that one ends it by length, wait
+            if p and (n_total - seq.num_prompt_tokens >= seq.request.max_output_tokens or n_total >= max_len):
+                continue
             if budget <= 0:
                 break
-            if seq.status is not running:
-                continue  # preempted earlier in this pass
-            num_new = min(num_left, budget)
-            if num_new <= 0:
-                continue
-            while True:
-                copies = self.kv.allocate_slots(seq, num_new)
-                if copies is not None:
-                    break
-                victim = self._pick_victim(scheduled_ids)
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not running:
-                continue
+            copies = kv.append_slot(seq)
+            if copies is None:
+                copies = self._allocate_or_preempt(out, seq, 1, step)
+                if copies is None:
+                    continue
             if copies:
-                out.block_copies.extend(copies)
-            self._add(out, seq, num_new, scheduled_ids)
+                copies_out.extend(copies)
+            seqs.append(seq)
+            num_new_tokens.append(1)
+            num_computed.append(c)
+            seq.num_computed_tokens = c + 1
+            seq.scheduled_step = step
+            if seq.is_parent:
+                out.fork_ready.append(seq)
+            else:
+                sampled.append(seq)
+                seq.num_output_placeholders = p + 1
+            if not seq.sent_to_worker:
+                seq.sent_to_worker = True
+                out.new_seqs.append(seq)
+            budget -= 1
+        for seq, num_new in prefills:
+            if budget <= 0:
+                break
+            if seq.status is not _RUNNING:
+                continue
+            num_new = min(num_new, budget)
+            copies = kv.allocate_slots(seq, num_new)
+            if copies is None:
+                copies = self._allocate_or_preempt(out, seq, num_new, step)
+                if copies is None:
+                    continue
+            if copies:
+                copies_out.extend(copies)
+            self._add(out, seq, num_new, step)
             budget -= num_new
 
         # waiting sequences: admit oldest first while budget, seats and blocks last
-        if not out.preempted:
-            self._admit_waiting(out, budget, scheduled_ids)
-        out.finished_seq_ids = self._pending_finished_ids
-        self._pending_finished_ids = []
+        if not out.num_preempted:
+            self._admit_waiting(out, budget, step)
+        if out.seqs:  # finished sequences are reported to the worker with the next plan that runs
+            out.finished_seq_ids = self._finished_seq_ids
+            self._finished_seq_ids = []
+            out.block_tables = kv.get_block_tables([s.seq_id for s in out.seqs])
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[int]) -> None:
-        if self.static:
-            if not self.running and not any(r in self.requests for r in self._static_batch):
-                self._static_batch = set()
-                for seq in self.waiting:
-                    if len(self._static_batch) >= self.max_num_seqs:
-                        break
-                    self._static_batch.add(seq.request.request_id)
+    def _allocate_or_preempt(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int):
+        """Room for ``seq``'s tokens after the pool refused: preempt the newest running sequences
+        not scheduled in this step until it fits. Returns the block copies, or ``None`` when
+        ``seq`` itself was preempted."""
+        while True:
+            victim = self._pick_victim(step)
+            self.preempt(victim)
+            out.num_preempted += 1
+            if victim is seq:
+                return None
+            copies = self.kv_cache_manager.allocate_slots(seq, num_new)
+            if copies is not None:
+                return copies
+
+    def _may_admit(self, seq: Sequence) -> bool:
+        """Policy hook: whether ``seq`` (at the head of the waiting queue) may start now."""
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, step: int) -> None:
+        kv = self.kv_cache_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.num_output_placeholders or not self._may_admit(seq):
+                break  # a preempted sequence waits for its in-flight token first
             request = seq.request
-            if self.static and request.request_id not in self._static_batch:
-                break
             # a parent will become n sequences
             seats = request.n if seq.is_parent else 1
             if self.running and len(self.running) + seats > self.max_num_seqs:
                 break
             if seq.num_computed_tokens == 0:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(seq)
+                hit_blocks, num_hit = kv.get_computed_blocks(seq)
             else:
                 hit_blocks, num_hit = [], 0
             num_new = seq.prefill_target - seq.num_computed_tokens - num_hit
@@ -220,59 +307,104 @@ class Scheduler:
                 if not self.chunked:
                     break
                 num_new = budget
-            copies = self.kv.allocate_slots(seq, num_new, hit_blocks)
+            copies = kv.allocate_slots(seq, num_new, hit_blocks)
             if copies is None:
                 break
             self.waiting.popleft()
             seq.num_computed_tokens += num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+            if request.num_prefix_hit_tokens is None:
+                request.num_prefix_hit_tokens = num_hit
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
-            seq.status = SequenceStatus.RUNNING
+            seq.status = _RUNNING
             seq.admit_order = self._admit_counter
             self._admit_counter += 1
             self.running.append(seq)
             out.block_copies.extend(copies)
-            self._add(out, seq, num_new, scheduled_ids)
+            self._add(out, seq, num_new, step)
             budget -= num_new
 
-    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled_ids: set[int]) -> None:
-        sample = not seq.is_parent and seq.num_computed_tokens + num_new == seq.num_tokens
-        out.scheduled.append(ScheduledSeq(seq, num_new, sample))
-        scheduled_ids.add(seq.seq_id)
+    @staticmethod
+    def _add(out: SchedulerOutput, seq: Sequence, num_new: int, step: int) -> None:
+        start = seq.num_computed_tokens
+        out.seqs.append(seq)
+        out.num_new_tokens.append(num_new)
+        out.num_computed_tokens.append(start)
+        seq.num_computed_tokens = start + num_new
+        seq.scheduled_step = step
+        if not seq.is_parent:
+            if start + num_new == len(seq.all_token_ids) + seq.num_output_placeholders:
+                out.sampled_seqs.append(seq)
+                seq.num_output_placeholders += 1
+        elif start + num_new == len(seq.all_token_ids) - 1:
+            out.fork_ready.append(seq)
         if not seq.sent_to_worker:
             seq.sent_to_worker = True
             out.new_seqs.append(seq)
 
-    def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
-        """The newest running sequence not yet scheduled in this step."""
-        candidates = [s for s in self.running if s.seq_id not in scheduled_ids]
-        return max(candidates, key=lambda s: s.admit_order)
+    def _pick_victim(self, step: int) -> Sequence:
+        """The newest running sequence not yet scheduled in this step (``running`` is in
+        admission order; forked samples share their parent's place)."""
+        for seq in reversed(self.running):
+            if seq.scheduled_step != step:
+                return seq
+        raise RuntimeError("no sequence to preempt")  # unreachable: the caller is running
 
     def preempt(self, seq: Sequence, count: bool = True) -> None:
         """Recompute preemption: free the blocks, back to the front of the waiting queue (the
         worker keeps the sequence's sampling state, so a seeded stream continues)."""
         self.running.remove(seq)
-        self.kv.free(seq)
+        self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.status = _WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += int(count)
 
-    # after the step
-    def update_from_output(self, out: SchedulerOutput) -> list[Sequence]:
-        """Advance every scheduled sequence by its tokens and fork parents that reached their
-        fork point. Returns the sequences created by forks (already running)."""
-        created: list[Sequence] = []
-        for item in out.scheduled:
-            seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+    # -- after the step -----------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result) -> SchedulerUpdate:
+        """Apply a step's ``StepResult``: append each sampled token, check token-level stops
+        (vLLM's order: EOS unless ``ignore_eos``, ``stop_token_ids``, both only once ``min_tokens``
+        are out; then ``max_tokens`` and ``max_model_len``), finish and free, fork parents that
+        reached their fork point.
+
+        Returns:
+            the sequences that got a token (see ``SchedulerUpdate``).
+        Raises:
+            RuntimeError: the result has a different number of rows than the step sampled.
+        """
+        tokens = result.sampled_token_ids.tolist() if hasattr(result.sampled_token_ids, "tolist") \
+            else list(result.sampled_token_ids)
+        sampled = out.sampled_seqs
+        if len(tokens) != len(sampled):
+            raise RuntimeError(f"the worker returned {len(tokens)} tokens for {len(sampled)} rows")
+        update = SchedulerUpdate()
+        upd_seqs, upd_rows = update.seqs, update.rows
+        now = time.time()
+        max_len = self.max_model_len
+        row = 0
+        for seq, token in zip(sampled, tokens):
+            seq.num_output_placeholders -= 1
+            if seq.status is _FINISHED:   # ended while this step was in flight: discard
+                row += 1
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.is_parent and seq.num_computed_tokens == seq.prefill_target:
-                created.extend(self._fork(seq))
-        return created
+            all_ids = seq.all_token_ids
+            all_ids.append(token)
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            upd_seqs.append(seq)
+            upd_rows.append(row)
+            row += 1
+            n_out = len(all_ids) - seq.num_prompt_tokens
+            if token in request.stop_token_set and n_out >= request.min_tokens:
+                self.finish_seq(seq, "stop", None if token in request.eos_stop_set else token)
+            elif n_out >= request.max_output_tokens or len(all_ids) >= max_len:
+                self.finish_seq(seq, "length")
+        for seq in out.fork_ready:
+            if seq.is_parent and seq.status is _RUNNING and seq.num_computed_tokens == len(seq.all_token_ids) - 1:
+                self._fork(seq)
+        return update
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Turn a parent that computed all but the last prompt token into ``n`` samples sharing
@@ -285,33 +417,45 @@ class Scheduler:
         children = []
         pos = self.running.index(parent)
         for i in range(1, n):
-            child = Sequence(self._new_seq_id(), request, i, parent.all_token_ids,
-                             derive_seed(seed, i, n))
+            child = Sequence(next(_SEQ_IDS), request, i, parent.all_token_ids, derive_seed(seed, i, n))
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_hashes = list(parent.block_hashes)
-            child.status = SequenceStatus.RUNNING
+            child.status = _RUNNING
             child.admit_order = parent.admit_order
-            self.kv.fork(parent, child)
+            self.kv_cache_manager.fork(parent, child)
             children.append(child)
         self.running[pos + 1:pos + 1] = children
         request.seqs.extend(children)
         return children
 
-    # counters
+    def rollback(self, outs: list[SchedulerOutput]) -> None:
+        """Undo steps whose results will never come (the worker failed one): forget the hashes
+        of blocks they were to fill, preempt what they ran so it is recomputed later (not counted
+        as a preemption), resend every such sequence's sampling state, and tell the worker again
+        about the sequences those plans dropped."""
+        kv = self.kv_cache_manager
+        finished: list[int] = []
+        for out in outs:
+            for seq, start in zip(out.seqs, out.num_computed_tokens):
+                if seq.status is _RUNNING:
+                    kv.drop_unwritten_hashes(seq, start)
+            finished.extend(out.finished_seq_ids)
+        for out in outs:
+            for seq in out.seqs:
+                seq.num_output_placeholders = 0
+                if seq.status is _RUNNING:
+                    self.preempt(seq, count=False)
+                if seq.status is not _FINISHED:
+                    seq.sent_to_worker = False
+        self._finished_seq_ids[:0] = finished
+
+    # -- counters ----------------------------------------------------------------------------------
     def get_metrics(self) -> dict:
-        pool = self.kv.pool
-        live = list(self.running)
-        held, allocated = self.kv.kv_token_usage(live)
-        return {
-            "num_total_blocks": pool.num_blocks,
-            "num_free_blocks": pool.get_num_free_blocks(),
-            "num_cached_blocks": pool.get_num_cached_blocks(),
-            "num_evictions": pool.num_evictions,
-            "prefix_cache_queries": self.kv.prefix_cache_queries,
-            "prefix_cache_hits": self.kv.prefix_cache_hits,
-            "num_preemptions": self.num_preemptions,
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "kv_tokens_held": held,
-            "kv_tokens_allocated": allocated,
-        }
+        """The KV manager's counters (``KVCacheManager.get_metrics``) plus num_preemptions,
+        num_running, num_waiting (sequences), kv_tokens_held / kv_tokens_allocated (token slots
+        holding K/V vs slots in blocks in use)."""
+        m = self.kv_cache_manager.get_metrics()
+        held, allocated = self.kv_cache_manager.kv_token_usage(list(self.running))
+        m.update(num_preemptions=self.num_preemptions, num_running=len(self.running),
+                 num_waiting=len(self.waiting), kv_tokens_held=held, kv_tokens_allocated=allocated)
+        return m

@@ -8,6 +8,11 @@ each sample computes the last prompt token itself, copy-on-write of the shared p
 included. Token bookkeeping follows vLLM V1's unified view: a sequence has ``all_token_ids`` and
 ``num_computed_tokens``; prefill, chunked prefill, decode and recompute after preemption are all
 "compute the tokens from ``num_computed_tokens`` up to the target".
+
+Who writes what (docs/architecture.md): the scheduler owns every field of ``Sequence`` and
+``Request`` except ``Sequence.detokenizer`` / ``logprobs`` / ``cumulative_logprob`` and
+``Request.finished_time`` (set when the request's last delta is made), which only the output
+processor writes.
 """
 
 from __future__ import annotations
@@ -32,18 +37,27 @@ class Sequence:
         seq_id: engine-wide unique id (the worker's key for sampling state).
         request: the owning ``Request``.
         index: sample index in ``[0, n)`` (the ``CompletionOutput.index``).
-        all_token_ids: prompt followed by the generated tokens.
+        all_token_ids: prompt followed by the generated tokens known to the scheduler.
         num_prompt_tokens: length of the prompt.
-        num_computed_tokens: tokens whose K/V are in the cache (or are being written this step).
+        num_computed_tokens: tokens whose K/V are in the cache or scheduled to be written by a step
+            already handed to the worker (advanced when a step is scheduled, as vLLM V1 does).
+        num_output_placeholders: tokens this sequence samples in steps handed to the worker whose
+            results have not come back yet (0, 1 or, with overlap scheduling, 2). Position
+            ``num_tokens`` onwards are such placeholders; the worker feeds them itself.
         is_parent: True while this sequence prefills a prompt on behalf of ``n`` samples; it then
             stops one token short of the prompt (``prefill_target``) and is forked.
         block_hashes: prefix-cache hashes of the full blocks of ``all_token_ids`` (chain).
         sent_to_worker: whether the worker has its sampling state (``NewSequence`` sent).
         seed: this sample's RNG seed or ``None``.
-        detokenizer: the incremental detokenizer (set by the engine).
-        logprobs: per generated token, ``{token_id: logprob}`` when asked for, else ``None``.
-        cumulative_logprob: sum of the sampled tokens' logprobs when known.
+        finish_reason / stop_reason: set when the sequence finishes (``"stop"``, ``"length"``,
+            ``"abort"``; the stop token id or stop string).
+        detokenizer, logprobs, cumulative_logprob: the output processor's state for this sample.
     """
+
+    __slots__ = ("seq_id", "request", "index", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "num_output_placeholders", "is_parent", "status", "block_hashes", "sent_to_worker", "seed",
+                 "finish_reason", "stop_reason", "admit_order", "scheduled_step", "detokenizer", "logprobs",
+                 "cumulative_logprob")
 
     def __init__(self, seq_id: int, request: "Request", index: int, token_ids: list[int],
                  seed: int | None, is_parent: bool = False):
@@ -53,17 +67,19 @@ class Sequence:
         self.all_token_ids = list(token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.is_parent = is_parent
         self.status = SequenceStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self.sent_to_worker = False
         self.seed = seed
-        self.detokenizer: Any = None
-        self.logprobs: list[dict[int, float]] | None = None
-        self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.admit_order = -1  # set by the scheduler when the sequence starts running
+        self.admit_order = -1      # set by the scheduler when the sequence starts running
+        self.scheduled_step = -1   # the last step that scheduled it (the scheduler's step id)
+        self.detokenizer: Any = None
+        self.logprobs: list | None = None
+        self.cumulative_logprob: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,57 +108,64 @@ class Sequence:
         return extend_block_hashes(self.block_hashes, self.all_token_ids, block_size,
                                    self.request.cache_salt)
 
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(int(token_id))
-
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request.request_id!r}, idx={self.index}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})")
+                f"tokens={self.num_tokens}+{self.num_output_placeholders}, computed={self.num_computed_tokens}, "
+                f"{self.status.value})")
 
 
 class Request:
     """One client request: a prompt and its sampling parameters, with ``n`` samples.
 
+    Args:
+        max_output_tokens: the resolved limit on generated tokens per sample
+            (``SamplingParams.max_tokens``, or what ``max_model_len`` leaves when that is ``None``).
     Attributes:
         request_id: the caller's id (unique among unfinished requests).
         prompt: the prompt text, or ``None`` when token ids were given.
         prompt_token_ids: the prompt's token ids (non-empty).
         sampling_params: a ``SamplingParams``.
+        n: number of samples.
+        max_output_tokens: see Args.
         cache_salt: a string that separates this request's prefix-cache entries, or ``None``.
         arrival_time: ``time.time()`` at ``add_request`` (seconds since the epoch).
-        seqs: the live and finished sequences, ordered by sample index once forked.
-        num_cached_tokens: prompt tokens served from the prefix cache at first admission (-1 =
-            not yet admitted).
+        eos_token_ids: ids that end generation unless ``ignore_eos``.
+        eos_stop_set: the EOS ids that end a sample (none with ``ignore_eos``).
+        stop_token_set: the ids that end a sample once ``min_tokens`` are out (``eos_stop_set``
+            and ``stop_token_ids``).
+        seqs: the live and finished sequences (ordered by sample index once forked).
+        num_prefix_hit_tokens: prompt tokens served from the prefix cache at first admission
+            (``None`` until then; ``RequestOutput.num_cached_tokens`` reports it).
+        num_finished_seqs: samples finished so far.
         first_scheduled_time / first_token_time / last_token_time / finished_time: seconds
             since the epoch, or ``None``.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling_params, cache_salt: str | None = None, arrival_time: float | None = None,
-                 eos_token_ids: list[int] | None = None):
+                 sampling_params, max_output_tokens: int, cache_salt: str | None = None,
+                 arrival_time: float | None = None, eos_token_ids: list[int] | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.n = int(getattr(sampling_params, "n", 1) or 1)
+        self.max_output_tokens = int(max_output_tokens)
         self.cache_salt = cache_salt
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.eos_token_ids = list(eos_token_ids or [])
+        self.eos_stop_set = frozenset() if getattr(sampling_params, "ignore_eos", False) \
+            else frozenset(self.eos_token_ids)
+        self.stop_token_set = self.eos_stop_set | frozenset(getattr(sampling_params, "stop_token_ids", None) or [])
+        self.min_tokens = int(getattr(sampling_params, "min_tokens", 0) or 0)
         self.seqs: list[Sequence] = []
-        self.num_cached_tokens = -1
+        self.num_prefix_hit_tokens: int | None = None
+        self.num_finished_seqs = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.aborted = False
-        self.max_tokens = getattr(sampling_params, "max_tokens", None)  # resolved by the engine
-
-    @property
-    def n(self) -> int:
-        return int(getattr(self.sampling_params, "n", 1) or 1)
 
     @property
     def is_finished(self) -> bool:
-        for seq in self.seqs:
-            if seq.status is not SequenceStatus.FINISHED:
-                return False
-        return bool(self.seqs) and (len(self.seqs) == self.n or self.aborted)
+        return self.aborted or self.num_finished_seqs >= self.n

@@ -9,13 +9,22 @@ Sequences are named by integer ``seq_id`` (a request with ``n > 1`` has ``n`` se
 Sampling state (parameters, prompt ids, the per-sequence RNG, generated ids for penalties) lives
 on the worker from the step that first schedules the sequence (``new_seqs``) until
 ``finished_seq_ids`` names it; the worker appends every token it samples to the sequence's history.
+
+Overlap scheduling: the scheduler may hand over plan N+1 before plan N's result is back. A
+sequence that samples in step N and decodes in step N+1 then has ``PLACEHOLDER_TOKEN_ID`` as its
+input id in plan N+1; the worker, which runs plans in order, puts there the token that sequence
+sampled in the step before (SGLang's "future token ids"; ``LastSampledTokens`` does it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
+
+# an input id the worker replaces with the token its sequence sampled in the previous step
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -48,7 +57,8 @@ class StepPlan:
 
     Attributes:
         step_id: increasing step number; the result echoes it.
-        input_ids: ``[T]`` int64 token ids, sequences laid end to end.
+        input_ids: ``[T]`` int64 token ids, sequences laid end to end; ``PLACEHOLDER_TOKEN_ID``
+            (-1) = the token this row's sequence sampled in the previous step.
         positions: ``[T]`` int64 position of each token in its sequence.
         slot_mapping: ``[T]`` int64 KV slot (``block_id * block_size + offset``), -1 = no write.
         query_start_loc: ``[S+1]`` int32 offsets of each sequence's tokens in the batch.
@@ -95,6 +105,8 @@ class StepResult:
         logprob_token_ids: ``[R, 1 + K]`` int64 matching ``logprobs`` (column 0 = sampled id).
         forward_time: seconds spent in the forward pass.
         sample_time: seconds spent sampling.
+        idle_time: seconds the worker waited for this plan after finishing the previous one
+            (its idle time between steps; measured by whoever runs the runner).
         error: a message when the step failed on the worker (then the other fields are empty).
     """
 
@@ -104,4 +116,112 @@ class StepResult:
     logprob_token_ids: np.ndarray | None = None
     forward_time: float = 0.0
     sample_time: float = 0.0
+    idle_time: float = 0.0
     error: str | None = None
+
+
+def make_step_plan(out, block_size: int) -> StepPlan:
+    """Flatten a ``scheduler.SchedulerOutput`` into the plan's arrays.
+
+    One pass over the scheduled sequences gathers their new token ids (a position the scheduler
+    does not know yet, the token being sampled in the step in flight, becomes
+    ``PLACEHOLDER_TOKEN_ID``); every per-token array is then computed with NumPy, and the block
+    tables come from the KV manager as one gather.
+    """
+    seqs = out.seqs
+    S = len(seqs)
+    T = sum(out.num_new_tokens)
+    start = np.array(out.num_computed_tokens, dtype=np.int64)
+    seq_ids = np.array([s.seq_id for s in seqs], dtype=np.int64)
+    if T == S:  # decode only: one token per sequence
+        ids = [s.all_token_ids[c] if c < len(s.all_token_ids) else PLACEHOLDER_TOKEN_ID
+               for s, c in zip(seqs, out.num_computed_tokens)]
+        positions = start
+        token_seq = np.arange(S)
+        query_start_loc = np.arange(S + 1, dtype=np.int32)
+        seq_lens = start + 1
+    else:
+        ids = []
+        for seq, c, n in zip(seqs, out.num_computed_tokens, out.num_new_tokens):
+            chunk = seq.all_token_ids[c:c + n]
+            ids.extend(chunk)
+            if len(chunk) < n:  # only the last position can be in flight
+                ids.append(PLACEHOLDER_TOKEN_ID)
+        num_new = np.array(out.num_new_tokens, dtype=np.int64)
+        query_start_loc = np.zeros(S + 1, dtype=np.int32)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        seq_lens = start + num_new
+        token_seq = np.repeat(np.arange(S), num_new)
+        positions = np.arange(T, dtype=np.int64) + np.repeat(start - query_start_loc[:-1], num_new)
+    block_tables = out.block_tables
+    slot_mapping = block_tables[token_seq, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    sampled = out.sampled_seqs
+    if len(sampled) == S:
+        logits_indices = np.arange(S, dtype=np.int64) if T == S else query_start_loc[1:].astype(np.int64) - 1
+        sample_seq_ids = seq_ids
+    else:
+        is_sampled = {id(s) for s in sampled}
+        mask = np.fromiter((id(s) in is_sampled for s in seqs), dtype=bool, count=S)
+        logits_indices = (query_start_loc[1:][mask] - 1).astype(np.int64)
+        sample_seq_ids = seq_ids[mask]
+    new_seqs = [NewSequence(seq_id=s.seq_id, prompt_token_ids=list(s.request.prompt_token_ids),
+                            output_token_ids=s.all_token_ids[s.num_prompt_tokens:],
+                            sampling=s.request.sampling_params.to_dict(), seed=s.seed,
+                            eos_token_ids=list(s.request.eos_token_ids))
+                for s in out.new_seqs]
+    return StepPlan(
+        step_id=out.step_id,
+        input_ids=np.array(ids, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens.astype(np.int32),
+        block_tables=block_tables,
+        seq_ids=seq_ids,
+        logits_indices=logits_indices,
+        sample_seq_ids=sample_seq_ids,
+        new_seqs=new_seqs,
+        finished_seq_ids=list(out.finished_seq_ids),
+        block_copies=np.asarray(out.block_copies, dtype=np.int64).reshape(-1, 2),
+    )
+
+
+class LastSampledTokens:
+    """Worker side of overlap scheduling: each live sequence's most recently sampled token.
+
+    ``resolve(plan)`` returns the plan's input ids with every ``PLACEHOLDER_TOKEN_ID`` replaced;
+    ``record(plan, tokens)`` keeps what the step sampled; ``forget(seq_ids)`` drops finished
+    sequences. Every runner (the model runner, the test and benchmark stand-ins) uses it.
+
+    Raises:
+        KeyError (from ``resolve``): a placeholder for a sequence that sampled nothing yet.
+    """
+
+    def __init__(self):
+        self._last: dict[int, int] = {}
+
+    def resolve(self, plan: StepPlan) -> np.ndarray:
+        """The plan's input ids with the placeholders filled (``plan.input_ids`` itself when it
+        has none)."""
+        ids = plan.input_ids
+        holes = np.flatnonzero(np.asarray(ids) < 0)
+        if not len(holes):
+            return ids
+        ids = np.array(ids, dtype=np.int64)
+        rows = np.searchsorted(np.asarray(plan.query_start_loc), holes, side="right") - 1
+        seq_ids = np.asarray(plan.seq_ids)[rows].tolist()
+        last = self._last
+        try:
+            ids[holes] = [last[s] for s in seq_ids]
+        except KeyError as e:
+            raise KeyError(f"placeholder input for seq_id {e.args[0]}, which has sampled nothing") from None
+        return ids
+
+    def record(self, plan: StepPlan, sampled_token_ids) -> None:
+        self._last.update(zip(np.asarray(plan.sample_seq_ids).tolist(),
+                              np.asarray(sampled_token_ids).tolist()))
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        for s in seq_ids:
+            self._last.pop(int(s), None)

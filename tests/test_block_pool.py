@@ -67,7 +67,7 @@ def test_pool_lru_eviction_drops_stale_hash():
     pool.cache_full_block(a, b"A" * 32)
     pool.cache_full_block(b, b"B" * 32)
     pool.free_blocks([b, a])  # b freed first -> evicted first
-    assert pool.get_num_free_blocks() == 2 and pool.get_num_cached_blocks() == 2
+    assert pool.get_num_free_blocks() == 2 and pool.get_num_registered_blocks() == 2
     assert pool.get_cached_block(b"A" * 32) is a
     (x,) = pool.get_new_blocks(1)
     assert x is b and b.block_hash is None and pool.get_cached_block(b"B" * 32) is None
@@ -83,7 +83,7 @@ def test_pool_lru_eviction_drops_stale_hash():
 
 
 def _request(tokens, n=1, salt=None, rid="r"):
-    return Request(rid, None, tokens, SamplingParams(n=n, max_tokens=8), cache_salt=salt)
+    return Request(rid, None, tokens, SamplingParams(n=n, max_tokens=8), 8, cache_salt=salt)
 
 
 def test_manager_prefix_hit_always_computes_last_token():
@@ -178,7 +178,7 @@ class Harness:
             base = PREFIXES[a % len(PREFIXES)]
             tokens = (base + [a % 5] * b)[:max(1, (a % 7) + b)]
             salt = "x" if a % 4 == 0 else None
-            req = Request(f"r{self.next_id}", None, tokens, SamplingParams(), cache_salt=salt)
+            req = Request(f"r{self.next_id}", None, tokens, SamplingParams(), 16, cache_salt=salt)
             seq = Sequence(self.next_id, req, 0, tokens, None)
             self.next_id += 1
             hit, _ = self.kv.get_computed_blocks(seq)
@@ -192,7 +192,7 @@ class Harness:
             if not self.compute(seq, b):
                 del seq.all_token_ids[-b:]
         elif kind == "decode":
-            seq.append_token(a % 3)
+            seq.all_token_ids.append(a % 3)
             if not self.compute(seq, 1):
                 seq.all_token_ids.pop()
         elif kind == "fork":

@@ -1,13 +1,33 @@
 """Streaming detokenization with the real default tokenizer: whole characters only, stop strings
-across and inside tokens, held-back text released exactly once, deltas joining to the final text."""
+across and inside tokens, held-back text released exactly once, deltas joining to the final text.
+
+Every test runs on both paths of ``IncrementalDetokenizer``: the byte-level one (token bytes from
+a table, one UTF-8 decode) and the sliding window of tokenizer calls; the reference is always the
+library's own ``decode`` of the whole id list."""
+
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from folio.model.tokenizer import Tokenizer
-from folio.runtime.detokenizer import IncrementalDetokenizer
+from folio.runtime.detokenizer import IncrementalDetokenizer, TokenBytes
 from folio.runtime.sampling_params import SamplingParams
+
+BYTE_LEVEL = [True]
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["byte-level", "window"])
+def detok_path(request):
+    BYTE_LEVEL[0] = request.param
+    yield request.param
+    BYTE_LEVEL[0] = True
+
+
+def Detok(tok, prompt, params):
+    return IncrementalDetokenizer(tok, prompt, params, byte_level=BYTE_LEVEL[0])
+
 
 PROMPT_TEXT = "Tell me something:"
 SAMPLE_TEXTS = ["héllo 😀 世界 ok", "The answer is: 2018-01-22 12:12:53.", " Paris.\n\nThe capital",
@@ -23,7 +43,7 @@ def stream(tok, ids, params=None, chunks=None, prompt=None, stop_terminated=Fals
     """Feed ``ids`` (in ``chunks`` sizes), return (deltas, final text, stop string, detok)."""
     params = params or SamplingParams()
     prompt = tok.encode(PROMPT_TEXT) if prompt is None else prompt
-    d = IncrementalDetokenizer(tok, prompt, params)
+    d = Detok(tok, prompt, params)
     deltas, seen, stop, i = [], "", None, 0
     chunks = chunks or [1] * len(ids)
     for n in chunks:
@@ -55,7 +75,7 @@ def test_whole_characters_only(tok):
 def test_split_character_waits_for_its_last_byte(tok):
     ids = tok.encode(" 😀")
     assert len(ids) >= 2 and "\ufffd" in tok.decode(ids[:1])  # the emoji spans tokens
-    d = IncrementalDetokenizer(tok, [], SamplingParams())
+    d = Detok(tok, [], SamplingParams())
     d.update(ids[:1])
     assert "\ufffd" not in d.output_text
     d.update(ids[1:])
@@ -123,7 +143,7 @@ def test_held_back_text_released_once_when_ruled_out(tok):
     text = "The answer is: 2018"
     ids = tok.encode(text)
     stop = "answer is: 9"
-    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=[stop]))
+    d = Detok(tok, [], SamplingParams(stop=[stop]))
     seen = ""
     for i, t in enumerate(ids):
         assert d.update([t]) is None
@@ -188,3 +208,35 @@ def test_property_stop_cut_and_deltas(tok, data):
     assert got == stop
     assert final == "".join(deltas) == text[: i + (len(stop) if include else 0)]
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_token_bytes_concatenate_to_the_library_decode(tok):
+    # the byte-level path's premise, on the whole vocabulary in random sequences with special
+    # tokens: decode(ids) == UTF-8 decode (invalid bytes replaced) of the joined token bytes
+    rng = random.Random(0)
+    for skip in (True, False):
+        table = TokenBytes(tok.hf, skip)
+        for _ in range(300):
+            ids = [rng.randrange(tok.vocab_size) if rng.random() < 0.9 else rng.randrange(17)
+                   for _ in range(rng.randrange(1, 24))]
+            joined = b"".join(table[i] for i in ids)
+            assert joined.decode("utf-8", "replace") == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_add_token_equals_update(tok, data):
+    # the output processor's per-step call gives the same texts as update + take_new_text
+    pool = _byte_pool(tok)
+    ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=30))
+    stops = data.draw(st.sampled_from([[], ["er"], [" ", "é"]]))
+    params = SamplingParams(stop=stops, skip_special_tokens=data.draw(st.booleans()))
+    a, b = Detok(tok, [5], params), Detok(tok, [5], params)
+    for t in ids:
+        ta = a.add_token(t)
+        b.update([t])
+        assert ta == b.take_new_text()
+        assert a.output_text == b.output_text and a.finished == b.finished
+        if a.finished:
+            break
+    assert a.finish() == b.finish()

@@ -19,6 +19,7 @@ import pytest
 
 from folio import LLM, SamplingParams
 from folio.runtime.config import EngineConfig
+from folio.runtime.outputs import RequestOutput
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "smollm2_135m.json"
 NUM_BLOCKS = 256
@@ -27,7 +28,7 @@ NUM_BLOCKS = 256
 @pytest.fixture(scope="module")
 def runner():
     from folio.runtime.model_runner import ModelRunner
-    r = ModelRunner(EngineConfig(device="cpu", num_gpu_blocks_override=NUM_BLOCKS))
+    r = ModelRunner(EngineConfig(device="cpu", num_kv_blocks_override=NUM_BLOCKS))
     yield r
     r.shutdown()
 
@@ -246,18 +247,16 @@ def stream(llm, token_ids, sp):
     engine = llm.llm_engine
     rid = f"stream-{next(_stream_ids)}"
     engine.add_request(rid, None, sp, prompt_token_ids=token_ids)
-    deltas, seen, final = [], "", None
-    while final is None:
-        for out in engine.step():
-            if out.request_id != rid:
-                continue
-            text = out.outputs[0].text
-            assert text.startswith(seen), "streamed text was taken back"
-            deltas.append(text[len(seen):])
-            seen = text
-            if out.finished:
-                final = out
-    return deltas, final
+    got, finishes = [], 0
+    while not got or not got[-1].finished:
+        for d in engine.step():
+            if d.request_id == rid:
+                got.append(d)
+                finishes += sum(c.finish_reason is not None for c in d.outputs)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert finishes == sp.n, "each sample reports its finish exactly once"
+    return [c.text for d in got for c in d.outputs], RequestOutput.from_deltas(got)
 
 
 @pytest.mark.parametrize("stop", ["ari", "answer is:"])
@@ -352,3 +351,30 @@ def test_mistyped_prompts_are_value_errors_and_engine_keeps_serving(llm):
     with pytest.raises(ValueError):
         llm.chat([{"role": "user", "content": 5}], GREEDY2, use_tqdm=False)
     assert len(llm.generate("Hi", GREEDY2, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_overlap_equals_one_step_at_a_time_on_golden_cases_and_under_preemption(runner, llm):
+    # overlap scheduling (the default) against async_scheduling=False on the same scratch blocks:
+    # the golden greedy cases (checked against the reference implementation too) and, in a pool
+    # too small for the batch, seeded sampling with EOS allowed and n=2 (preemption, early stops,
+    # forks and the discarded token after a stop all on the overlap path)
+    cases = json.loads(GOLDEN.read_text())["greedy_cases"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = {}
+    for overlap in (False, True):
+        eng = make_llm(runner, async_scheduling=overlap, enable_prefix_caching=False)
+        outs = eng.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], greedy, use_tqdm=False)
+        runs[overlap] = [o.outputs[0].token_ids for o in outs]
+        assert eng.get_metrics()["async_scheduling"] is overlap
+    assert runs[True] == runs[False] == [c["generated_ids_32_ignore_eos"][:4] for c in cases]
+    tok = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(t)} for t in TEXTS[3:7]]
+    sampled = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=8)
+    got = {}
+    for overlap in (False, True):
+        tiny = make_llm(runner, num_blocks=6, async_scheduling=overlap, enable_prefix_caching=False)
+        outs = tiny.generate(prompts, sampled, use_tqdm=False)
+        got[overlap] = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+        m = tiny.get_metrics()
+        assert m["num_preemptions"] > 0 and m["num_free_blocks"] == 6
+    assert got[True] == got[False]

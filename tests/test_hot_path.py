@@ -2,8 +2,9 @@
 
 * ``KVCacheManager.block_table``: after any sequence of allocate / copy-on-write / fork / free, the
   row of every live sequence is exactly its block ids padded with 0, and rows are not shared.
-* The detokenizer's single-token text cache, shared between sequences (as the engine shares it),
-  gives the same text as a private cache and as a full decode.
+* The detokenizer's single-token text cache (sliding-window path) and its token byte table
+  (byte-level path), shared between sequences as the engine shares them, give the same text as
+  private ones and as a full decode.
 """
 
 from hypothesis import HealthCheck, given, settings
@@ -58,10 +59,26 @@ def test_shared_single_token_cache_gives_the_same_text(default_model_dir):
         params = SamplingParams(skip_special_tokens=skip)
         for text in texts + texts:  # the second round reads what the first cached
             ids = tok.encode(text)
-            a = IncrementalDetokenizer(tok, prompt, params, token_text_cache=shared.setdefault(skip, {}))
-            b = IncrementalDetokenizer(tok, prompt, params)
+            a = IncrementalDetokenizer(tok, prompt, params, token_text_cache=shared.setdefault(skip, {}),
+                                       byte_level=False)
+            b = IncrementalDetokenizer(tok, prompt, params, byte_level=False)
             for t in ids:
                 a.update([t])
                 b.update([t])
                 assert a.output_text == b.output_text
+            assert a.finish() == b.finish() == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_shared_token_bytes_give_the_same_text(default_model_dir):
+    from folio.runtime.detokenizer import TokenBytes
+    tok = Tokenizer.from_pretrained(default_model_dir)
+    prompt = tok.encode("Say:")
+    for skip in (True, False):
+        shared = TokenBytes(tok.hf, skip)
+        params = SamplingParams(skip_special_tokens=skip)
+        for text in ["héllo 😀 世界 ok", "日本語のテキスト 🎉🎉 naïve café"] * 2:
+            ids = tok.encode(text)
+            a = IncrementalDetokenizer(tok, prompt, params, token_bytes=shared)
+            b = IncrementalDetokenizer(tok, prompt, params)
+            assert "".join(a.add_token(t) for t in ids) == "".join(b.add_token(t) for t in ids) == text
             assert a.finish() == b.finish() == tok.decode(ids, skip_special_tokens=skip)

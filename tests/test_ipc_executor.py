@@ -12,7 +12,7 @@ import pytest
 
 from folio.ipc.executor import WorkerDiedError, ZmqExecutor
 from folio.runtime.config import EngineConfig
-from folio.runtime.step import NewSequence, StepPlan
+from folio.runtime.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -59,6 +59,37 @@ def test_round_trip_and_clean_shutdown():
     assert ex.proc.returncode == 0
 
 
+def _decode_plan(step_id, S=3, inputs=None):
+    """One decode token per sequence at position 2; ``inputs`` (default: placeholders)."""
+    ids = np.full(S, PLACEHOLDER_TOKEN_ID, np.int64) if inputs is None else np.asarray(inputs, np.int64)
+    return StepPlan(step_id=step_id, input_ids=ids, positions=np.full(S, 2, np.int64),
+                    slot_mapping=np.arange(S, dtype=np.int64) + 100, query_start_loc=np.arange(S + 1, dtype=np.int32),
+                    seq_lens=np.full(S, 3, np.int32), block_tables=np.arange(S, dtype=np.int32)[:, None],
+                    seq_ids=np.arange(S, dtype=np.int64), logits_indices=np.arange(S, dtype=np.int64),
+                    sample_seq_ids=np.arange(S, dtype=np.int64))
+
+
+def test_plans_queue_up_in_order_and_placeholders_take_the_last_sample():
+    # overlap scheduling: plan 2 is sent before plan 1's result is read; its inputs are
+    # placeholders the worker fills with what each sequence sampled in plan 1
+    ex = ZmqExecutor(EngineConfig(extra={"num_blocks": 8, "step_s": 0.05}), runner=RUNNER, env=ENV)
+    try:
+        first = _plan(1)
+        ex.submit(first)
+        ex.submit(_decode_plan(2))
+        ex.submit(_decode_plan(3, inputs=[7, PLACEHOLDER_TOKEN_ID, 9]))
+        r1, r2, r3 = ex.get_result(), ex.get_result(), ex.get_result()
+        assert [r.step_id for r in (r1, r2, r3)] == [1, 2, 3]
+        assert np.array_equal(r2.sampled_token_ids, r1.sampled_token_ids + 1)
+        assert r3.sampled_token_ids.tolist() == [8, r2.sampled_token_ids[1] + 1, 10]
+        # plans 2 and 3 were waiting in the socket: the worker did not wait for them
+        assert r2.idle_time < 0.05 and r3.idle_time < 0.05
+        with pytest.raises(RuntimeError, match="no step submitted"):
+            ex.get_result()
+    finally:
+        ex.shutdown()
+
+
 def test_start_up_failure_is_reported():
     with pytest.raises(WorkerDiedError, match="fake init failure"):
         ZmqExecutor(EngineConfig(extra={"fail_init": True}), runner=RUNNER, env=ENV, startup_timeout=60)
@@ -68,11 +99,12 @@ def test_start_up_failure_is_reported():
                                                      (signal.SIGSTOP, 1.0, "stopped answering")])
 def test_worker_death_or_silence_raises_quickly(sig, hb_timeout, needle):
     ex = ZmqExecutor(EngineConfig(extra={"step_s": 60.0}), runner=RUNNER, env=ENV, heartbeat_timeout=hb_timeout)
-    ex.on_plan_sent = lambda: os.kill(ex.worker_pid, sig)
     t0 = time.monotonic()
     try:
+        ex.submit(_plan())
+        os.kill(ex.worker_pid, sig)
         with pytest.raises(WorkerDiedError, match=needle):
-            ex.execute(_plan())
+            ex.get_result()
         assert time.monotonic() - t0 < 5.0
         with pytest.raises(WorkerDiedError):     # stays dead, no hang
             ex.execute(_plan(2))

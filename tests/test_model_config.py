@@ -118,6 +118,11 @@ def test_tiny_llama3_bf16_sharded_loads_exact_values(tmp_path):
         expect = (_to_bf16_bits(weights[name]).astype(np.uint32) << 16).view(np.float32)
         np.testing.assert_array_equal(arr, expect, err_msg=name)
         np.testing.assert_allclose(arr, weights[name], rtol=2 ** -8)
+    # for a bf16 device: the stored bits as they are (no float32 round trip on the host)
+    raw = load_weights(tmp_path, cfg2, keep_bf16=True)
+    for name, arr in raw.items():
+        assert arr.dtype == np.uint16 and arr.flags.c_contiguous
+        np.testing.assert_array_equal(arr, _to_bf16_bits(weights[name]), err_msg=name)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

@@ -3,6 +3,7 @@ contract), checked against the golden greedy tokens, a NumPy penalty reference, 
 arithmetic."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +14,9 @@ from folio.model.loader import allocate_kv_caches
 from folio.runtime.config import EngineConfig
 from folio.runtime.model_runner import ModelRunner, max_useful_blocks, mem_available_bytes, num_kv_blocks
 from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.step import NewSequence, StepPlan
+from folio.runtime.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
 
-GOLDEN = json.load(open("/work/shared/reference/smollm2_135m.json"))
+GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_135m.json").read_text(encoding="utf-8"))
 CASE_A = next(c for c in GOLDEN["greedy_cases"] if c["id"] == "a")
 BS = 16
 NUM_BLOCKS = 64
@@ -24,7 +25,7 @@ NUM_BLOCKS = 64
 @pytest.fixture(scope="module")
 def runner(default_model_dir):
     r = ModelRunner(EngineConfig(model=str(default_model_dir), device="cpu", max_model_len=512,
-                                 num_gpu_blocks_override=NUM_BLOCKS, seed=3))
+                                 num_kv_blocks_override=NUM_BLOCKS, seed=3))
     yield r
     r.shutdown()
 
@@ -90,6 +91,28 @@ def test_golden_greedy_tokens(runner):
     assert out[1][0] == 7042
     assert out[1] == CASE_A["generated_ids_until_eos"][:8]
     assert runner.num_active_sequences == 0
+
+
+def test_runner_is_a_step_runner(runner):
+    from folio.runtime.executor import StepRunner
+    assert isinstance(runner, StepRunner)
+
+
+def test_placeholder_inputs_take_the_previous_sample(runner):
+    # overlap scheduling: decode plans built before the previous token is known carry
+    # placeholders; the runner feeds the token it sampled for that sequence in the step before
+    s = Seq(11, CASE_A["prompt_ids"], [20, 21], SamplingParams(temperature=0.0, max_tokens=8))
+    res = runner.execute(make_plan(1, [s], new=[s]))
+    got = res.sampled_token_ids.tolist()
+    for k in range(2, 7):
+        s.tokens.append(-1)  # unknown to the "scheduler": a placeholder
+        plan = make_plan(k, [s])
+        assert plan.input_ids.tolist() == [PLACEHOLDER_TOKEN_ID]
+        res = runner.execute(plan)
+        assert res.error is None, res.error
+        got += res.sampled_token_ids.tolist()
+    assert got == CASE_A["generated_ids_until_eos"][:6]
+    assert runner.execute(_finish_plan(7, [11])).error is None
 
 
 def test_block_copy_before_forward(runner):
@@ -238,7 +261,7 @@ def test_runner_sizes_cpu_cache(runner, tmp_path, monkeypatch):
     # default max_model_len = max_position_embeddings
     assert r.max_model_len == 64 and mk(max_num_seqs=1).max_model_len == 1024
     assert mk(kv_cache_memory=tiny_block * 5 + 1).num_blocks == 5
-    assert mk(num_gpu_blocks_override=3).kv_caches[0][0].shape == (3, BS, 2, 16)
+    assert mk(num_kv_blocks_override=3).kv_caches[0][0].shape == (3, BS, 2, 16)
     # the RAM share: cpu_kv_cache_fraction of MemAvailable
     import folio.runtime.model_runner as mr
     monkeypatch.setattr(mr, "mem_available_bytes", lambda: tiny_block * 40)

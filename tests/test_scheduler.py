@@ -14,11 +14,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from folio.bench.static_batching import StaticBatchScheduler
 from folio.runtime.config import EngineConfig
 from folio.runtime.engine import LLMEngine
+from folio.runtime.outputs import RequestOutput
 from folio.runtime.sampling_params import SamplingParams
 from folio.runtime.scheduler import derive_seed
-from folio.runtime.step import StepResult
+from folio.runtime.step import PLACEHOLDER_TOKEN_ID, StepResult
 
 V = 50
 EOS = 0
@@ -67,13 +69,21 @@ class FakeExecutor:
             self.cache[dst] = self.cache[src]
         assert plan.slot_mapping.min() >= 0
         assert len(set(plan.slot_mapping.tolist())) == len(plan.slot_mapping), "two tokens, one slot"
-        self.cache[plan.slot_mapping // bs, plan.slot_mapping % bs] = plan.input_ids
+        input_ids = np.array(plan.input_ids)
         for i, sid in enumerate(plan.seq_ids):
             hist = self.history[int(sid)]
             a, b = plan.query_start_loc[i], plan.query_start_loc[i + 1]
             pos = plan.positions[a:b]
             assert pos[-1] + 1 == plan.seq_lens[i]
-            assert list(plan.input_ids[a:b]) == [hist[p] for p in pos]
+            for j, p in zip(range(a, b), pos):
+                if input_ids[j] == PLACEHOLDER_TOKEN_ID:
+                    # overlap scheduling: the token this sequence sampled in the previous step
+                    assert p == len(hist) - 1 and j == b - 1, "a placeholder that is not the last sample"
+                    input_ids[j] = hist[p]
+            assert list(input_ids[a:b]) == [hist[p] for p in pos]
+        self.cache[plan.slot_mapping // bs, plan.slot_mapping % bs] = input_ids
+        for i, sid in enumerate(plan.seq_ids):
+            hist = self.history[int(sid)]
             ctx = np.arange(plan.seq_lens[i])
             read = self.cache[plan.block_tables[i][ctx // bs], ctx % bs]
             assert list(read) == hist[:plan.seq_lens[i]], f"seq {sid} reads a wrong context"
@@ -94,23 +104,47 @@ class FakeExecutor:
         pass
 
 
-def make_engine(num_blocks=64, **kw):
+class RecordingEngine(LLMEngine):
+    """An ``LLMEngine`` that keeps every delta it returned (``deltas[request_id]``)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.deltas: dict[str, list] = {}
+
+    def step(self, block=True):
+        out = super().step(block)
+        for d in out:
+            self.deltas.setdefault(d.request_id, []).append(d)
+        return out
+
+    def final(self, request_id):
+        """The cumulative output of a finished request."""
+        out = RequestOutput.from_deltas(self.deltas[request_id])
+        assert out.finished
+        return out
+
+
+def make_engine(num_blocks=64, scheduler_cls=None, **kw):
+    """An engine over the fake worker; one step per ``step()`` unless ``async_scheduling=True``."""
     kw.setdefault("block_size", 4)
+    kw.setdefault("async_scheduling", False)
     config = EngineConfig(**kw)
     ex = FakeExecutor(num_blocks, config.block_size)
-    return LLMEngine(config, executor=ex, tokenizer=FakeTokenizer()), ex
+    extra = {"scheduler_cls": scheduler_cls} if scheduler_cls else {}
+    return RecordingEngine(config, executor=ex, tokenizer=FakeTokenizer(), **extra), ex
 
 
 def run(engine, max_steps=10_000):
-    final = {}
+    """Step until idle; the cumulative output of every request that finished so far."""
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             break
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+        engine.step()
     assert not engine.has_unfinished_requests()
-    return final
+    return {rid: engine.final(rid) for rid, ds in engine.deltas.items() if ds[-1].finished}
+
+
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 
 
 def prompt(n, salt=0):
@@ -123,8 +157,9 @@ def assert_idle(engine):
     assert m["num_running"] == 0 and m["num_waiting"] == 0
 
 
-def test_batched_equals_plain_loop_and_pool_returns():
-    engine, ex = make_engine(max_num_batched_tokens=32)
+@OVERLAP
+def test_batched_equals_plain_loop_and_pool_returns(overlap):
+    engine, ex = make_engine(max_num_batched_tokens=32, async_scheduling=overlap)
     prompts = [prompt(n, n) for n in (1, 3, 4, 5, 9, 17, 30)]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), None, SamplingParams(max_tokens=6), prompt_token_ids=p)
@@ -179,9 +214,10 @@ def test_max_num_seqs_caps_every_step():
     assert all(final[str(i)].outputs[0].token_ids == expected(prompt(4, i), 3) for i in range(5))
 
 
-def test_preemption_by_recompute_keeps_outputs():
+@OVERLAP
+def test_preemption_by_recompute_keeps_outputs(overlap):
     # 10 blocks of 4 tokens: three requests of 6 + 14 tokens cannot all stay resident
-    engine, ex = make_engine(num_blocks=10)
+    engine, ex = make_engine(num_blocks=10, async_scheduling=overlap)
     ps = [prompt(6, i) for i in range(3)]
     for i, p in enumerate(ps):
         engine.add_request(str(i), None, SamplingParams(max_tokens=14), prompt_token_ids=p)
@@ -206,26 +242,9 @@ def test_preempts_the_newest_running_sequence():
     run(engine)
 
 
-def test_abort_frees_blocks_at_next_step_and_engine_keeps_serving():
-    engine, ex = make_engine()
-    engine.add_request("x", None, SamplingParams(max_tokens=50), prompt_token_ids=prompt(9))
-    engine.add_request("y", None, SamplingParams(max_tokens=5), prompt_token_ids=prompt(9, 5))
-    engine.step()
-    engine.step()
-    x_seq = engine.scheduler.requests["x"].seqs[0].seq_id
-    engine.abort_request("x")
-    outs = engine.step()
-    aborted = [o for o in outs if o.request_id == "x"]
-    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
-    assert x_seq in ex.plans[-1].finished_seq_ids  # the worker drops its state
-    assert "x" not in engine.scheduler.requests
-    final = run(engine)
-    assert final["y"].outputs[0].token_ids == expected(prompt(9, 5), 5)
-    assert_idle(engine)
-
-
-def test_prefix_cache_hit_same_step_and_later():
-    engine, ex = make_engine()
+@OVERLAP
+def test_prefix_cache_hit_same_step_and_later(overlap):
+    engine, ex = make_engine(async_scheduling=overlap)
     p = prompt(13, 4)
     engine.add_request("a", None, SamplingParams(max_tokens=3), prompt_token_ids=p)
     engine.add_request("b", None, SamplingParams(max_tokens=3), prompt_token_ids=p)
@@ -264,7 +283,7 @@ def test_fork_n_samples_share_blocks_with_copy_on_write():
 
 
 def test_static_policy_admits_next_batch_only_after_previous_finished():
-    engine, ex = make_engine(max_num_seqs=2, scheduling_policy="static")
+    engine, ex = make_engine(max_num_seqs=2, scheduler_cls=StaticBatchScheduler)
     lens = [2, 9, 3, 3]
     for i, m in enumerate(lens):
         engine.add_request(str(i), None, SamplingParams(max_tokens=m), prompt_token_ids=prompt(4, i))
@@ -301,8 +320,9 @@ def test_validation_happens_before_any_allocation():
     assert run(engine)["ok"].outputs[0].token_ids == expected(prompt(31), 1)
 
 
-def test_stop_token_ids_and_text():
-    engine, ex = make_engine()
+@OVERLAP
+def test_stop_token_ids_and_text(overlap):
+    engine, ex = make_engine(async_scheduling=overlap)
     p = prompt(5)
     full = expected(p, 8)
     stop_tok = full[3]
@@ -338,10 +358,13 @@ class FailingOnce(FakeExecutor):
         return super().execute(plan)
 
 
-def test_failed_step_raises_and_requests_recover():
-    config = EngineConfig(block_size=4, max_num_batched_tokens=8)
+@OVERLAP
+def test_failed_step_raises_and_requests_recover(overlap):
+    # with overlap, step 3 (built on step 2's placeholders) was handed over before step 2's
+    # failure was seen: both are undone
+    config = EngineConfig(block_size=4, max_num_batched_tokens=8, async_scheduling=overlap)
     ex = FailingOnce(32, 4)
-    engine = LLMEngine(config, executor=ex, tokenizer=FakeTokenizer())
+    engine = RecordingEngine(config, executor=ex, tokenizer=FakeTokenizer())
     p = prompt(14)
     engine.add_request("a", None, SamplingParams(max_tokens=3), prompt_token_ids=p)
     engine.step()
@@ -353,11 +376,12 @@ def test_failed_step_raises_and_requests_recover():
     assert_idle(engine)
 
 
+@OVERLAP
 @pytest.mark.parametrize("plen,num_blocks", [(1, 64), (9, 64), (9, 7), (8, 7)])
-def test_n_samples_under_pressure_and_short_prompts(plen, num_blocks):
+def test_n_samples_under_pressure_and_short_prompts(plen, num_blocks, overlap):
     # (9, 7) and (8, 7): four samples of 9 + 12 tokens cannot all hold their blocks: forked
     # samples are preempted and recomputed, shared prompt blocks included
-    engine, ex = make_engine(num_blocks=num_blocks)
+    engine, ex = make_engine(num_blocks=num_blocks, async_scheduling=overlap)
     p = prompt(plen, 3)
     engine.add_request("n", None, SamplingParams(n=4, seed=9, max_tokens=12), prompt_token_ids=p)
     engine.add_request("o", None, SamplingParams(max_tokens=5), prompt_token_ids=prompt(5, 1))
@@ -367,4 +391,113 @@ def test_n_samples_under_pressure_and_short_prompts(plen, num_blocks):
     assert final["o"].outputs[0].token_ids == expected(prompt(5, 1), 5)
     if num_blocks == 7:
         assert engine.get_metrics()["num_preemptions"] > 0
+    assert_idle(engine)
+
+
+# -- overlap scheduling, deltas, bounds ----------------------------------------------------------------
+
+def seq_id_of(ex, prompt_ids):
+    """The seq_id the fake worker was introduced to with this prompt (one sample)."""
+    return next(ns.seq_id for pl in ex.plans for ns in pl.new_seqs if list(ns.prompt_token_ids) == prompt_ids)
+
+
+def test_overlap_feeds_placeholders_and_discards_the_token_after_a_stop():
+    engine, ex = make_engine(async_scheduling=True)
+    p = prompt(5)
+    full = expected(p, 8)
+    stop_tok = full[3]
+    engine.add_request("s", None, SamplingParams(max_tokens=8, stop_token_ids=[stop_tok]), prompt_token_ids=p)
+    engine.add_request("m", None, SamplingParams(max_tokens=6), prompt_token_ids=prompt(3, 1))
+    final = run(engine)
+    # decode inputs were placeholders: plan N+1 left before step N's token was known
+    assert sum(int((pl.input_ids == PLACEHOLDER_TOKEN_ID).sum()) for pl in ex.plans) > 0
+    s_id = seq_id_of(ex, p)
+    samples = sum(int((pl.sample_seq_ids == s_id).sum()) for pl in ex.plans)
+    # it sampled its stop token in some step N; step N+1 was already scheduled with it: one token
+    # too many was computed there and discarded
+    assert samples == full.index(stop_tok) + 2
+    assert final["s"].outputs[0].token_ids == full[:full.index(stop_tok) + 1]
+    assert final["s"].outputs[0].finish_reason == "stop"
+    # a sequence that reaches max_tokens is never scheduled past it
+    m_id = seq_id_of(ex, prompt(3, 1))
+    assert sum(int((pl.sample_seq_ids == m_id).sum()) for pl in ex.plans) == 6
+    assert final["m"].outputs[0].token_ids == expected(prompt(3, 1), 6)
+    assert_idle(engine)
+
+
+@OVERLAP
+def test_stop_string_under_overlap_cuts_text_and_tokens(overlap):
+    engine, ex = make_engine(async_scheduling=overlap)
+    p = prompt(5, 2)
+    full = expected(p, 10)
+    text = FakeTokenizer().decode(full)
+    stop = text[4:6]   # spans tokens 4 and 5
+    engine.add_request("t", None, SamplingParams(max_tokens=10, stop=[stop]), prompt_token_ids=p)
+    out = run(engine)["t"].outputs[0]
+    k = text.find(stop)
+    assert out.text == text[:k] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == full[:k + len(stop)]   # one character per token here
+    assert_idle(engine)
+
+
+@OVERLAP
+def test_abort_while_a_step_is_in_flight(overlap):
+    engine, ex = make_engine(async_scheduling=overlap)
+    engine.add_request("x", None, SamplingParams(max_tokens=50), prompt_token_ids=prompt(9))
+    engine.add_request("y", None, SamplingParams(max_tokens=12), prompt_token_ids=prompt(9, 5))
+    for _ in range(4):
+        engine.step()
+    x_seq = engine.scheduler.requests["x"].seqs[0].seq_id
+    engine.abort_request("x")
+    assert engine.get_metrics()["num_running"] == 1 and "x" not in engine.scheduler.requests  # at once
+    n_before = len(engine.deltas["x"])
+    final = run(engine)
+    x_deltas = engine.deltas["x"][n_before:]
+    assert len(x_deltas) == 1 and x_deltas[0].finished
+    assert [(c.index, c.token_ids, c.finish_reason) for c in x_deltas[0].outputs] == [(0, [], "abort")]
+    assert any(x_seq in pl.finished_seq_ids for pl in ex.plans)  # the worker drops its state
+    assert final["y"].outputs[0].token_ids == expected(prompt(9, 5), 12)
+    assert_idle(engine)
+
+
+@OVERLAP
+def test_each_sample_reports_its_finish_exactly_once(overlap):
+    # n=3 seeded samples; a token only one of them produces early ends that one first
+    engine, ex = make_engine(async_scheduling=overlap)
+    p = prompt(6, 4)
+    outs = [expected(p, 10, derive_seed(3, i, 3)) for i in range(3)]
+    k = next(i for i in range(3) if any(t not in outs[j][:9] for j in range(3) if j != i for t in outs[i][:2]))
+    stop_tok = next(t for t in outs[k][:2] if all(t not in outs[j][:9] for j in range(3) if j != k))
+    engine.add_request("n", None, SamplingParams(n=3, seed=3, max_tokens=10, stop_token_ids=[stop_tok]),
+                       prompt_token_ids=p)
+    final = run(engine)
+    finishes = {}
+    for d in engine.deltas["n"]:
+        for c in d.outputs:
+            assert c.index not in finishes, f"sample {c.index} got a delta after its finish"
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    assert finishes[k] == "stop" and all(finishes[j] == "length" for j in range(3) if j != k)
+    assert sum(d.finished for d in engine.deltas["n"]) == 1 and engine.deltas["n"][-1].finished
+    for o in final["n"].outputs:
+        want = outs[o.index]
+        assert o.token_ids == (want[:want.index(stop_tok) + 1] if o.index == k else want)
+    assert_idle(engine)
+
+
+def test_a_request_that_can_never_run_is_refused_before_admission():
+    engine, ex = make_engine(num_blocks=12, max_num_seqs=4, max_model_len=64)
+    free = engine.get_metrics()["num_free_blocks"]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request("big-n", None, SamplingParams(n=5, max_tokens=4), prompt_token_ids=prompt(6))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("long", None, SamplingParams(max_tokens=50), prompt_token_ids=prompt(4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("len", None, SamplingParams(max_tokens=10), prompt_token_ids=prompt(60))
+    assert engine.get_metrics()["num_free_blocks"] == free and not engine.has_unfinished_requests()
+    engine.add_request("ok", None, SamplingParams(n=4, seed=1, max_tokens=4), prompt_token_ids=prompt(6))
+    final = run(engine)
+    assert [o.token_ids for o in final["ok"].outputs] == [expected(prompt(6), 4, derive_seed(1, i, 4))
+                                                          for i in range(4)]
+    assert max(len(pl.seq_ids) for pl in ex.plans) <= 4
     assert_idle(engine)

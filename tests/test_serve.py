@@ -28,38 +28,10 @@ from folio.ipc import messages as M
 from folio.ipc.client import Client, ServerError
 from folio.ipc.transport import recv_frames, send_frames
 
+from serve_helpers import ECHO, echo_chain, echo_env, idle_metrics, pid_gone, poll_until
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ECHO = ["--worker-runner", "ipc_fake_runner:EchoRunner", "--max-model-len", "4096", "--max-message-bytes", "1000000"]
-
-
-def echo_env(step_s=0.0, num_blocks=512):
-    return {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "FOLIO_ECHO_STEP_S": str(step_s), "FOLIO_ECHO_NUM_BLOCKS": str(num_blocks)}
-
-
-def poll_until(fn, deadline_s, what):
-    end = time.monotonic() + deadline_s
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def pid_gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:          # a zombie not yet reaped by its (dead) parent
-        return f.read().split(")")[-1].split()[0] == "Z"
-
-
-def echo_chain(last_prompt_id, n):
-    return [last_prompt_id + 1 + i for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +42,7 @@ def echo_server():
 
 
 def _idle_free_blocks(client):
-    m = poll_until(lambda: (lambda m: m if m["num_requests_in_flight"] == 0 and m["num_running"] == 0
-                            and m["num_waiting"] == 0 else None)(client.get_metrics()), 30, "an idle server")
-    return m["num_free_blocks"]
+    return idle_metrics(client, 30)["num_free_blocks"]
 
 
 # -- malformed input ---------------------------------------------------------------------------------
@@ -128,6 +98,26 @@ def test_malformed_input_gets_an_error_reply_and_the_server_keeps_serving(echo_s
         assert c.generate(prompt_token_ids=[7], sampling_params=sp).outputs[0].token_ids == echo_chain(7, 3)
         assert c.health()["healthy"]
         assert c.get_metrics()["num_bad_messages"] >= 4
+
+
+def test_oversized_n_is_refused_and_samples_finish_once_on_the_wire(echo_server):
+    # an n the engine can never run side by side used to be admitted and stall the server
+    _, addr = echo_server
+    sp = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    with Client(addr, timeout=30) as c:
+        with pytest.raises(ServerError, match="max_num_seqs") as ei:
+            c.generate(prompt_token_ids=[5, 6, 7], sampling_params={**sp, "n": 10_000})
+        assert ei.value.code == "invalid_argument"
+        finishes, seen = {}, []
+        for d in c.generate_stream(prompt_token_ids=[30, 31], sampling_params={**sp, "n": 2}):
+            assert d.index not in finishes, f"sample {d.index}: a delta after its finish"
+            seen.append((d.index, d.token_ids))
+            if d.finish_reason is not None:
+                finishes[d.index] = d.finish_reason
+        assert finishes == {0: "length", 1: "length"}
+        for i in (0, 1):
+            assert sum((ids for j, ids in seen if j == i), []) == echo_chain(31, 4)
+        assert c.health()["healthy"]
 
 
 # -- abort and vanished clients ------------------------------------------------------------------------

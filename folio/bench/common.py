@@ -177,7 +177,7 @@ class ModelHost:
         from ..runtime.config import EngineConfig
         from ..runtime.model_runner import ModelRunner
         self.base = dict(model=model, device=device, block_size=block_size, max_model_len=max_model_len,
-                         num_gpu_blocks_override=num_blocks, load_format=load_format)
+                         num_kv_blocks_override=num_blocks, load_format=load_format)
         t0 = time.perf_counter()
         self.runner = ModelRunner(EngineConfig(**self.base, max_num_batched_tokens=max(2048, max_model_len)))
         self.load_s = time.perf_counter() - t0
@@ -191,12 +191,14 @@ class ModelHost:
     def model_dir(self):
         return self.runner.model_dir
 
-    def engine(self, **scheduler_args):
-        """A new ``LLMEngine`` over this model (``scheduler_args``: EngineConfig fields)."""
+    def engine(self, policy: str = "continuous", **scheduler_args):
+        """A new ``LLMEngine`` over this model (``scheduler_args``: EngineConfig fields;
+        ``policy``: ``"continuous"`` or ``"static"``, see ``static_batching.py``)."""
         from ..runtime.config import EngineConfig
         from ..runtime.engine import LLMEngine
+        from .static_batching import SCHEDULERS
         cfg = EngineConfig(**{**self.base, **scheduler_args})
-        eng = LLMEngine(cfg, executor=self.runner, tokenizer=self.tokenizer)
+        eng = LLMEngine(cfg, executor=self.runner, tokenizer=self.tokenizer, scheduler_cls=SCHEDULERS[policy])
         self.tokenizer = eng.tokenizer
         return eng
 
@@ -228,7 +230,7 @@ def replay_engine(num_blocks: int, model_config, tokenizer, **config_args):
     """An ``LLMEngine`` over a ``ReplayExecutor`` (real scheduler and block pool, no model)."""
     from ..runtime.config import EngineConfig
     from ..runtime.engine import LLMEngine
-    cfg = EngineConfig(device="cpu", num_gpu_blocks_override=num_blocks, **config_args)
+    cfg = EngineConfig(device="cpu", num_kv_blocks_override=num_blocks, **config_args)
     return LLMEngine(cfg, executor=ReplayExecutor(num_blocks, model_config), tokenizer=tokenizer)
 
 
@@ -300,7 +302,9 @@ def run_trace(engine, requests: list[BenchRequest], params_for, realtime: bool =
     Returns:
         a ``TraceResult``.
     """
+    from ..runtime.outputs import RequestOutput
     res = TraceResult()
+    deltas: dict[str, list] = {}
     start = time.perf_counter()
     clock = (lambda: float(res.num_steps)) if step_clock else (lambda: time.perf_counter() - start)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
@@ -336,16 +340,16 @@ def run_trace(engine, requests: list[BenchRequest], params_for, realtime: bool =
         outs = engine.step()
         res.num_steps += 1
         t = clock()
-        for out in outs:
-            rid = out.request_id
-            n_tok = sum(len(c.token_ids) for c in out.outputs)
-            have = len(res.token_times.get(rid, []))
-            if n_tok > have:
-                res.token_times.setdefault(rid, []).extend([t] * (n_tok - have))
+        for delta in outs:
+            rid = delta.request_id
+            deltas.setdefault(rid, []).append(delta)
+            n_new = sum(len(c.token_ids) for c in delta.outputs)
+            if n_new:
+                res.token_times.setdefault(rid, []).extend([t] * n_new)
                 res.first_token.setdefault(rid, t)
-            if out.finished:
+            if delta.finished:
                 res.finish[rid] = t
-                res.outputs[rid] = out
+                res.outputs[rid] = RequestOutput.from_deltas(deltas.pop(rid))
                 if progress is not None:
                     progress.update(1)
         if sample_kv:

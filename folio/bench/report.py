@@ -528,7 +528,7 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
               "and makes new ones wait; iteration-level scheduling removes both.", "",
               f"**Setup**: the same {r['num_requests']} requests (prompt {r['input_len']}, output {r['output_len']} "
               f"tokens, ignore_eos) with Poisson arrivals at each rate, real engine runs in wall-clock time, "
-              f"max_num_seqs {r['max_num_seqs']}; `scheduling_policy=\"static\"` admits a new batch only when "
+              f"max_num_seqs {r['max_num_seqs']}; `StaticBatchScheduler` (folio/bench/static_batching.py) admits a new batch only when "
               "the current one has finished.", ""] + fig("fig2") + [
               "| rate (req/s) | policy | output tok/s | mean latency (s) | P99 latency (s) | mean TTFT (s) |",
               "|---|---|---|---|---|---|"]

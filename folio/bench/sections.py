@@ -21,7 +21,7 @@ def run_section2(host: ModelHost, size, bar=None) -> dict:
     for rate in size.s2_rates:
         trace = poisson_arrivals(base, rate, seed=20)
         for policy in ("continuous", "static"):
-            eng = host.engine(scheduling_policy=policy, max_num_seqs=size.s2_max_num_seqs)
+            eng = host.engine(policy, max_num_seqs=size.s2_max_num_seqs)
             res = run_trace(eng, trace, ignore_eos_params, realtime=True)
             lat = res.latencies()
             rows.append({"rate": rate, "policy": policy, "wall_s": res.wall_s,

@@ -1,26 +1,30 @@
 // Paged attention over a bf16 KV cache [num_blocks, block_size, num_kv_heads, head_dim], reading
-// keys/values through each sequence's block table; float32 scores, softmax and accumulation.
+// keys/values through each sequence's block table; float32 scores, softmax and accumulation, the
+// output rounded to bf16 in the kernel (it is the o_proj matmul's input).
 // Spec: kernels/reference.py (paged_attention). Ideas: PagedAttention (Kwon et al., SOSP 2023) and
-// vLLM's split-K "v2" decode (partitions + a reduce kernel); FlashAttention's online softmax
-// (Dao et al., NeurIPS 2022) for prefill tiles.
+// vLLM's split-K "v2" decode (partitions + a reduce kernel); FlashAttention-2's online softmax and
+// register-resident probabilities for the P @ V product on tensor cores (Dao, 2023).
 //
-// Shared arguments: q [T, num_heads, head_dim] float32; block_tables [S, max_blocks] int32;
-// seq_lens [S] int32 (context length after this step); query_start_loc [S+1] int32.
-// Query head h reads KV head h / (num_heads / num_kv_heads).
+// Shared arguments: q [T, num_heads, head_dim] bf16; block_tables [S, max_blocks] int32;
+// seq_lens [S] int32 (context length after this step); query_start_loc [S+1] int32; out
+// [T, num_heads, head_dim] bf16 (rows of tokens that belong to no sequence are not written).
+// Query head h reads KV head h / (num_heads / num_kv_heads). head_dim is 32, 64, 128 or 256.
 #include "common.cuh"
 
-#define DECODE_MAX_DIM_PER_LANE 8  // head_dim <= 256 (and a multiple of 32)
+#define DECODE_HEADS_PER_PASS 8  // query heads of a GQA group whose P @ V one pass accumulates
 
 // Decode: every sequence has exactly one new token (row query_start_loc[s]); sequences with no
-// token are skipped. One block per (KV head, sequence, partition) serves the whole GQA group.
-// grid = (num_kv_heads, S, num_partitions); block = 32k threads;
-// dynamic shared memory = (group * head_dim + group * partition_size + 2 * group) floats.
-// num_partitions == 1: writes out directly (partition_size >= every seq_len).
-// num_partitions > 1: writes tmp_out [S, num_heads, P, head_dim] (normalised per partition),
-// max_logits / exp_sums [S, num_heads, P]; paged_attention_reduce_kernel combines them.
+// token are skipped. One block per (KV head, sequence, partition) serves the whole GQA group, so
+// each K row and each V row is read once for the group (once per 8 heads for larger groups).
+// Loads are 16 bytes: a key row is split over head_dim / 8 lanes, each taking 8 dims.
+// grid = (num_kv_heads, S, num_partitions); block = 128 threads; dynamic shared memory =
+// (group * head_dim + group * partition_size + 2 * group + 4 * 8 * head_dim) floats.
+// num_partitions == 1: writes out (bf16) directly (partition_size >= every seq_len).
+// num_partitions > 1: writes tmp_out [S, num_heads, P, head_dim] (float32, normalised per
+// partition), max_logits / exp_sums [S, num_heads, P]; paged_attention_reduce_kernel combines them.
 extern "C" __global__ void paged_attention_decode_kernel(
-    float* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
-    float* __restrict__ exp_sums, const float* __restrict__ q, const bf16_t* __restrict__ key_cache,
+    bf16_t* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
+    float* __restrict__ exp_sums, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
     const bf16_t* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale,
     int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
@@ -45,38 +49,49 @@ extern "C" __global__ void paged_attention_decode_kernel(
         return;
     }
 
-    float* q_s = reinterpret_cast<float*>(smem_raw);        // [group, head_dim], pre-scaled
-    float* logits = q_s + group * head_dim;                 // [group, partition_size]
-    float* stats = logits + group * partition_size;         // [group] max, [group] sum
+    float* q_s = reinterpret_cast<float*>(smem_raw);  // [group, head_dim], pre-scaled
+    float* logits = q_s + group * head_dim;            // [group, partition_size]
+    float* stats = logits + group * partition_size;    // [group] max, [group] sum
+    float* red = stats + 2 * group;                    // [nwarps, 8 heads, head_dim]
     __shared__ float scratch[32];
 
-    const float* q_row = q + ((long long)row * num_heads + kvh * group) * head_dim;
-    for (int i = tid; i < group * head_dim; i += blockDim.x) q_s[i] = q_row[i] * scale;
+    const bf16_t* q_row = q + ((long long)row * num_heads + kvh * group) * head_dim;
+    for (int i = tid; i < group * head_dim; i += blockDim.x) q_s[i] = bf16_to_float(q_row[i]) * scale;
     __syncthreads();
 
-    // scores: one warp per key, lanes over head_dim, every head of the group from one K load
-    const int per_lane = head_dim / FOLIO_WARP;
+    // scores: lpk lanes per key (head_dim / 8 of them hold 8 dims each), 32 / lpk keys per warp
+    // step, every head of the group from one K load; lanes of a key reduce with xor shuffles
+    const int nvec = head_dim / 8;
+    const int lpk = nvec;                 // a power of two, 4..32
+    const int kpw = FOLIO_WARP / lpk;
+    const int sub = lane % lpk, kslot = lane / lpk;
+    const int n = tok_end - tok_begin;
     const int* table = block_tables + (long long)s * max_blocks;
-    for (int j = tok_begin + warp; j < tok_end; j += nwarps) {
-        const long long blk = table[j / block_size];
-        const bf16_t* k = key_cache + ((blk * block_size + j % block_size) * num_kv_heads + kvh) * head_dim;
-        float kr[DECODE_MAX_DIM_PER_LANE];
+    for (int base = warp * kpw; base < n; base += nwarps * kpw) {  // warp-uniform bound
+        const int jj = base + kslot;
+        const bool valid = jj < n;
+        float k8[8];
+        if (valid) {
+            const int j = tok_begin + jj;
+            const long long blk = table[j / block_size];
+            load_bf16x8(key_cache + ((blk * block_size + j % block_size) * num_kv_heads + kvh) * head_dim +
+                            sub * 8, k8);
+        } else {
 #pragma unroll
-        for (int c = 0; c < DECODE_MAX_DIM_PER_LANE; ++c)
-            kr[c] = c < per_lane ? bf16_to_float(k[c * FOLIO_WARP + lane]) : 0.0f;
+            for (int e = 0; e < 8; ++e) k8[e] = 0.0f;
+        }
         for (int g = 0; g < group; ++g) {
+            const float* qg = q_s + g * head_dim + sub * 8;
             float acc = 0.0f;
 #pragma unroll
-            for (int c = 0; c < DECODE_MAX_DIM_PER_LANE; ++c)
-                if (c < per_lane) acc += kr[c] * q_s[g * head_dim + c * FOLIO_WARP + lane];
-            acc = warp_sum(acc);
-            if (lane == 0) logits[g * partition_size + (j - tok_begin)] = acc;
+            for (int e = 0; e < 8; ++e) acc += k8[e] * qg[e];
+            for (int m = lpk / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+            if (valid && sub == 0) logits[g * partition_size + jj] = acc;
         }
     }
     __syncthreads();
 
     // softmax over this partition, per head
-    const int n = tok_end - tok_begin;
     for (int g = 0; g < group; ++g) {
         float* lg = logits + g * partition_size;
         float m = FOLIO_NEG_INF;
@@ -96,37 +111,70 @@ extern "C" __global__ void paged_attention_decode_kernel(
     }
     __syncthreads();
 
-    // out = P @ V: one (head, dim) pair per thread, consecutive threads on consecutive dims
-    for (int i = tid; i < group * head_dim; i += blockDim.x) {
-        const int g = i / head_dim, d = i % head_dim;
-        const float* p = logits + g * partition_size;
-        float acc = 0.0f;
-        for (int j = tok_begin; j < tok_end; ++j) {
+    // out = P @ V: thread (slice, vec) holds 8 dims (one 16-byte V load per key) of up to 8 heads;
+    // the key slices of a warp are combined with shuffles, the warps through shared memory
+    const int vec = tid % nvec, slice = tid / nvec, nslices = blockDim.x / nvec;
+    for (int g0 = 0; g0 < group; g0 += DECODE_HEADS_PER_PASS) {
+        const int gn = min(DECODE_HEADS_PER_PASS, group - g0);
+        float acc[DECODE_HEADS_PER_PASS][8];
+#pragma unroll
+        for (int gi = 0; gi < DECODE_HEADS_PER_PASS; ++gi)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[gi][e] = 0.0f;
+        for (int jj = slice; jj < n; jj += nslices) {
+            const int j = tok_begin + jj;
             const long long blk = table[j / block_size];
-            acc += p[j - tok_begin] *
-                   bf16_to_float(value_cache[((blk * block_size + j % block_size) * num_kv_heads + kvh) *
-                                             head_dim + d]);
-        }
-        const int h = kvh * group + g;
-        const float inv = 1.0f / stats[group + g];
-        if (P == 1) {
-            out[((long long)row * num_heads + h) * head_dim + d] = acc * inv;
-        } else {
-            const long long idx = ((long long)s * num_heads + h) * P + part;
-            tmp_out[idx * head_dim + d] = acc * inv;
-            if (d == 0) {
-                max_logits[idx] = stats[g];
-                exp_sums[idx] = stats[group + g];
+            float v8[8];
+            load_bf16x8(value_cache + ((blk * block_size + j % block_size) * num_kv_heads + kvh) * head_dim +
+                            vec * 8, v8);
+#pragma unroll
+            for (int gi = 0; gi < DECODE_HEADS_PER_PASS; ++gi) {
+                if (gi < gn) {
+                    const float p = logits[(g0 + gi) * partition_size + jj];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[gi][e] += p * v8[e];
+                }
             }
         }
+        // lanes vec, vec + nvec, ... of a warp hold the same dims: xor-reduce over them
+#pragma unroll
+        for (int gi = 0; gi < DECODE_HEADS_PER_PASS; ++gi)
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                for (int m = FOLIO_WARP / 2; m >= nvec; m >>= 1)
+                    acc[gi][e] += __shfl_xor_sync(0xffffffffu, acc[gi][e], m);
+        if (lane < nvec)
+            for (int gi = 0; gi < gn; ++gi)
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    red[(warp * DECODE_HEADS_PER_PASS + gi) * head_dim + vec * 8 + e] = acc[gi][e];
+        __syncthreads();
+        for (int i = tid; i < gn * head_dim; i += blockDim.x) {
+            const int gi = i / head_dim, d = i % head_dim, g = g0 + gi;
+            float o = 0.0f;
+            for (int w = 0; w < nwarps; ++w) o += red[(w * DECODE_HEADS_PER_PASS + gi) * head_dim + d];
+            o *= 1.0f / stats[group + g];
+            const int h = kvh * group + g;
+            if (P == 1) {
+                out[((long long)row * num_heads + h) * head_dim + d] = float_to_bf16(o);
+            } else {
+                const long long idx = ((long long)s * num_heads + h) * P + part;
+                tmp_out[idx * head_dim + d] = o;
+                if (d == 0) {
+                    max_logits[idx] = stats[g];
+                    exp_sums[idx] = stats[group + g];
+                }
+            }
+        }
+        __syncthreads();  // red is reused by the next pass
     }
 }
 
 // Combines the partitions of paged_attention_decode_kernel: partition p's normalised output is
-// weighted by exp_sums[p] * exp(max_logits[p] - max) / sum over partitions of the same.
-// grid = (num_heads, S); block = any.
+// weighted by exp_sums[p] * exp(max_logits[p] - max) / sum over partitions of the same; the
+// result is rounded to bf16. grid = (num_heads, S); block = any.
 extern "C" __global__ void paged_attention_reduce_kernel(
-    float* __restrict__ out, const float* __restrict__ tmp_out, const float* __restrict__ max_logits,
+    bf16_t* __restrict__ out, const float* __restrict__ tmp_out, const float* __restrict__ max_logits,
     const float* __restrict__ exp_sums, const int* __restrict__ query_start_loc, int num_heads,
     int head_dim, int num_partitions) {
     const int h = blockIdx.x, s = blockIdx.y, P = num_partitions;
@@ -144,128 +192,208 @@ extern "C" __global__ void paged_attention_reduce_kernel(
         for (int p = 0; p < P; ++p)
             if (exp_sums[base + p] > 0.0f)
                 acc += tmp_out[(base + p) * head_dim + d] * exp_sums[base + p] * expf(max_logits[base + p] - m);
-        out[((long long)row * num_heads + h) * head_dim + d] = acc * inv;
+        out[((long long)row * num_heads + h) * head_dim + d] = float_to_bf16(acc * inv);
     }
 }
 
-#define PREFILL_BK 32        // keys per tile: one per lane in the softmax step
-#define PREFILL_MAX_PAIRS 16 // (row, dim) accumulator pairs per thread, kept in registers
+// ---- prefill / mixed steps on tensor cores ------------------------------------------------------
+// One block of 4 warps per (query tile, KV head, sequence). The tile's 64 rows are
+// tokens_per_tile new tokens times the GQA group (row r: token r / group, query head
+// kvh * group + r % group), so a K/V tile in shared memory serves every head of the group. Each
+// warp owns 16 rows: S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in, float32
+// accumulate); the online softmax (running max m, running sum l) works on the S fragments in
+// registers, and P is rounded to bf16 in registers as the A operand of P V (FlashAttention-2).
+// Causal over the cached context plus the new tokens; KV tiles of BK keys.
+// Shared memory (bf16): Q [64][D + 8], K [BK][D + 8], V transposed [D][BK + 8] (the 8-element pad
+// keeps rows 16-byte aligned and spreads the fragment reads over the banks).
+#define PREFILL_ROWS 64
 
-// Prefill / mixed step: any number of new tokens per sequence, causal over the cached context plus
-// the new tokens. One block per (query tile, KV head, sequence); a tile holds tokens_per_tile new
-// tokens times the GQA group = R rows (row r: token r / group, head kvh * group + r % group).
-// Keys are visited in tiles of 32 with an online softmax (running max m, running sum l).
-// grid = (ceil(max_query_len / tokens_per_tile), num_kv_heads, S); block = NT (32k) threads with
-// R * head_dim <= PREFILL_MAX_PAIRS * NT; dynamic shared memory =
-// (32 * (head_dim + 1) + 32 * head_dim + R * head_dim + R * 32 + 3 * R) floats.
-extern "C" __global__ void paged_attention_prefill_kernel(
-    float* __restrict__ out, const float* __restrict__ q, const bf16_t* __restrict__ key_cache,
+template <int D, int BK>
+__device__ __forceinline__ void prefill_attention_tile(
+    unsigned char* smem, bf16_t* __restrict__ out, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
     const bf16_t* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-    int tokens_per_tile) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    int num_heads, int num_kv_heads, int block_size, int max_blocks, int tokens_per_tile) {
+    constexpr int QS = D + 8, KS = D + 8, VS = BK + 8;
+    constexpr int NT_S = BK / 8;   // S n-tiles (8 keys each)
+    constexpr int NT_O = D / 8;    // O n-tiles (8 dims each)
+    constexpr int KSTEP = D / 16;  // k-steps of Q K^T
+    bf16_t* q_s = reinterpret_cast<bf16_t*>(smem);
+    bf16_t* k_s = q_s + PREFILL_ROWS * QS;
+    bf16_t* vt_s = k_s + BK * KS;
+
     const int kvh = blockIdx.y, s = blockIdx.z;
     const int group = num_heads / num_kv_heads;
     const int start = query_start_loc[s], q_len = query_start_loc[s + 1] - start;
     const int t0 = blockIdx.x * tokens_per_tile;
     if (t0 >= q_len) return;  // whole block leaves together
     const int nt = min(tokens_per_tile, q_len - t0);
-    const int R = nt * group;
+    const int R = nt * group;               // valid rows
     const int ctx = seq_lens[s];
-    const int pos0 = ctx - q_len + t0;  // position of the tile's first token
-    const int kend = pos0 + nt;         // keys [0, kend) are visible to some row
+    const int pos0 = ctx - q_len + t0;      // position of the tile's first token
+    const int kend = pos0 + nt;             // keys [0, kend) are visible to some row
     const int tid = threadIdx.x, lane = tid % FOLIO_WARP, warp = tid / FOLIO_WARP;
-    const int nwarps = blockDim.x / FOLIO_WARP;
-    const int ks = head_dim + 1;  // padded K row: no bank conflicts when lanes walk keys
-
-    float* k_s = reinterpret_cast<float*>(smem_raw);  // [32, head_dim + 1]
-    float* v_s = k_s + PREFILL_BK * ks;               // [32, head_dim]
-    float* q_s = v_s + PREFILL_BK * head_dim;         // [R, head_dim], pre-scaled
-    float* p_s = q_s + R * head_dim;                  // [R, 32] scores, then probabilities
-    float* m_s = p_s + R * PREFILL_BK;                // [R] running max
-    float* l_s = m_s + R;                             // [R] running sum
-    float* a_s = l_s + R;                             // [R] rescale factor of this tile
-
-    for (int i = tid; i < R * head_dim; i += blockDim.x) {
-        const int r = i / head_dim, d = i % head_dim;
-        const int h = kvh * group + r % group, tok = start + t0 + r / group;
-        q_s[i] = q[((long long)tok * num_heads + h) * head_dim + d] * scale;
-    }
-    for (int r = tid; r < R; r += blockDim.x) {
-        m_s[r] = FOLIO_NEG_INF;
-        l_s[r] = 0.0f;
-    }
-    float o[PREFILL_MAX_PAIRS];
-#pragma unroll
-    for (int k = 0; k < PREFILL_MAX_PAIRS; ++k) o[k] = 0.0f;
+    const int g = lane >> 2, t4 = lane & 3;
     const int* table = block_tables + (long long)s * max_blocks;
-    __syncthreads();
 
-    for (int kb = 0; kb < kend; kb += PREFILL_BK) {
-        // K/V tile through the block table
-        for (int i = tid; i < PREFILL_BK * head_dim; i += blockDim.x) {
-            const int c = i / head_dim, d = i % head_dim, j = kb + c;
-            float kv = 0.0f, vv = 0.0f;
+    // Q tile, 16 bytes per load; rows past R are zero
+    for (int i = tid; i < PREFILL_ROWS * (D / 8); i += blockDim.x) {
+        const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r < R) {
+            const int h = kvh * group + r % group, tok = start + t0 + r / group;
+            v = *reinterpret_cast<const uint4*>(q + ((long long)tok * num_heads + h) * D + c);
+        }
+        *reinterpret_cast<uint4*>(q_s + r * QS + c) = v;
+    }
+
+    // this lane's two rows: r_lo = warp * 16 + g and r_hi = r_lo + 8
+    const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    const int pos_lo = r_lo < R ? pos0 + r_lo / group : -1;  // -1: padding row, sees no key
+    const int pos_hi = r_hi < R ? pos0 + r_hi / group : -1;
+    float m_lo = FOLIO_NEG_INF, m_hi = FOLIO_NEG_INF, l_lo = 0.0f, l_hi = 0.0f;
+    float o[NT_O][4];
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+
+    for (int kb = 0; kb < kend; kb += BK) {
+        __syncthreads();  // the previous tile's K/V reads are done (and Q is stored, first time)
+        for (int i = tid; i < BK * (D / 8); i += blockDim.x) {
+            const int c = i / (D / 8), d = (i % (D / 8)) * 8, j = kb + c;
+            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
             if (j < kend) {
                 const long long off =
-                    (((long long)table[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh) *
-                        head_dim + d;
-                kv = bf16_to_float(key_cache[off]);
-                vv = bf16_to_float(value_cache[off]);
+                    (((long long)table[j / block_size] * block_size + j % block_size) * num_kv_heads + kvh) * D + d;
+                kv = *reinterpret_cast<const uint4*>(key_cache + off);
+                vv = *reinterpret_cast<const uint4*>(value_cache + off);
             }
-            k_s[c * ks + d] = kv;
-            v_s[c * head_dim + d] = vv;
-        }
-        __syncthreads();
-        // scores, causal mask
-        for (int i = tid; i < R * PREFILL_BK; i += blockDim.x) {
-            const int r = i / PREFILL_BK, c = i % PREFILL_BK, j = kb + c;
-            float sc = FOLIO_NEG_INF;
-            if (j <= pos0 + r / group) {
-                sc = 0.0f;
-                for (int d = 0; d < head_dim; ++d) sc += q_s[r * head_dim + d] * k_s[c * ks + d];
-            }
-            p_s[i] = sc;
-        }
-        __syncthreads();
-        // online softmax: one warp per row, one key per lane
-        for (int r = warp; r < R; r += nwarps) {
-            const float x = p_s[r * PREFILL_BK + lane];
-            const float m_old = m_s[r];
-            const float m_new = fmaxf(m_old, warp_max(x));
-            const float p = m_new == FOLIO_NEG_INF ? 0.0f : expf(x - m_new);
-            const float sum = warp_sum(p);
-            p_s[r * PREFILL_BK + lane] = p;
-            if (lane == 0) {
-                const float alpha = m_new == FOLIO_NEG_INF ? 1.0f : expf(m_old - m_new);
-                a_s[r] = alpha;
-                l_s[r] = l_s[r] * alpha + sum;
-                m_s[r] = m_new;
-            }
-        }
-        __syncthreads();
-        // o = o * alpha + P @ V
+            *reinterpret_cast<uint4*>(k_s + c * KS + d) = kv;
+            const unsigned int w[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
-        for (int k = 0; k < PREFILL_MAX_PAIRS; ++k) {
-            const int i = tid + k * blockDim.x;
-            if (i < R * head_dim) {
-                const int r = i / head_dim, d = i % head_dim;
-                float acc = o[k] * a_s[r];
-                for (int c = 0; c < PREFILL_BK; ++c) acc += p_s[r * PREFILL_BK + c] * v_s[c * head_dim + d];
-                o[k] = acc;
+            for (int e = 0; e < 4; ++e) {
+                vt_s[(d + 2 * e) * VS + c] = (bf16_t)(w[e] & 0xffffu);
+                vt_s[(d + 2 * e + 1) * VS + c] = (bf16_t)(w[e] >> 16);
             }
         }
         __syncthreads();
+
+        // S = Q K^T for this warp's 16 rows and the BK keys
+        float sc[NT_S][4];
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KSTEP; ++ks) {
+            const int k0 = ks * 16 + 2 * t4;
+            const unsigned int a[4] = {
+                *reinterpret_cast<const unsigned int*>(q_s + r_lo * QS + k0),
+                *reinterpret_cast<const unsigned int*>(q_s + r_hi * QS + k0),
+                *reinterpret_cast<const unsigned int*>(q_s + r_lo * QS + k0 + 8),
+                *reinterpret_cast<const unsigned int*>(q_s + r_hi * QS + k0 + 8)};
+#pragma unroll
+            for (int j = 0; j < NT_S; ++j) {
+                const bf16_t* kr = k_s + (j * 8 + g) * KS + k0;
+                const unsigned int b[2] = {*reinterpret_cast<const unsigned int*>(kr),
+                                           *reinterpret_cast<const unsigned int*>(kr + 8)};
+                mma_bf16_16816(sc[j], a, b);
+            }
+        }
+
+        // scale, causal mask, online softmax: this lane holds rows r_lo (sc[j][0..1]) and r_hi
+        // (sc[j][2..3]) at keys kb + 8j + 2 t4 + {0, 1}; a row's 4 lanes reduce with xor 1, 2
+        float mx_lo = FOLIO_NEG_INF, mx_hi = FOLIO_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kb + j * 8 + 2 * t4 + (e & 1);
+                const int pos = e < 2 ? pos_lo : pos_hi;
+                const float v = key <= pos ? sc[j][e] * scale : FOLIO_NEG_INF;
+                sc[j][e] = v;
+                if (e < 2) mx_lo = fmaxf(mx_lo, v); else mx_hi = fmaxf(mx_hi, v);
+            }
+        for (int m = 1; m < 4; m <<= 1) {
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, m));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, m));
+        }
+        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        const float al_lo = mn_lo == FOLIO_NEG_INF ? 1.0f : expf(m_lo - mn_lo);
+        const float al_hi = mn_hi == FOLIO_NEG_INF ? 1.0f : expf(m_hi - mn_hi);
+        m_lo = mn_lo;
+        m_hi = mn_hi;
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float mref = e < 2 ? mn_lo : mn_hi;
+                const float p = sc[j][e] == FOLIO_NEG_INF ? 0.0f : expf(sc[j][e] - mref);
+                sc[j][e] = p;
+                if (e < 2) sum_lo += p; else sum_hi += p;
+            }
+        for (int m = 1; m < 4; m <<= 1) {
+            sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, m);
+            sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, m);
+        }
+        l_lo = l_lo * al_lo + sum_lo;
+        l_hi = l_hi * al_hi + sum_hi;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+            o[j][0] *= al_lo; o[j][1] *= al_lo;
+            o[j][2] *= al_hi; o[j][3] *= al_hi;
+        }
+
+        // O += P V: the S fragments of key tiles 2kk and 2kk+1 are exactly P's A fragment
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            const unsigned int a[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
+                                       pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                                       pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                       pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int j = 0; j < NT_O; ++j) {
+                const bf16_t* vr = vt_s + (j * 8 + g) * VS + kk * 16 + 2 * t4;
+                const unsigned int b[2] = {*reinterpret_cast<const unsigned int*>(vr),
+                                           *reinterpret_cast<const unsigned int*>(vr + 8)};
+                mma_bf16_16816(o[j], a, b);
+            }
+        }
     }
 
+    // normalise, round to bf16 and store this lane's (row, 2 dims) pairs as 32-bit words
+    const float inv_lo = r_lo < R ? 1.0f / l_lo : 0.0f, inv_hi = r_hi < R ? 1.0f / l_hi : 0.0f;
 #pragma unroll
-    for (int k = 0; k < PREFILL_MAX_PAIRS; ++k) {
-        const int i = tid + k * blockDim.x;
-        if (i < R * head_dim) {
-            const int r = i / head_dim, d = i % head_dim;
-            const int h = kvh * group + r % group, tok = start + t0 + r / group;
-            out[((long long)tok * num_heads + h) * head_dim + d] = o[k] / l_s[r];
+    for (int j = 0; j < NT_O; ++j) {
+        const int d = j * 8 + 2 * t4;
+        if (r_lo < R) {
+            const int h = kvh * group + r_lo % group, tok = start + t0 + r_lo / group;
+            *reinterpret_cast<unsigned int*>(out + ((long long)tok * num_heads + h) * D + d) =
+                pack_bf16(o[j][0] * inv_lo, o[j][1] * inv_lo);
+        }
+        if (r_hi < R) {
+            const int h = kvh * group + r_hi % group, tok = start + t0 + r_hi / group;
+            *reinterpret_cast<unsigned int*>(out + ((long long)tok * num_heads + h) * D + d) =
+                pack_bf16(o[j][2] * inv_hi, o[j][3] * inv_hi);
         }
     }
 }
+
+// Entry points, one per head_dim (the fragment arrays are sized at compile time).
+// grid = (ceil(max_query_len / tokens_per_tile), num_kv_heads, S); block = 128 threads;
+// tokens_per_tile = 64 / group; dynamic shared memory = 2 * (64 * (D + 8) + BK * (D + 8) +
+// D * (BK + 8)) bytes with BK = 64 (32 for head_dim 256).
+#define FOLIO_PREFILL_PARAMS                                                                        \
+    bf16_t *__restrict__ out, const bf16_t *__restrict__ q, const bf16_t *__restrict__ key_cache,    \
+        const bf16_t *__restrict__ value_cache, const int *__restrict__ block_tables,                \
+        const int *__restrict__ seq_lens, const int *__restrict__ query_start_loc, float scale,     \
+        int num_heads, int num_kv_heads, int block_size, int max_blocks, int tokens_per_tile
+#define FOLIO_PREFILL_BODY(D, BK)                                                                   \
+    {                                                                                               \
+        extern __shared__ __align__(16) unsigned char smem_raw[];                                   \
+        prefill_attention_tile<D, BK>(smem_raw, out, q, key_cache, value_cache, block_tables,        \
+                                      seq_lens, query_start_loc, scale, num_heads, num_kv_heads,    \
+                                      block_size, max_blocks, tokens_per_tile);                     \
+    }
+extern "C" __global__ void paged_attention_prefill_d32_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(32, 64)
+extern "C" __global__ void paged_attention_prefill_d64_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(64, 64)
+extern "C" __global__ void paged_attention_prefill_d128_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(128, 64)
+extern "C" __global__ void paged_attention_prefill_d256_kernel(FOLIO_PREFILL_PARAMS) FOLIO_PREFILL_BODY(256, 32)

@@ -58,7 +58,11 @@ struct Kernel {
 };
 
 inline std::vector<Kernel>& kernels() { static std::vector<Kernel> k; return k; }
-inline std::vector<std::pair<void*, size_t>>& dyn_smem() { static std::vector<std::pair<void*, size_t>> d; return d; }
+// Dynamic shared arrays are thread_local: each is registered by a function that returns the
+// *calling* thread's copy (an address taken at load time would be the copy of whichever thread
+// loaded the library, freed when that thread exits).
+using SmemGetter = void* (*)();
+inline std::vector<std::pair<SmemGetter, size_t>>& dyn_smem() { static std::vector<std::pair<SmemGetter, size_t>> d; return d; }
 
 template <class T> std::string type_code() {
     using U = std::remove_cv_t<T>;
@@ -85,7 +89,7 @@ struct Registrar {
         kernels().push_back({name, sig, [](void* f, void** a) { invoke_impl<A...>(f, a, std::index_sequence_for<A...>{}); },
                              reinterpret_cast<void*>(fn)});
     }
-    Registrar(void* smem, size_t bytes) { dyn_smem().push_back({smem, bytes}); }
+    Registrar(SmemGetter smem, size_t bytes) { dyn_smem().push_back({smem, bytes}); }
 };
 
 // ---- per-launch state -------------------------------------------------------------------------
@@ -184,11 +188,12 @@ static bool run_block(Launch& L, int nthreads) {
     b.done = 0;
     b.arrived = 0;
     b.error.clear();
-    for (auto [p, n] : dyn_smem()) std::memset(p, 0xff, n);
+    for (auto [get, n] : dyn_smem()) std::memset(get(), 0xff, n);
     for (size_t w = 0; w < b.warps.size(); ++w) {
         b.warps[w].lanes = std::min(32, nthreads - (int)w * 32);
         b.warps[w].live = b.warps[w].lanes;
         b.warps[w].arrived = 0;
+        b.warps[w].mma_op[0] = b.warps[w].mma_op[1] = ~0u;  // op counters restart with the block
     }
     for (int i = 0; i < nthreads; ++i) {
         char* lo = g_stacks.get() + (size_t)i * kStack;

@@ -87,10 +87,14 @@ def _generated_tu(cu: pathlib.Path) -> str:
     text = cu.read_text()
     kernels = list(dict.fromkeys(_GLOBAL_RE.findall(text)))
     smem = dict((name, typ) for typ, name in _DYN_SMEM_RE.findall(text))
-    lines = ['#include "simt.h"', f'#include "{cu}"', f'#include "{HERE / "launcher.cpp"}"']
+    # the dynamic shared arrays are defined before the kernels declare them (a block-scope
+    # `extern thread_local` seen before its definition would go through a TLS init wrapper)
+    lines = ['#include "simt.h"']
     for name, typ in smem.items():
         lines.append(f"alignas(16) thread_local {typ} {name}[SIMT_DYN_SMEM_BYTES / sizeof({typ})];")
-        lines.append(f"static simt::Registrar simt_smem_{name}((void*){name}, sizeof({name}));")
+    lines += [f'#include "{cu}"', f'#include "{HERE / "launcher.cpp"}"']
+    for name in smem:
+        lines.append(f"static simt::Registrar simt_smem_{name}([]() -> void* {{ return (void*){name}; }}, sizeof({name}));")
     for k in kernels:
         lines.append(f'static simt::Registrar simt_reg_{k}("{k}", &{k});')
     return "\n".join(lines) + "\n"

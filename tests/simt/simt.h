@@ -11,8 +11,13 @@
 // block barrier; a barrier reached while some threads of the block have exited, or threads waiting
 // at different __syncthreads call sites, is reported as an error instead of hanging. Warp
 // shuffles and votes go through per-warp exchange slots with two warp barriers per operation.
-// bf16/half are 16-bit structs converting through float.
+// bf16/half are 16-bit structs converting through float. Warp-level matrix multiply-accumulate
+// (mma.sync m16n8k16 bf16, reached through kernels/cuda/common.cuh's mma_bf16_16816 when
+// SIMT_EMULATOR is defined) gathers every lane's fragments and computes the 16x8 product exactly
+// as the PTX ISA's fragment layouts place the elements (products exact, sums in double, one
+// rounding to float).
 #pragma once
+#define SIMT_EMULATOR 1
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -40,6 +45,14 @@
 #endif
 
 struct uint3 { unsigned int x, y, z; };
+struct alignas(8) uint2 { unsigned int x, y; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return float2{a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 struct dim3 {
     unsigned int x = 1, y = 1, z = 1;
     dim3() = default;
@@ -102,6 +115,9 @@ struct Warp {
     int live = 0;     // of which not exited
     int arrived = 0;  // waiting at the current warp barrier
     unsigned long long slot[2][32];  // double-buffered: one warp barrier per exchange
+    alignas(16) unsigned char big[2][32][64];  // the same for up to 64 bytes per lane (mma fragments)
+    float mma_out[2][32][4];                    // an mma's D fragments, computed once per warp
+    unsigned mma_op[2] = {~0u, ~0u};            // which warp op filled mma_out[parity]
 };
 
 struct Block {
@@ -191,6 +207,61 @@ inline T shuffle_from(T v, int src_of_lane(int lane, int arg, int width), int ar
     T r;
     std::memcpy(&r, &slots[src], sizeof(T));
     return r;
+}
+
+// Every lane's `bytes` (<= 64) bytes, gathered: row i of the result is lane i's data. Same double
+// buffering as exchange(); all 32 lanes of a full warp must take part (mma needs them all).
+inline const unsigned char (*gather(const void* mine, size_t bytes, const char* what))[64] {
+    Block& b = block();
+    Fiber& f = b.fibers[b.cur];
+    Warp& w = b.warps[b.cur / 32];
+    if (w.lanes != 32) fail(std::string(what) + " needs a full warp of 32 threads");
+    auto& buf = w.big[f.warp_ops++ & 1];
+    std::memcpy(buf[lane_id()], mine, bytes);
+    warp_barrier(what);
+    return buf;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with D = A B + C in place (d = C on entry).
+// Element placement per the PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point
+// type"): g = lane >> 2, t = lane % 4; A element a_i (i = 0..7, two per 32-bit register, low half
+// first) sits at row g + 8 * ((i >> 1) & 1), column 2t + (i & 1) + 8 * (i >> 2); B element b_i
+// (i = 0..3) at row 2t + (i & 1) + 8 * (i >> 1), column g; C/D element c_i at row g + 8 * (i >> 1),
+// column 2t + (i & 1).
+inline void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&bfrag)[2]) {
+    struct Frag { unsigned a[4]; unsigned b[2]; float c[4]; } mine;
+    static_assert(sizeof(Frag) <= 64);
+    std::memcpy(mine.a, a, sizeof mine.a);
+    std::memcpy(mine.b, bfrag, sizeof mine.b);
+    std::memcpy(mine.c, d, sizeof mine.c);
+    Block& blk = block();
+    const unsigned parity = blk.fibers[blk.cur].warp_ops & 1;
+    const unsigned char (*all)[64] = gather(&mine, sizeof mine, "mma.sync");
+    Warp& w = block().warps[block().cur / 32];
+    const unsigned op = block().fibers[block().cur].warp_ops;  // the same for every lane of this op
+    if (w.mma_op[parity] != op) {  // the first lane to resume computes the whole 16x8 result
+        auto half = [](unsigned reg, int i) { return std::bit_cast<float>((i & 1 ? reg >> 16 : reg & 0xffffu) << 16); };
+        float A[16][16], B[16][8], C[16][8];
+        for (int lane = 0; lane < 32; ++lane) {
+            Frag fr;
+            std::memcpy(&fr, all[lane], sizeof fr);
+            const int g = lane >> 2, t = lane % 4;
+            for (int i = 0; i < 8; ++i) A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >> 2)] = half(fr.a[i >> 1], i);
+            for (int i = 0; i < 4; ++i) B[2 * t + (i & 1) + 8 * (i >> 1)][g] = half(fr.b[i >> 1], i);
+            for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = fr.c[i];
+        }
+        for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane >> 2, t = lane % 4;
+            for (int i = 0; i < 4; ++i) {
+                const int r = g + 8 * (i >> 1), c = 2 * t + (i & 1);
+                double acc = C[r][c];
+                for (int k = 0; k < 16; ++k) acc += (double)A[r][k] * (double)B[k][c];
+                w.mma_out[parity][lane][i] = (float)acc;
+            }
+        }
+        w.mma_op[parity] = op;
+    }
+    std::memcpy(d, w.mma_out[parity][lane_id()], sizeof d);
 }
 
 inline int src_xor(int lane, int m, int) { return lane ^ m; }

@@ -1,0 +1,202 @@
+// Device sampler: one token per row of the logits, so a step needs no host round trip between the
+// forward pass and the copy of its sampled tokens. Semantics are runtime/sampler.py's (vLLM V1's
+// order): penalties and min_tokens masks (apply_penalties_kernel), then per row: greedy = first
+// argmax; else temperature, min_p (Nguyen et al. 2024), top-k, top-p over the top-k renormalised
+// distribution (Holtzman et al. 2020), and inverse-CDF sampling with the row's uniform.
+//
+// Top-k and top-p thresholds are found without sorting: float32 values map monotonically onto
+// 32-bit keys, and a bisection over the keys (32 block-wide passes over the row) finds the exact
+// k-th largest value, and the exact smallest kept value of top-p: the least value v such that the
+// probability mass of values strictly greater than v is below top_p. Ties with the threshold are
+// kept, as in runtime/sampler.py.
+#include "common.cuh"
+
+// order-preserving float32 -> uint32 (for finite values and +-inf)
+__device__ __forceinline__ unsigned int float_key(float f) {
+    const unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+#define KEY_NEG_INF 0x007fffffu  // float_key(-inf)
+#define KEY_POS_INF 0xff800000u  // float_key(+inf)
+__device__ __forceinline__ float key_float(unsigned int k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+__device__ __forceinline__ int block_sum_int(int v, int* scratch) {
+    const int lane = threadIdx.x % FOLIO_WARP, warp = threadIdx.x / FOLIO_WARP;
+    const int nwarps = blockDim.x / FOLIO_WARP;
+    for (int m = FOLIO_WARP / 2; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int t = lane < nwarps ? scratch[lane] : 0;
+    for (int m = FOLIO_WARP / 2; m > 0; m >>= 1) t += __shfl_xor_sync(0xffffffffu, t, m);
+    __syncthreads();
+    return t;
+}
+
+// (value, index) of the largest value, the smallest index among equal values.
+__device__ __forceinline__ void block_argmax(float& v, int& idx, float* fscratch, int* iscratch) {
+    const int lane = threadIdx.x % FOLIO_WARP, warp = threadIdx.x / FOLIO_WARP;
+    const int nwarps = blockDim.x / FOLIO_WARP;
+    for (int m = FOLIO_WARP / 2; m > 0; m >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, m);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, m);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    if (lane == 0) { fscratch[warp] = v; iscratch[warp] = idx; }
+    __syncthreads();
+    v = lane < nwarps ? fscratch[lane] : FOLIO_NEG_INF;
+    idx = lane < nwarps ? iscratch[lane] : 0x7fffffff;
+    for (int m = FOLIO_WARP / 2; m > 0; m >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, m);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, m);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    __syncthreads();
+}
+
+// out[r] = the token of row r. logits [R, V] float32 (penalties already applied); params [R, 4]
+// float32 rows (temperature, top_k, top_p, min_p): temperature 0 = greedy, top_k <= 0 or >= V =
+// off, top_p >= 1 = off, min_p <= 0 = off; uniforms [R] float64 in (0, 1].
+// grid = (R), block = 256 threads.
+extern "C" __global__ void sample_kernel(long long* __restrict__ out, const float* __restrict__ logits,
+                                         const float* __restrict__ params, const double* __restrict__ uniforms,
+                                         int V) {
+    __shared__ float fscratch[32];
+    __shared__ int iscratch[32];
+    __shared__ float tscratch[32];
+    const int r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    const float* x = logits + (long long)r * V;
+    const float temp = params[4 * r], top_p = params[4 * r + 2], min_p = params[4 * r + 3];
+    const int top_k = (int)params[4 * r + 1];
+
+    if (!(temp > 0.0f)) {  // greedy: first argmax of the logits
+        float v = FOLIO_NEG_INF;
+        int idx = 0x7fffffff;
+        for (int i = tid; i < V; i += nt)
+            if (x[i] > v || (x[i] == v && i < idx)) { v = x[i]; idx = i; }
+        block_argmax(v, idx, fscratch, iscratch);
+        if (tid == 0) out[r] = idx == 0x7fffffff ? 0 : idx;
+        return;
+    }
+
+    // values after temperature; m = their max
+    float m = FOLIO_NEG_INF;
+    for (int i = tid; i < V; i += nt) m = fmaxf(m, x[i] / temp);
+    m = block_max(m, fscratch);
+
+    // w(i): the value if min_p keeps it, else -inf
+#define FOLIO_W(i) ((min_p > 0.0f && expf(x[i] / temp - m) < min_p) ? FOLIO_NEG_INF : x[i] / temp)
+
+    // top-k: the k-th largest w (largest key K with count(w >= K) >= k)
+    float tk = FOLIO_NEG_INF;
+    if (top_k > 0 && top_k < V) {
+        unsigned int lo = KEY_NEG_INF, hi = KEY_POS_INF;  // count(w >= -inf) = V >= top_k
+        while (lo < hi) {
+            const unsigned int mid = lo + (hi - lo) / 2u + 1u;
+            int c = 0;
+            for (int i = tid; i < V; i += nt) c += float_key(FOLIO_W(i)) >= mid;
+            if (block_sum_int(c, iscratch) >= top_k) lo = mid; else hi = mid - 1u;
+        }
+        tk = key_float(lo);
+    }
+
+    // top-p over the kept set W = {w >= tk} (finite values only carry mass)
+    float tp = FOLIO_NEG_INF;
+    if (top_p < 1.0f) {
+        float z = 0.0f;
+        for (int i = tid; i < V; i += nt) {
+            const float w = FOLIO_W(i);
+            if (w >= tk && w > FOLIO_NEG_INF) z += expf(w - m);
+        }
+        z = block_sum(z, fscratch);
+        const float target = top_p * z;
+        // least K with mass(w > K) < target: false at -inf (mass z), true at +inf (mass 0)
+        unsigned int lo = KEY_NEG_INF, hi = KEY_POS_INF;
+        while (lo < hi) {
+            const unsigned int mid = lo + (hi - lo) / 2u;
+            const float vmid = key_float(mid);
+            float mass = 0.0f;
+            for (int i = tid; i < V; i += nt) {
+                const float w = FOLIO_W(i);
+                if (w >= tk && w > vmid && w > FOLIO_NEG_INF) mass += expf(w - m);
+            }
+            if (block_sum(mass, fscratch) < target) hi = mid; else lo = mid + 1u;
+        }
+        tp = key_float(lo);
+    }
+    const float thresh = fmaxf(tk, tp);
+
+    // inverse CDF over the kept values, in index order: first i with cumsum(e)[i] >= u * sum(e)
+    float total = 0.0f;
+    for (int i = tid; i < V; i += nt) {
+        const float w = FOLIO_W(i);
+        if (w >= thresh && w > FOLIO_NEG_INF) total += expf(w - m);
+    }
+    total = block_sum(total, fscratch);
+    const double target = uniforms[r] * (double)total;
+    const int lane = tid % FOLIO_WARP, warp = tid / FOLIO_WARP, nwarps = nt / FOLIO_WARP;
+    float base = 0.0f;
+    int picked = V - 1;
+    for (int c0 = 0; c0 < V; c0 += nt) {
+        const int i = c0 + tid;
+        float e = 0.0f;
+        if (i < V) {
+            const float w = FOLIO_W(i);
+            if (w >= thresh && w > FOLIO_NEG_INF) e = expf(w - m);
+        }
+        // inclusive block scan: within the warp, then warp totals
+        float s = e;
+        for (int d = 1; d < FOLIO_WARP; d <<= 1) {
+            const float o = __shfl_up_sync(0xffffffffu, s, d);
+            if (lane >= d) s += o;
+        }
+        if (lane == FOLIO_WARP - 1) tscratch[warp] = s;
+        __syncthreads();
+        float before = 0.0f;
+        for (int w = 0; w < warp; ++w) before += tscratch[w];
+        float chunk = 0.0f;
+        for (int w = 0; w < nwarps; ++w) chunk += tscratch[w];
+        const float cum = base + before + s;
+        int hit = (i < V && (double)cum >= target) ? i : 0x7fffffff;
+        // smallest index that reaches the target
+        for (int mm = FOLIO_WARP / 2; mm > 0; mm >>= 1) hit = min(hit, __shfl_xor_sync(0xffffffffu, hit, mm));
+        if (lane == 0) iscratch[warp] = hit;
+        __syncthreads();
+        int best = 0x7fffffff;
+        for (int w = 0; w < nwarps; ++w) best = min(best, iscratch[w]);
+        __syncthreads();
+        if (best != 0x7fffffff) {
+            picked = best;
+            break;
+        }
+        base += chunk;
+    }
+#undef FOLIO_W
+    if (tid == 0) out[r] = picked;
+}
+
+// Penalties and min_tokens masks, in place on logits [R, V] (vLLM semantics): entries [N, 3] int64
+// rows (r * V + token, count of the token in r's output, flags), one per (row, token); flags bit 0:
+// mask to -inf (min_tokens: EOS / stop tokens), bit 1: seen in the prompt or output (repetition
+// penalty: positive logits divided by it, negative ones multiplied); then frequency * count +
+// presence * (count > 0) is subtracted. row_params [R, 3] float32: (repetition, frequency,
+// presence). grid = (ceil(N / 256)), block = 256.
+extern "C" __global__ void apply_penalties_kernel(float* __restrict__ logits, const long long* __restrict__ entries,
+                                                  const float* __restrict__ row_params, long long n, int V) {
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const long long idx = entries[3 * e], count = entries[3 * e + 1], flags = entries[3 * e + 2];
+    const long long r = idx / V;
+    float v = logits[idx];
+    if (flags & 1) {
+        v = FOLIO_NEG_INF;
+    } else {
+        if (flags & 2) {
+            const float rep = row_params[3 * r];
+            v = v > 0.0f ? v / rep : v * rep;
+        }
+        v -= row_params[3 * r + 1] * (float)count + (count > 0 ? row_params[3 * r + 2] : 0.0f);
+    }
+    logits[idx] = v;
+}

@@ -1,0 +1,453 @@
+"""The GPU step path (runtime/device_step.py, ModelRunner on the CUDA table) run on the CPU: the
+CUDA table under the SIMT emulator with a device that counts every launch, host<->device copy and
+sync, and a NumPy "device memory" whose allocations are accounted like CuPy's pool.
+
+What a GPU alone can show (timings, that CUDA accepts the graph capture) is left to
+perf/gpu_check.sh; everything about what is launched, copied and synchronised, and what the
+results are, is checked here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import weakref
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from folio.kernels import cuda_ops
+from folio.kernels.device import HostDevice
+from folio.runtime.config import EngineConfig
+from folio.runtime.model_runner import ModelRunner, gpu_kv_budget, max_useful_blocks, profile_step_shape
+from folio.runtime.sampler import (SamplingState, max_logprobs, penalty_entries, sample, sample_on_device,
+                                   sampling_arrays)
+from folio.runtime.sampling_params import SamplingParams
+from folio.runtime.step import NewSequence, StepPlan
+from simt.runner import require_compiler
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 211, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2}
+BS = 8
+
+
+class CountingDevice(HostDevice):
+    """HostDevice that counts launches (kernels and GEMMs), copies and syncs; ``allocs`` counts
+    device allocations made through the fake xp (``FakeXP``)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.counts = Counter()
+
+    def launch(self, fn, *args):
+        self.counts["launch"] += 1
+        super().launch(fn, *args)
+
+    def h2d(self, dst, src):
+        self.counts["h2d"] += 1
+        super().h2d(dst, src)
+
+    def d2h(self, dst, src):
+        self.counts["d2h"] += 1
+        super().d2h(dst, src)
+
+    def synchronize(self):
+        self.counts["sync"] += 1
+
+    def take(self):
+        c, self.counts = self.counts, Counter()
+        return c
+
+
+class FakeXP:
+    """NumPy as a device array module with CuPy-pool-like accounting: allocations count as in
+    use until freed, then stay held (cached) by the pool; ``peak`` follows the in-use bytes."""
+
+    def __init__(self):
+        self.in_use = self.held_free = self.peak = 0
+        self.allocs = 0
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def _track(self, a):
+        n = a.nbytes
+        self.allocs += 1
+        if self.held_free >= n:  # the pool reuses a cached block
+            self.held_free -= n
+        self.in_use += n
+        self.peak = max(self.peak, self.in_use)
+
+        def free(n=n):
+            self.in_use -= n
+            self.held_free += n
+
+        weakref.finalize(a, free)
+        return a
+
+    def empty(self, shape, dtype=float, **kw):
+        return self._track(np.empty(shape, dtype=dtype, **kw))
+
+    def zeros(self, shape, dtype=float, **kw):
+        return self._track(np.zeros(shape, dtype=dtype, **kw))
+
+    def empty_like(self, a, dtype=None):
+        return self._track(np.empty_like(a, dtype=dtype))
+
+
+class FakeMemoryDevice(CountingDevice):
+    """A device of ``total_bytes`` with ``context_bytes`` outside the pool (the CUDA context)."""
+
+    def __init__(self, xp: FakeXP, total_bytes: int, context_bytes: int):
+        super().__init__(total_bytes=total_bytes)
+        self.fx = xp
+        self.context_bytes = context_bytes
+
+    def empty(self, shape, dtype):
+        return self.fx.empty(shape, dtype=dtype)
+
+    def memory(self):
+        held = self.fx.in_use + self.fx.held_free
+        return self.total_bytes - self.context_bytes - held, self.total_bytes, held
+
+    def peak_tracker(self):
+        fx = self
+
+        class _Peak:
+            def __enter__(self):
+                fx.fx.peak = fx.fx.in_use
+                return self
+
+            def __exit__(self, *exc):
+                self.peak = fx.fx.peak
+
+        return _Peak()
+
+
+@pytest.fixture(scope="module")
+def modules():
+    require_compiler()
+    from simt.table import simt_modules
+
+    return simt_modules()
+
+
+def make_table(modules, device, xp=np):
+    from simt.table import numpy_gemm
+
+    return cuda_ops.CudaKernels(xp, lambda n: modules[n].get_function(n), gemm=numpy_gemm,
+                                smem_limit=227 * 1024, device=device, kernel_names=cuda_ops.all_kernel_names())
+
+
+def model_dir(tmp_path, **overrides):
+    d = tmp_path / ("m" + "_".join(f"{k}{v}" for k, v in overrides.items()))
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**TINY, **overrides}))
+    return str(d)
+
+
+def make_runner(monkeypatch, table, path, **kw):
+    monkeypatch.setattr(cuda_ops, "_TABLE", table)
+    args = dict(model=path, device="cuda", load_format="dummy", block_size=BS, max_num_seqs=8,
+                max_num_batched_tokens=64, max_model_len=128, num_kv_blocks_override=64, seed=5)
+    args.update(kw)
+    return ModelRunner(EngineConfig(**args))
+
+
+class Seq:
+    def __init__(self, seq_id, prompt, blocks, params, seed=None):
+        self.seq_id, self.tokens, self.blocks = seq_id, list(prompt), list(blocks)
+        self.done = 0
+        self.new = NewSequence(seq_id, list(prompt), [], params.to_dict(), seed, [2])
+
+
+def plan_for(step_id, seqs, new=(), copies=None, chunk=None):
+    """Each seq computes its pending tokens (at most ``chunk``) and samples when it reaches the end."""
+    ids, pos, slots, qsl, lens, rows, sample_ids = [], [], [], [0], [], [], []
+    table = np.zeros((len(seqs), max(len(s.blocks) for s in seqs)), np.int32)
+    for i, s in enumerate(seqs):
+        end = len(s.tokens) if chunk is None else min(len(s.tokens), s.done + chunk)
+        p = np.arange(s.done, end)
+        ids += s.tokens[s.done:end]
+        pos += p.tolist()
+        slots += (np.asarray(s.blocks)[p // BS] * BS + p % BS).tolist()
+        qsl.append(qsl[-1] + len(p))
+        lens.append(end)
+        if end == len(s.tokens):
+            rows.append(qsl[-1] - 1)
+            sample_ids.append(s.seq_id)
+        table[i, :len(s.blocks)] = s.blocks
+        s.done = end
+    return StepPlan(step_id=step_id, input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
+                    slot_mapping=np.array(slots, np.int64), query_start_loc=np.array(qsl, np.int32),
+                    seq_lens=np.array(lens, np.int32), block_tables=table,
+                    seq_ids=np.array([s.seq_id for s in seqs], np.int64), logits_indices=np.array(rows, np.int64),
+                    sample_seq_ids=np.array(sample_ids, np.int64), new_seqs=[s.new for s in new],
+                    block_copies=np.zeros((0, 2), np.int64) if copies is None else np.array(copies, np.int64))
+
+
+def run_steps(runner, seqs, n_decode, chunk=None):
+    """Prefill (chunked by ``chunk``) then ``n_decode`` decode steps; returns per step (result,
+    counts)."""
+    out = []
+    step = 0
+    first = True
+    while any(s.done < len(s.tokens) for s in seqs):
+        res = runner.execute(plan_for(step, seqs, new=seqs if first else (), chunk=chunk))
+        assert res.error is None, res.error
+        first = False
+        step += 1
+        out.append((res, runner.kernels.device.take()))
+    for s, t in zip(seqs, out[-1][0].sampled_token_ids.tolist()):
+        s.tokens.append(t)
+    for _ in range(n_decode):
+        res = runner.execute(plan_for(step, seqs))
+        assert res.error is None, res.error
+        step += 1
+        out.append((res, runner.kernels.device.take()))
+        for s, t in zip(seqs, res.sampled_token_ids.tolist()):
+            s.tokens.append(t)
+    return out
+
+
+def _seqs(params_list):
+    rng = np.random.default_rng(0)
+    return [Seq(i, rng.integers(3, 200, 5 + 7 * i).tolist(), list(range(6 * i, 6 * i + 6)), p, seed=10 + i)
+            for i, p in enumerate(params_list)]
+
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=8),
+          SamplingParams(temperature=0.9, top_p=0.8, top_k=20, seed=3, logprobs=2),
+          SamplingParams(temperature=1.1, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.4,
+                         presence_penalty=0.2, min_tokens=3)]
+
+
+def test_one_upload_one_download_one_sync_per_step(modules, tmp_path, monkeypatch):
+    dev = CountingDevice()
+    runner = make_runner(monkeypatch, make_table(modules, dev), model_dir(tmp_path))
+    dev.take()
+    steps = run_steps(runner, _seqs(PARAMS), n_decode=3, chunk=9)
+    assert len(steps) >= 6
+    for res, c in steps:
+        assert (c["h2d"], c["d2h"], c["sync"]) == (1, 1, 1), c
+    runner.shutdown()
+
+
+def _launches_and_allocs_per_step(modules, tmp_path, monkeypatch, layers, eager):
+    """Launches of each step of the same run, and the device allocations of one more decode step."""
+    fx = FakeXP()
+    dev = FakeMemoryDevice(fx, 1 << 34, 0)
+    runner = make_runner(monkeypatch, make_table(modules, dev, xp=fx), model_dir(tmp_path, num_hidden_layers=layers),
+                         enforce_eager=eager)
+    dev.take()
+    seqs = _seqs([SamplingParams(temperature=0.0)] * 3)
+    launches = [c["launch"] for _, c in run_steps(runner, seqs, n_decode=4)]
+    a0 = fx.allocs
+    res = runner.execute(plan_for(99, seqs))
+    assert res.error is None
+    allocs = fx.allocs - a0
+    runner.shutdown()
+    return launches, allocs
+
+
+def test_launches_per_layer_and_no_allocation_per_layer(modules, tmp_path, monkeypatch):
+    # the same steps on 2- and 3-layer models: what a layer adds is the difference
+    l2, a2 = _launches_and_allocs_per_step(modules, tmp_path, monkeypatch, 2, eager=True)
+    l3, a3 = _launches_and_allocs_per_step(modules, tmp_path, monkeypatch, 3, eager=True)
+    per_layer = [b - a for a, b in zip(l2, l3)]
+    assert all(n <= 10 for n in per_layer), per_layer  # prefill 9, decode 9 (10 with split-K)
+    assert a3 == a2, (a2, a3)  # the per-layer loop allocates nothing
+
+
+@pytest.mark.parametrize("buffer_moves", [False, True])
+def test_decode_graph_replays_equal_eager_steps(modules, tmp_path, monkeypatch, buffer_moves):
+    # three sequences (a batch bucket of 4 with one padding row), greedy and seeded random rows,
+    # logprobs: the captured decode graph, replayed with each step's new inputs, gives the eager
+    # steps' tokens and logprobs. When the upload buffer is reallocated between decode steps (a
+    # larger step came in between), the graphs holding its old address are dropped and captured
+    # again on the new one
+    results = {}
+    for eager in (True, False):
+        dev = CountingDevice()
+        runner = make_runner(monkeypatch, make_table(modules, dev), model_dir(tmp_path), enforce_eager=eager)
+        seqs = _seqs(PARAMS)
+        steps = run_steps(runner, seqs, n_decode=2)
+        if buffer_moves:
+            runner.device_step.inp.ensure(4 * runner.device_step.inp.nbytes)
+        for k in range(2):
+            res = runner.execute(plan_for(50 + k, seqs))
+            assert res.error is None, res.error
+            steps.append((res, dev.take()))
+            for sq, t in zip(seqs, res.sampled_token_ids.tolist()):
+                sq.tokens.append(t)
+        results[eager] = [(r.sampled_token_ids, r.logprobs, r.logprob_token_ids) for r, _ in steps]
+        if not eager:
+            ds = runner.device_step
+            assert ds.graph_error is None
+            assert set(ds.graphs) == {(4, 1)}
+            launches = [c["launch"] for _, c in steps]
+        runner.shutdown()
+    for (a, la, ia), (b, lb, ib) in zip(results[True], results[False]):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ia, ib)
+        # the graph's lm_head multiplies 4 rows (one padding), the eager one 3: the GEMM may sum in
+        # another order (float32: a few ulp of logits of magnitude ~5, through log-softmax)
+        np.testing.assert_allclose(la, lb, rtol=0, atol=64 * 2.0 ** -24 * 8)
+    # steady decode steps launch the graph and the sampler's kernels; the first decode step and
+    # the first after the buffer moved also warm up and capture (a full forward each)
+    assert launches[-1] <= 3 and launches[-3] <= 3 and launches[1] > 2 * 9 * 2, launches
+    assert (launches[-2] == launches[1]) if buffer_moves else (launches[-2] <= 3), launches
+
+
+def test_device_sampler_matches_the_numpy_sampler(modules):
+    # the same logits and states (separate, identically seeded generators) through runtime/sampler's
+    # NumPy pipeline and through the CUDA table's kernels
+    kt = make_table(modules, HostDevice())
+    rng = np.random.default_rng(7)
+    V = 300
+    logits = (rng.standard_normal((9, V)) * 3).astype(np.float32)
+    cases = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+             dict(temperature=0.8, top_p=0.6), dict(temperature=1.2, top_k=40, top_p=0.9),
+             dict(temperature=1.0, min_p=0.2), dict(temperature=1.0, top_k=1),
+             dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5, min_tokens=12),
+             dict(temperature=1.3, frequency_penalty=0.7, top_p=0.95, logprobs=3, min_tokens=12, stop_token_ids=[5])]
+    logits[7:, [2, 5, 7]] = 30.0  # EOS (2, 7) and a stop token (5) win unless min_tokens masks them
+
+    def states():
+        out = []
+        for i, kw in enumerate(cases):
+            prompt = rng_p.integers(0, V, 6 + i).tolist()
+            produced = rng_p.integers(0, V, i).tolist()
+            out.append(SamplingState(i, SamplingParams(**kw), prompt, produced, 100 + i, [2, 7]))
+        return out
+
+    rng_p = np.random.default_rng(1)
+    st_a = states()
+    rng_p = np.random.default_rng(1)
+    st_b = states()
+    want = sample(logits.copy(), st_a)
+    params, uniforms = sampling_arrays(st_b)
+    pen = penalty_entries(st_b, V)
+    K = max_logprobs(st_b)
+    tokens = np.zeros(9, np.int64)
+    lp = np.zeros((9, 1 + K), np.float32)
+    ids = np.zeros((9, 1 + K), np.int64)
+    sample_on_device(kt, logits.copy(), params, uniforms, (pen[0], pen[1], len(pen[0])), K, tokens, lp, ids)
+    np.testing.assert_array_equal(tokens, want.token_ids)
+    assert tokens[7] not in (2, 7) and tokens[8] not in (2, 5, 7)  # row 7 has no stop token 5
+    np.testing.assert_array_equal(ids, want.logprob_token_ids)
+    np.testing.assert_allclose(lp, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_profile_step_shape_is_the_largest_step():
+    # all of max_num_batched_tokens (not min(budget, max_model_len)), over as many sequences as
+    # may run, none longer than max_model_len
+    assert profile_step_shape(64, 8, 40) == [8] * 8
+    assert profile_step_shape(64, 2, 40) == [32, 32]
+    assert profile_step_shape(200, 2, 40) == [40, 40]
+    assert profile_step_shape(16384, 256, 2048) == [64] * 256
+    assert profile_step_shape(16384, 4, 2048) == [2048] * 4
+    assert gpu_kv_budget(1000, 300, 500, 400, 100, 0.9) == 900 - 200 - 300
+
+
+def test_kv_sizing_profiles_the_real_step_shape_and_counts_the_pool_peak(modules, tmp_path, monkeypatch):
+    # a fake device of 256 MiB with 30 MiB outside the pool: the profiling step runs all 128
+    # tokens of the budget as 8 sequences sampling 8 rows (not min(128, max_model_len) tokens of
+    # one sequence), and the budget takes the pool's peak in use, not the blocks the pool keeps
+    # cached after the step (which the old rule, total - free, counted as used)
+    fx = FakeXP()
+    dev = FakeMemoryDevice(fx, total_bytes=1 << 28, context_bytes=30 << 20)
+    table = make_table(modules, dev, xp=fx)
+    seen = []
+    real_embedding = cuda_ops.CudaKernels.embedding
+    monkeypatch.setattr(cuda_ops.CudaKernels, "embedding",
+                        lambda self, ids, t, out=None: seen.append(ids.shape[0]) or real_embedding(self, ids, t, out=out))
+    budgets = []
+
+    def spy(*args):
+        budgets.append(args)
+        return gpu_kv_budget(*args)
+
+    monkeypatch.setattr(sys.modules["folio.runtime.model_runner"], "gpu_kv_budget", spy)
+    runner = make_runner(monkeypatch, table, model_dir(tmp_path), max_num_seqs=8, max_model_len=100,
+                         max_num_batched_tokens=128, num_kv_blocks_override=None, gpu_memory_utilization=0.5)
+    assert seen[0] == 128
+    (total, free, held, peak, kv, util), = budgets
+    assert total == 1 << 28 and total - free - held == 30 << 20  # outside the pool: the context only
+    assert held > peak - kv  # the pool keeps the step's freed temporaries cached ...
+    budget = gpu_kv_budget(total, free, held, peak, kv, util)
+    assert budget > int(util * total - (total - free) + kv)  # ... the old rule would have lost them
+    assert runner.num_blocks == min(budget // runner.bytes_per_block, max_useful_blocks(8, 100, BS))
+    runner.shutdown()
+
+
+def test_device_dummy_weights_membership_does_not_generate(modules, monkeypatch):
+    from folio.model.config import ModelConfig
+    from folio.model.loader import _DeviceDummyWeights
+
+    made = []
+    fake = SimpleNamespace(random_weight=lambda shape, **kw: made.append(shape) or np.zeros(shape, np.uint16))
+    w = _DeviceDummyWeights(ModelConfig.from_dict(TINY), fake)
+    assert "model.norm.weight" in w and "nope" not in w
+    assert made == []
+    w["model.norm.weight"]
+    assert made == [(64,)]
+
+
+def test_auto_falls_back_to_cpu_when_kernels_fail_to_build(monkeypatch):
+    # a CuPy whose GPU is there but whose kernel compilation fails: the table build raises (all
+    # kernels are compiled then), so --device auto picks the CPU before any forward pass
+    class CompileException(Exception):
+        pass
+
+    class FakeModule:
+        def __init__(self, code, options=()):
+            self.code = code
+
+        def get_function(self, name):
+            raise CompileException(f"nvrtc: error in {name}")
+
+    fake = SimpleNamespace(
+        cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=lambda: 1),
+                             Device=lambda: SimpleNamespace(compute_capability="90",
+                                                            attributes={"MaxSharedMemoryPerBlockOptin": 232448})),
+        RawModule=FakeModule)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda_ops, "_TABLE", None)
+    from folio.kernels import get_kernels
+    from folio.model.loader import resolve_device
+
+    with pytest.raises(RuntimeError, match="kernels failed to build.*CompileException: nvrtc: error in"):
+        get_kernels("cuda")
+    assert resolve_device("auto") == "cpu"
+
+
+def test_placeholder_inputs_on_the_device_path(modules, tmp_path, monkeypatch):
+    # overlap scheduling hands over decode plans whose inputs are placeholders for the tokens the
+    # step before sampled; on the CUDA table (graphs on) the runner fills them in before the upload:
+    # the same tokens and logprobs as plans carrying the ids
+    from folio.runtime.step import PLACEHOLDER_TOKEN_ID
+    results = {}
+    for placeholders in (False, True):
+        runner = make_runner(monkeypatch, make_table(modules, CountingDevice()), model_dir(tmp_path))
+        seqs = _seqs(PARAMS)
+        steps = run_steps(runner, seqs, n_decode=0)
+        got = [steps[-1][0].sampled_token_ids.tolist()]
+        for k in range(3):
+            plan = plan_for(20 + k, seqs)
+            if placeholders:
+                plan.input_ids[:] = PLACEHOLDER_TOKEN_ID
+            res = runner.execute(plan)
+            assert res.error is None, res.error
+            got.append(res.sampled_token_ids.tolist())
+            for sq, t in zip(seqs, res.sampled_token_ids.tolist()):
+                sq.tokens.append(t)
+        results[placeholders] = got
+        runner.shutdown()
+    assert results[True] == results[False]
