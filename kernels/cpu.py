@@ -315,21 +315,71 @@ def embedding(ids, table, out=None):
     return np.take(table, np.asarray(ids, dtype=np.int64), axis=0, out=out)
 
 
+@njit(cache=True, fastmath=True)
+def _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, t0, t1):
+    # per token: the rotated query heads into out, the rotated key heads and the value heads
+    # straight into their cache slot (no intermediate arrays)
+    D = cos_sin_cache.shape[1]
+    half = D // 2
+    bs = key_cache.shape[1]
+    for t in range(t0, t1):
+        p = positions[t]
+        for h in range(H):
+            for i in range(half):
+                c = cos_sin_cache[p, i]
+                s = cos_sin_cache[p, half + i]
+                x1 = qkv[t, h * D + i]
+                x2 = qkv[t, h * D + half + i]
+                out[t, h, i] = x1 * c - x2 * s
+                out[t, h, half + i] = x2 * c + x1 * s
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b = slot // bs
+        o = slot - b * bs
+        for h in range(Hkv):
+            k0 = (H + h) * D
+            v0 = (H + Hkv + h) * D
+            for i in range(half):
+                c = cos_sin_cache[p, i]
+                s = cos_sin_cache[p, half + i]
+                x1 = qkv[t, k0 + i]
+                x2 = qkv[t, k0 + half + i]
+                key_cache[b, o, h, i] = x1 * c - x2 * s
+                key_cache[b, o, h, half + i] = x2 * c + x1 * s
+            for i in range(D):
+                value_cache[b, o, h, i] = qkv[t, v0 + i]
+
+
+@njit(parallel=True, cache=True)
+def _rope_and_cache_parallel(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, rows,
+                             n_tasks, counter):
+    T = qkv.shape[0]
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out,
+                                 i * rows, min(T, (i + 1) * rows))
+
+
 def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
                    num_kv_heads, out=None):
-    """``reference.rope_and_cache``: RoPE on the q / k slices of the fused projection ``qkv [T,
-    (H + 2 Hkv) * D]``, rotated keys and values appended to the cache; returns the rotated queries
+    """``reference.rope_and_cache`` in one pass: RoPE on the q / k slices of the fused projection
+    ``qkv [T, (H + 2 Hkv) * D]`` float32 (rows may be strided), the rotated keys and the values
+    written to their cache slots (``slot_mapping [T]``, -1 = skip); returns the rotated queries
     ``[T, H, D]`` float32 (into ``out`` when given)."""
     T = qkv.shape[0]
     D = cos_sin_cache.shape[1]
-    qd, kvd = num_heads * D, num_kv_heads * D
-    q_rot, k_rot = rotary_embedding(positions, qkv[:, :qd].reshape(T, num_heads, D),
-                                    qkv[:, qd:qd + kvd].reshape(T, num_kv_heads, D), cos_sin_cache)
-    reshape_and_cache(k_rot, qkv[:, qd + kvd:qd + 2 * kvd].reshape(T, num_kv_heads, D), key_cache,
-                      value_cache, slot_mapping)
-    if out is None:
-        return q_rot
-    out[...] = q_rot
+    out = np.empty((T, num_heads, D), dtype=_F32) if out is None else out
+    args = (np.asarray(positions, dtype=np.int64), qkv, cos_sin_cache, key_cache, value_cache,
+            np.asarray(slot_mapping, dtype=np.int64), num_heads, num_kv_heads, out)
+    n = _tasks(qkv.size, T)
+    if n == 1:
+        _rope_and_cache_rows(*args, 0, T)
+    else:
+        _rope_and_cache_parallel(*args, _ROWS_PER_ITEM, n, _counter())
     return out
 
 

@@ -132,6 +132,37 @@ def test_rotary_embedding_strided_views():
         assert np.all(np.abs(got.astype(np.float64) - want) <= _rotary_bound(x, case["positions"], case["cos_sin_cache"]))
 
 
+@pytest.mark.parametrize("num_padding", [0, 3])
+def test_rope_and_cache(num_padding):
+    # the fused pass against the spec: the same rotation (same bound as rotary_embedding), the
+    # values copied exactly, padding slots (-1) untouched, strided rows of a wider projection
+    rng = np.random.default_rng(num_padding)
+    T, H, Hkv, D, bs, nb = 37, 9, 3, 64, 16, 5
+    case = rotary_embedding_case(4, num_tokens=T, num_heads=H, num_kv_heads=Hkv, head_dim=D, max_position=400)
+    wide = rng.standard_normal((T, (H + 2 * Hkv) * D + 5)).astype(np.float32)
+    qkv = wide[:, : (H + 2 * Hkv) * D]
+    slots = rng.choice(nb * bs, size=T, replace=False).astype(np.int64)
+    slots[rng.choice(T, size=num_padding, replace=False)] = -1
+    kc = rng.standard_normal((nb, bs, Hkv, D)).astype(np.float32)
+    vc = rng.standard_normal((nb, bs, Hkv, D)).astype(np.float32)
+    kc2, vc2 = kc.copy(), vc.copy()
+    pos, cs = case["positions"], case["cos_sin_cache"]
+    want_q = reference.rope_and_cache(pos, qkv, cs, kc, vc, slots, H, Hkv)
+    got_q = cpu.rope_and_cache(pos, qkv, cs, kc2, vc2, slots, H, Hkv)
+    q_in = qkv[:, : H * D].reshape(T, H, D)
+    assert np.all(np.abs(got_q.astype(np.float64) - want_q) <= _rotary_bound(q_in, pos, cs))
+    k_in = qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D)
+    k_bound = _rotary_bound(k_in, pos, cs)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            b, o = divmod(int(slot), bs)
+            assert np.all(np.abs(kc2[b, o].astype(np.float64) - kc[b, o]) <= k_bound[t])
+    np.testing.assert_array_equal(vc2, vc)
+    untouched = np.ones(nb * bs, bool)
+    untouched[slots[slots >= 0]] = False
+    np.testing.assert_array_equal(kc2.reshape(nb * bs, -1)[untouched], kc.reshape(nb * bs, -1)[untouched])
+
+
 def _rotary_bound(x, positions, cos_sin_cache):
     # out = x1 c - x2 s: two products and a difference in float32 (3 roundings, or 2 when
     # contracted to an FMA) against the reference's single final rounding, relative to
