@@ -183,28 +183,39 @@ def default_num_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_threads: int | None = None  # set by numba_threads(): the count for every thread of the process
+
+
 def num_threads() -> int:
-    """Threads the CPU kernels' parallel regions use in the calling thread (Numba's setting)."""
-    return numba.get_num_threads()
+    """Threads the CPU kernels' parallel regions use. Numba's own setting is per calling thread
+    (a forward pass may run on an engine's background thread); a count set with
+    ``numba_threads`` holds for every thread, and is applied to the calling thread here."""
+    n = numba.get_num_threads()
+    if _threads is not None and n != _threads:
+        numba.set_num_threads(_threads)
+        n = _threads
+    return n
 
 
 @contextlib.contextmanager
 def numba_threads(n: int):
-    """Run the kernels called from this thread on ``n`` threads inside the block (Numba's
-    setting is per calling thread).
+    """Run the CPU kernels on ``n`` threads inside the block, whichever thread calls them.
 
     Raises:
         ValueError: ``n`` is below 1 or above the pool's size (``NUMBA_NUM_THREADS``).
     """
+    global _threads
     if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
         raise ValueError(f"{n} threads requested; the pool has {numba.config.NUMBA_NUM_THREADS} "
                          "(NUMBA_NUM_THREADS)")
-    prev = numba.get_num_threads()
+    prev, prev_local = _threads, numba.get_num_threads()
+    _threads = n
     numba.set_num_threads(n)
     try:
         yield
     finally:
-        numba.set_num_threads(prev)
+        _threads = prev
+        numba.set_num_threads(prev_local)
 
 
 def apply_thread_policy() -> None:

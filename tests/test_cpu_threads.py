@@ -86,6 +86,18 @@ def test_numba_threads_sets_and_restores():
                 pass
 
 
+def test_numba_threads_holds_for_other_threads():
+    # an engine's background thread (overlap scheduling) runs the forward pass: the count set by
+    # numba_threads must reach it, though Numba's own setting is per thread
+    import threading
+    seen = []
+    with cpu_threads.numba_threads(1):
+        t = threading.Thread(target=lambda: seen.append(cpu_threads.num_threads()))
+        t.start()
+        t.join()
+    assert seen == [1]
+
+
 def test_default_threads_are_the_allowed_cores():
     assert cpu_threads.default_num_threads() == len(os.sched_getaffinity(0))
 
