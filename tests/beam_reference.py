@@ -25,7 +25,8 @@ def reference_beam_search(logprob_fn, prompt: list[int], params, eos_ids, delta:
     """Beam search as issue 11 states it.
 
     Args:
-        logprob_fn: ``list[int] -> [V]`` float logprobs of the token after that prefix.
+        logprob_fn: ``list of prefixes (list[int]) -> list of [V]`` float logprobs of the token
+            after each prefix (one call per step, for every live beam: a batch).
         prompt: the prompt's token ids.
         params: a ``BeamSearchParams`` (beam_width, max_tokens, ignore_eos, length_penalty,
             include_stop_str_in_output; temperature must be 0).
@@ -45,8 +46,9 @@ def reference_beam_search(logprob_fn, prompt: list[int], params, eos_ids, delta:
         terms = step + 1                    # logprobs summed in each candidate's cum
         cands = []                          # (cum, parent rank, token)
         cuts = []                           # per parent: (gap at its 2k cut, the two tokens, cum at the cut)
+        rows = logprob_fn([list(prompt) + toks for toks, _ in live])
         for rank, (toks, cum) in enumerate(live):
-            lp = np.asarray(logprob_fn(list(prompt) + toks), dtype=np.float64)
+            lp = np.asarray(rows[rank], dtype=np.float64)
             order = np.argsort(-lp, kind="stable")
             for t in order[:k2].tolist():
                 c = cum + float(lp[t])

@@ -150,7 +150,7 @@ def assert_idle(engine):
 
 
 def expected(p, params):
-    seqs, _ = reference_beam_search(toy_logprobs, p, params, [EOS])
+    seqs, _ = reference_beam_search(lambda prefixes: [toy_logprobs(x) for x in prefixes], p, params, [EOS])
     return seqs
 
 

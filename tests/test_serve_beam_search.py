@@ -1,0 +1,82 @@
+"""Beam search and prompt logprobs through `folio serve` (real processes, ZeroMQ, both clients).
+
+The worker is ``tests/ipc_fake_runner.EchoRunner``: its made-up logprobs (``echo_logprobs``, a
+function of the last token) make the expected beams computable by the independent search of
+tests/beam_reference.py; the real model's numbers are tested offline (test_beam_search.py,
+test_prompt_logprobs.py), so this file checks the serving path: messages, routing, the final
+one-message result, errors, and the blocks coming back.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from beam_reference import reference_beam_search
+from folio import AsyncClient, BeamSearchParams, Client, SamplingParams
+from folio.cmd_serve import spawn_server, stop_server
+from folio.ipc.client import ServerError
+from ipc_fake_runner import echo_logprobs
+from test_serve import ECHO, _idle_free_blocks, echo_env
+
+VOCAB = 49152
+
+
+def echo_lp(history):
+    lp = np.full(VOCAB, -np.inf)
+    ids, lps = echo_logprobs([history[-1]], 16)
+    lp[ids[0, 1:]] = lps[0, 1:]
+    return lp
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.005), startup_timeout=120)
+    yield addr
+    stop_server(proc)
+
+
+def expected(prompt_ids, params):
+    seqs, _ = reference_beam_search(lambda prefixes: [echo_lp(x) for x in prefixes], prompt_ids, params, [])
+    return [(ids, cum) for ids, cum, _ in seqs]
+
+
+def test_client_beam_search_matches_reference_and_frees_blocks(server):
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5)
+    prompts = [{"prompt_token_ids": [100, 204]}, {"prompt_token_ids": [301, 402, 503, 604, 7]}]
+    with Client(server, timeout=60) as c:
+        free = _idle_free_blocks(c)
+        outs = c.beam_search(prompts, params)
+        for p, out in zip(prompts, outs):
+            got = [(s.token_ids, s.cum_logprob) for s in out.sequences]
+            assert got == expected(p["prompt_token_ids"], params)
+            assert all(s.finish_reason == "length" for s in out.sequences)
+        # the text form and a dict of parameters are accepted too
+        one = c.beam_search("Hello there", params.to_dict())
+        assert len(one) == 1 and len(one[0].sequences) == 3
+        with pytest.raises(ServerError, match="KV blocks"):   # 10 beams x 63 blocks > 512
+            c.beam_search("Hello", {"beam_width": 10, "max_tokens": 1000})
+        with pytest.raises(ValueError, match="beam_width"):
+            c.beam_search("Hello", {"beam_width": 0, "max_tokens": 2})     # refused before sending
+        assert _idle_free_blocks(c) == free
+
+
+def test_async_client_beam_search_and_prompt_logprobs(server):
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    p = [900, 17, 42]
+
+    async def main():
+        async with AsyncClient(server, timeout=60) as c:
+            beams = await c.beam_search([{"prompt_token_ids": p}], params)
+            out = await c.generate(prompt_token_ids=p, sampling_params=SamplingParams(
+                max_tokens=2, prompt_logprobs=2, temperature=0.0))
+            return beams, out
+
+    beams, out = asyncio.run(main())
+    assert [(s.token_ids, s.cum_logprob) for s in beams[0].sequences] == expected(p, params)
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(p)
+    for i in range(1, len(p)):
+        # the echo's made-up prompt logprobs: the prompt token at -3.0 rank 7, then the top 2
+        assert plp[i][p[i]].logprob == -3.0 and plp[i][p[i]].rank == 7
+        assert len(plp[i]) == 3
