@@ -260,6 +260,15 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=lp,
                               logprob_token_ids=lp_ids, forward_time=fwd, sample_time=smp)
 
+        if self.device_step is not None:  # a prompt-logprob step on the GPU: eager, on folio's stream
+            with self.device_step.dev.activate():
+                return self._execute_eager(plan, sample_ids, R, num_plp)
+        return self._execute_eager(plan, sample_ids, R, num_plp)
+
+    def _execute_eager(self, plan: StepPlan, sample_ids: list[int], R: int, num_plp: int) -> StepResult:
+        """Forward + sample on any table, one kernel call at a time (the CPU path, and GPU steps
+        with prompt-logprob rows)."""
+        xp = self.xp
         t0 = time.perf_counter()
         copies = np.asarray(plan.block_copies, dtype=np.int64).reshape(-1, 2)
         if len(copies):
