@@ -154,31 +154,52 @@ def _raise_error(f: dict):
     raise ServerError(f["message"], f["code"], f.get("request_id"))
 
 
-def _beam_requests(prompts, params) -> list[tuple[str, list]]:
-    """``(request id, frames)`` of one ``beam_search`` message per prompt. Prompts as
-    ``LLM.beam_search`` takes them: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
-    (each optionally with ``"cache_salt"``), or a list of these."""
-    from ..runtime.sampling_params import BeamSearchParams
-    if isinstance(params, dict):
-        params = BeamSearchParams.from_dict(params)
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params must be a BeamSearchParams or a dict of its fields, got {type(params).__name__}")
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            p = {"prompt": p}
-        if not isinstance(p, dict) or set(p) - {"prompt", "prompt_token_ids", "cache_salt"}:
-            raise ValueError(f"a prompt is a string or a dict with prompt / prompt_token_ids / cache_salt, got {p!r}")
-        if ("prompt" in p) == ("prompt_token_ids" in p):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
-        ids = p.get("prompt_token_ids")
-        rid = uuid.uuid4().hex
-        out.append((rid, M.encode("beam_search", request_id=rid, prompt=p.get("prompt"),
-                                  prompt_token_ids=None if ids is None else np.asarray(ids, dtype=np.int64),
-                                  params=params.to_dict(), cache_salt=p.get("cache_salt"))))
-    return out
+class _BeamSearches:
+    """The ``beam_search`` messages of one client call, one per prompt, and their results. Prompts
+    as ``LLM.beam_search`` takes them: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
+    (each optionally with ``"cache_salt"``), or a list of these.
+
+    Raises:
+        ValueError: a bad prompt or parameter (nothing is sent then).
+    """
+
+    def __init__(self, prompts, params):
+        from ..runtime.sampling_params import BeamSearchParams
+        if isinstance(params, dict):
+            params = BeamSearchParams.from_dict(params)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams or a dict of its fields, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        self.requests: list[tuple[str, list]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                p = {"prompt": p}
+            if not isinstance(p, dict) or set(p) - {"prompt", "prompt_token_ids", "cache_salt"}:
+                raise ValueError(f"a prompt is a string or a dict with prompt / prompt_token_ids / cache_salt, got {p!r}")
+            if ("prompt" in p) == ("prompt_token_ids" in p):
+                raise ValueError("give exactly one of prompt and prompt_token_ids")
+            ids = p.get("prompt_token_ids")
+            rid = uuid.uuid4().hex
+            self.requests.append((rid, M.encode(
+                "beam_search", request_id=rid, prompt=p.get("prompt"),
+                prompt_token_ids=None if ids is None else np.asarray(ids, dtype=np.int64), params=params.to_dict(),
+                cache_salt=p.get("cache_salt"))))
+        self.accs = [_Accumulator(rid) for rid, _ in self.requests]
+
+    @staticmethod
+    def add(acc: "_Accumulator", msg_type: str, f: dict) -> None:
+        if msg_type == "error":
+            _raise_error(f)
+        acc.add(f)
+
+    def unfinished(self, num_sent: int) -> list[tuple[str, bool]]:
+        """``(request id, finished)`` of the first ``num_sent`` requests (to release / abort)."""
+        return [(rid, acc.out.finished) for (rid, _), acc in zip(self.requests[:num_sent], self.accs)]
+
+    def results(self) -> list:
+        from ..runtime.beam_search import BeamSearchOutput
+        return [BeamSearchOutput.from_request_output(acc.out) for acc in self.accs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,26 +372,21 @@ class Client:
             ValueError: a bad prompt or parameter (before anything is sent). ServerError: the
             server rejected or failed a search (the others are aborted). ClientTimeoutError.
         """
-        from ..runtime.beam_search import BeamSearchOutput
         timeout = self.timeout if timeout == -1 else timeout
-        reqs = _beam_requests(prompts, params)
-        accs = [_Accumulator(rid) for rid, _ in reqs]
+        batch = _BeamSearches(prompts, params)
         queues = []
         try:
-            for rid, frames in reqs:
+            for rid, frames in batch.requests:
                 queues.append(self._submit(rid, frames))
-            for q, acc in zip(queues, accs):
+            for q, acc in zip(queues, batch.accs):
                 while not acc.out.finished:
-                    msg_type, f = self._get(q, timeout)
-                    if msg_type == "error":
-                        _raise_error(f)
-                    acc.add(f)
+                    batch.add(acc, *self._get(q, timeout))
         finally:
-            for (rid, _), acc in zip(reqs[:len(queues)], accs):
+            for rid, finished in batch.unfinished(len(queues)):
                 self._release(rid)
-                if not acc.out.finished and not self._closed:
+                if not finished and not self._closed:
                     self._post(M.encode("abort", request_id=rid))
-        return [BeamSearchOutput.from_request_output(acc.out) for acc in accs]
+        return batch.results()
 
     def _call(self, msg_type: str, timeout) -> dict:
         cid = uuid.uuid4().hex
@@ -531,26 +547,21 @@ class AsyncClient:
 
     async def beam_search(self, prompts, params, *, timeout: float | None = -1) -> list:
         """``Client.beam_search`` for asyncio (cancelling the task aborts the searches)."""
-        from ..runtime.beam_search import BeamSearchOutput
         timeout = self.timeout if timeout == -1 else timeout
-        reqs = _beam_requests(prompts, params)
-        accs = [_Accumulator(rid) for rid, _ in reqs]
+        batch = _BeamSearches(prompts, params)
         queues = []
         try:
-            for rid, frames in reqs:
+            for rid, frames in batch.requests:
                 queues.append(self._open(rid, frames))
-            for q, acc in zip(queues, accs):
+            for q, acc in zip(queues, batch.accs):
                 while not acc.out.finished:
-                    msg_type, f = await self._get(q, timeout)
-                    if msg_type == "error":
-                        _raise_error(f)
-                    acc.add(f)
+                    batch.add(acc, *(await self._get(q, timeout)))
         finally:
-            for (rid, _), acc in zip(reqs[:len(queues)], accs):
+            for rid, finished in batch.unfinished(len(queues)):
                 self._routes.pop(rid, None)
-                if not acc.out.finished and not self._closed:
+                if not finished and not self._closed:
                     self._send_now(M.encode("abort", request_id=rid))
-        return [BeamSearchOutput.from_request_output(acc.out) for acc in accs]
+        return batch.results()
 
     async def _call(self, msg_type: str, timeout) -> dict:
         cid = uuid.uuid4().hex

@@ -21,11 +21,10 @@ import pytest
 from beam_reference import reference_beam_search
 from folio.runtime.beam_search import BeamSearchOutput, beam_score
 from folio.runtime.config import EngineConfig
-from folio.runtime.engine import LLMEngine
 from folio.runtime.outputs import RequestOutput
 from folio.runtime.sampling_params import BeamSearchParams, SamplingParams
 from folio.runtime.step import PLACEHOLDER_TOKEN_ID, StepResult
-from test_scheduler import EOS, FakeTokenizer, prompt
+from test_scheduler import EOS, FakeTokenizer, RecordingEngine, prompt
 
 V = 50
 
@@ -110,26 +109,12 @@ class ToyLM:
         pass
 
 
-class Engine(LLMEngine):
-    """Keeps every delta it returned."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.deltas: dict[str, list] = {}
-
-    def step(self, block=True):
-        out = super().step(block)
-        for d in out:
-            self.deltas.setdefault(d.request_id, []).append(d)
-        return out
-
-
 def make_engine(num_blocks=128, **kw):
     kw.setdefault("block_size", 4)
     kw.setdefault("async_scheduling", False)
     config = EngineConfig(**kw)
     lm = ToyLM(num_blocks, config.block_size)
-    return Engine(config, executor=lm, tokenizer=FakeTokenizer()), lm
+    return RecordingEngine(config, executor=lm, tokenizer=FakeTokenizer()), lm
 
 
 def run(engine, on_step=None, max_steps=5000):
