@@ -111,29 +111,29 @@ class StepResult:
         logprobs: ``[R, 1 + K]`` float32 or ``None``: column 0 is the sampled token's logprob,
             columns 1.. the top-K logprobs (K = the largest ``logprobs`` asked for in the step).
         logprob_token_ids: ``[R, 1 + K]`` int64 matching ``logprobs`` (column 0 = sampled id).
-        prompt_logprobs: ``[N, 1 + K]`` float32 or ``None``, one row per
-            ``plan.prompt_logprob_indices`` row: column 0 the raw logprob of the following prompt
-            token, columns 1.. the top-K (K = the largest ``prompt_logprobs`` of the step).
-        prompt_logprob_token_ids: ``[N, 1 + K]`` int64 matching (column 0 = the prompt token).
-        prompt_logprob_ranks: ``[N]`` int64 1-based rank of each prompt token in its row.
         forward_time: seconds spent in the forward pass.
         sample_time: seconds spent sampling.
         idle_time: seconds the worker waited for this plan after finishing the previous one
             (its idle time between steps; measured by whoever runs the runner).
         error: a message when the step failed on the worker (then the other fields are empty).
+        prompt_logprobs: ``[N, 1 + K]`` float32 or ``None``, one row per
+            ``plan.prompt_logprob_indices`` row: column 0 the raw logprob of the following prompt
+            token, columns 1.. the top-K (K = the largest ``prompt_logprobs`` of the step).
+        prompt_logprob_token_ids: ``[N, 1 + K]`` int64 matching (column 0 = the prompt token).
+        prompt_logprob_ranks: ``[N]`` int64 1-based rank of each prompt token in its row.
     """
 
     step_id: int
     sampled_token_ids: np.ndarray
     logprobs: np.ndarray | None = None
     logprob_token_ids: np.ndarray | None = None
-    prompt_logprobs: np.ndarray | None = None
-    prompt_logprob_token_ids: np.ndarray | None = None
-    prompt_logprob_ranks: np.ndarray | None = None
     forward_time: float = 0.0
     sample_time: float = 0.0
     idle_time: float = 0.0
     error: str | None = None
+    prompt_logprobs: np.ndarray | None = None
+    prompt_logprob_token_ids: np.ndarray | None = None
+    prompt_logprob_ranks: np.ndarray | None = None
 
 
 def make_step_plan(out, block_size: int) -> StepPlan:

@@ -414,9 +414,10 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
          "[report.json](report.json).", ""]
     for u in data.get("reruns", []):
         L += [f"Section(s) {', '.join(u['sections'])} rerun {u['started']} by `{u['command']}` in "
-              f"{u['total_s'] / 60:.1f} min, {u['threads']} thread(s), 1-min load {u['machine_start'].get('loadavg_1m', 0):.1f} "
-              f"at the start and {u['machine_end'].get('loadavg_1m', 0):.1f} at the end; the other sections are from "
-              "the run above.", ""]
+              f"{u['total_s'] / 60:.1f} min on {u['machine_start'].get('cpu', '?')}, {u['machine_start'].get('cores')} "
+              f"cores, {u['threads']} thread(s), 1-min load {u['machine_start'].get('loadavg_1m', 0):.1f} at the start "
+              f"and {u['machine_end'].get('loadavg_1m', 0):.1f} at the end; the other sections are from the run above.",
+              ""]
     cmd = lambda n: _section_command(n, size_name)  # noqa: E731
 
     def fig(key):
