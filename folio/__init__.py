@@ -4,14 +4,16 @@ Offline: ``folio.LLM(model).generate(prompts, SamplingParams(...))``. Online: ``
 ``folio.Client`` / ``folio.AsyncClient``.
 """
 
+__version__ = "0.1.0"
+
 from .llm import LLM
 from .runtime.beam_search import BeamSearchOutput, BeamSearchSequence
 from .runtime.config import EngineConfig
 from .runtime.outputs import CompletionOutput, RequestOutput
 from .runtime.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "RequestOutput",
-           "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
+__all__ = ["__version__", "LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
 
 
 def __getattr__(name):

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+
 # Sub-command modules, in the order `folio --help` lists them.
 _COMMAND_MODULES = [
     "folio.cmd_generate",
@@ -20,8 +22,20 @@ _COMMAND_MODULES = [
 ]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the descriptions' layout and shows every flag's default."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with ``HelpFormatter`` as the default, for every sub-command."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="folio", description="folio: a small LLM serving engine for Llama models")
+    parser = ArgumentParser(prog="folio", description="folio: a small LLM serving engine for Llama models")
+    parser.add_argument("--version", action="version", version=f"folio {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -38,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, ConnectionError) as e:
         print(f"folio {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -13,11 +13,12 @@ import os
 def register(subparsers) -> None:
     from .cmd_serve import add_engine_args
     p = subparsers.add_parser("repl", help="interactive chat with streamed answers",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__)
     p.add_argument("--address", default=None,
                    help="server address (default tcp://127.0.0.1:5555 unless --model is given)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server message")
-    p.add_argument("--params", nargs="*", default=[], metavar="K=V", help="initial sampling parameters")
+    p.add_argument("--params", nargs="*", default=[], metavar="K=V",
+                   help="initial sampling parameters (on top of temperature=0.7 top_p=0.9 max_tokens=256)")
     add_engine_args(p)
     p.set_defaults(func=run, model=None)
 
@@ -42,7 +43,7 @@ def run(a: argparse.Namespace) -> int:
             if getattr(a, name) is not None:
                 flags += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         print(f"starting a server for {a.model} ...", flush=True)
-        proc, address = spawn_server(flags)
+        proc, address = spawn_server(flags, on_line=lambda line: print("  " + line, flush=True))
     try:
         with Client(address or DEFAULT_ADDRESS, timeout=a.timeout) as client:
             return Repl(client, params, history_file=history).run()

@@ -1,16 +1,24 @@
-"""``folio serve``: the scheduler process (this one) plus a worker process, serving clients over ZeroMQ.
+"""``folio serve``: one engine, two front doors.
 
-    folio serve [--model M] [--address tcp://127.0.0.1:5555 | ipc://PATH] [--device cpu|cuda|auto]
-                [--block-size N] [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N]
-                [--gpu-memory-utilization F] [--[no-]enable-prefix-caching] [--kv-cache-memory BYTES] ...
+    folio serve [--model M] [--address tcp://127.0.0.1:5555 | ipc://PATH] [--host 127.0.0.1] [--port 8000]
+                [--api-key KEY] [--served-model-name NAME ...] [--chat-template FILE|TEMPLATE]
+                [--device cpu|cuda|auto] [--max-model-len N] [--max-num-seqs N] ...
 
-It prints one line, ``folio serve: ready on ADDRESS ...``, once the worker has loaded the model and
-sized the KV cache. Loopback only unless ``--allow-remote`` (there is no authentication).
-SIGINT / SIGTERM: in-flight requests get a ``shutdown`` error, the worker is told to stop (and
-killed after a timeout), the process exits 0. The worker also dies with this process
-(``PR_SET_PDEATHSIG`` plus a parent-pid check), so no orphan survives a SIGKILL either. If the
-worker dies, this process fails every in-flight request and exits with code 3 (see
-``ipc/server.py``).
+Processes: this one is the scheduler (engine loop, ZeroMQ clients on ``--address``); a worker
+process runs the model; an HTTP front-end process (FastAPI + uvicorn, ``folio/api``) serves the
+OpenAI-compatible API, Prometheus ``/metrics`` and a chat page on ``http://HOST:PORT``, talking to
+this process through folio's ``AsyncClient`` like any other client.
+
+It prints progress while the model loads and warms up (one request of two tokens, so that the
+first client does not pay for compiling the kernels), then one line, ``folio serve: ready on
+ADDRESS and http://HOST:PORT ...``. Loopback only unless ``--allow-remote`` (the ZeroMQ door has no
+authentication; ``--api-key`` guards the HTTP one).
+
+SIGINT / SIGTERM / SIGHUP, to this process or to its whole process group, at any time: in-flight requests
+get a ``shutdown`` error, the front end and the worker stop, temporary socket folders are
+removed, and the process exits 0. The worker and the front end also die with this process
+(``PR_SET_PDEATHSIG``). If the worker dies, this process fails every in-flight request and exits
+with code 3 (see ``ipc/server.py``); if the front end dies, it exits with code 4.
 """
 
 from __future__ import annotations
@@ -21,28 +29,42 @@ import sys
 
 from .runtime.config import DEFAULT_MODEL, EngineConfig
 
+EXIT_FRONTEND_DIED = 4
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags named as vLLM names them (shared by serve, repl --model and bench)."""
     d = EngineConfig()
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or Hugging Face folder (default {DEFAULT_MODEL})")
-    p.add_argument("--device", default=d.device, choices=["cpu", "cuda", "auto"])
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model name, Hugging Face Llama folder, or .gguf file")
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda", "auto"],
+                   help="where the model runs (auto: cuda when a GPU is usable)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (decode tokens + prefill chunks)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="longest prompt + output in tokens (None: the model's max_position_embeddings, "
+                        "which is also the upper limit)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of GPU memory folio may use (GPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="automatic prefix caching")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d.enable_chunked_prefill)
-    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="KV cache bytes (CPU)")
+                   default=d.enable_chunked_prefill, help="split long prefills over several steps")
+    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
+                   help="KV cache bytes on CPU (None: a quarter of available memory, capped by what "
+                        "max_num_seqs x max_model_len can use)")
     p.add_argument("--num-kv-blocks-override", "--num-gpu-blocks-override", dest="num_kv_blocks_override", type=int,
-                   default=d.num_kv_blocks_override, help="KV cache size in blocks, on any device (overrides sizing)")
+                   default=d.num_kv_blocks_override,
+                   help="KV cache size in blocks on any device, overriding the sizing (None: sized from memory)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
-                   help="overlap scheduling: prepare step N+1 while the worker runs step N (default on)")
-    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--seed", type=int, default=d.seed)
+                   help="overlap scheduling: prepare step N+1 while the worker runs step N")
+    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                   help="auto: weights from the files; dummy: random weights of the model's shapes")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
+                   help="weights / KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -56,15 +78,29 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 
 def register(subparsers) -> None:
+    from .cli import HelpFormatter
     from .ipc.messages import DEFAULT_MAX_MESSAGE_BYTES
     from .ipc.transport import DEFAULT_ADDRESS
-    p = subparsers.add_parser("serve", help="serve a model to clients over ZeroMQ (scheduler + worker processes)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help=f"bind address (default {DEFAULT_ADDRESS})")
-    p.add_argument("--allow-remote", action="store_true", help="allow binding a non-loopback address")
+    p = subparsers.add_parser("serve", help="serve a model over HTTP (OpenAI API) and ZeroMQ",
+                              description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="ZeroMQ bind address (tcp://HOST:PORT or ipc://PATH)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP host to serve the OpenAI-compatible API on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, printed when ready)")
+    p.add_argument("--api-key", default=None,       # the key itself never appears in --help
+                   help="HTTP requests to /v1, /tokenize and /detokenize must send 'Authorization: Bearer KEY' "
+                        "(default: $FOLIO_API_KEY if set, else none)%(default).0s")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the HTTP API answers to; the first is used in responses "
+                        "(None: the --model value)")
+    p.add_argument("--chat-template", default=None,
+                   help="jinja2 chat template (a file, or the template itself) instead of the model's")
+    p.add_argument("--allow-remote", action="store_true", help="allow binding non-loopback addresses")
     add_engine_args(p)
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the HTTP server (info and below also log each request)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="largest client message accepted (bigger ones get an error reply)")
+                   help="largest ZeroMQ client message accepted (bigger ones get an error reply)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds of worker silence that count as worker death")
     p.add_argument("--exit-grace", type=float, default=2.0,
@@ -73,68 +109,167 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+class _Shutdown(BaseException):
+    """SIGTERM during start-up: unwinds whatever is being built (it cleans up), then exit 0."""
+
+
+# SIGHUP too: a closed terminal stops the server as cleanly as Ctrl-C does
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _startup_signals() -> None:
+    def on_term(signum, frame):
+        raise _Shutdown()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_term)
+
+
+def _say(text: str) -> None:
+    print(f"folio serve: {text}", flush=True)
+
+
+def _warm_up(engine) -> None:
+    """Run one two-token request through the engine so the kernels are compiled (Numba) or loaded
+    before the first client: a prefill of several tokens (the multi-token attention path), then a
+    decode step. Its prompt is shorter than a block, so the prefix cache keeps nothing."""
+    from .runtime.sampling_params import SamplingParams
+    text = "Warming up: one short prompt runs through prefill and decode before any client comes."
+    ids = engine.tokenizer.encode(text)[: max(1, engine.config.block_size - 1)] or [0]
+    engine.add_request("folio-warm-up", None, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
+                       prompt_token_ids=ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def run(a: argparse.Namespace) -> int:
+    _startup_signals()
+    try:
+        return _run(a)
+    except (_Shutdown, KeyboardInterrupt):
+        print("folio serve: stopped during start-up", file=sys.stderr, flush=True)
+        return 0
+
+
+def _run(a: argparse.Namespace) -> int:
+    import os
+    import time
+    from .api.frontend import FrontEndProcess, bind_http, http_url, load_chat_template
     from .ipc.server import Server
+    from .ipc.transport import private_ipc_address
+    from .model.config import ModelConfig
+    from .model.registry import resolve_model
+
     config = engine_config_from_args(a)
-    server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,
-                    max_message_bytes=a.max_message_bytes, heartbeat_timeout=a.heartbeat_timeout,
-                    exit_grace=a.exit_grace)
+    api_key = a.api_key if a.api_key is not None else (os.environ.get("FOLIO_API_KEY") or None)
+    t0 = time.monotonic()
+    model_dir = resolve_model(config.model)                 # imports a GGUF once
+    max_model_len = config.resolve_max_model_len(ModelConfig.from_pretrained(model_dir).max_position_embeddings)
+    load_chat_template(a.chat_template)                     # a bad template fails now, not per request
+    http_sock = bind_http(a.host, a.port, a.allow_remote)   # a busy port fails before the model loads
+    front = server = None
+    try:
+        _say(f"loading {config.model} in the worker process (device {config.device}) ...")
+        server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,
+                        max_message_bytes=a.max_message_bytes, heartbeat_timeout=a.heartbeat_timeout,
+                        exit_grace=a.exit_grace)
+        ex = server.executor
+        info = ex.worker_info if ex is not None else {}
+        _say(f"model loaded in {time.monotonic() - t0:.1f} s; warming up (compiles kernels on a first run) ...")
+        if a.chat_template is not None:
+            server.tokenizer.set_chat_template(load_chat_template(a.chat_template))
+        _warm_up(server.engine)
+        api_address = server.bind_extra(private_ipc_address("api"))
+        num_blocks = int(server.engine.get_metrics()["num_total_blocks"])
+        front = FrontEndProcess(http_sock, api_address, {
+            "--model-dir": str(model_dir), "--model-root": config.model,
+            "--served-model-name": a.served_model_name or [config.model], "--max-model-len": max_model_len,
+            "--kv-capacity-tokens": num_blocks * config.block_size, "--chat-template": a.chat_template,
+            "--uvicorn-log-level": a.uvicorn_log_level}, api_key=api_key)
+        state = {"stopping": False, "front_exit": None}
 
-    def on_signal(signum, frame):
-        server.stop()
+        def on_front_exit(code):
+            if not state["stopping"]:   # not asked to stop: the front end ended on its own
+                state["front_exit"] = code
+            server.stop()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    ex = server.executor
-    info = ex.worker_info if ex is not None else {}
-    print(f"folio serve: ready on {server.address} (model {config.model}, device {info.get('device', '?')}, "
-          f"{ex.num_blocks if ex else '?'} KV blocks of {config.block_size} tokens, worker pid "
-          f"{getattr(ex, 'worker_pid', '?')})", flush=True)
-    code = server.serve_forever()
+        front.watch(on_front_exit)
+
+        def on_signal(signum, frame):
+            state["stopping"] = True
+            server.stop()
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, on_signal)
+        _say(f"ready on {server.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
+             f"(model {config.model}, device {info.get('device', '?')}, {num_blocks} KV blocks of "
+             f"{config.block_size} tokens, worker pid {getattr(ex, 'worker_pid', '?')})")
+        code = server.serve_forever()
+        if state["front_exit"] not in (None, 0):
+            print(f"folio serve: the HTTP front end died (exit code {state['front_exit']})", file=sys.stderr)
+            code = code or EXIT_FRONTEND_DIED
+    finally:
+        for sig in STOP_SIGNALS:                          # the clean-up below is not interrupted
+            signal.signal(sig, signal.SIG_IGN)
+        if front is not None:
+            front.stop()
+        if server is not None:
+            server.close()
+        http_sock.close()
     print("folio serve: stopped", file=sys.stderr, flush=True)
     return code
 
 
 def spawn_server(args: list[str], address: str | None = None, startup_timeout: float = 600.0,
-                 env: dict | None = None, start_new_session: bool = False):
+                 env: dict | None = None, start_new_session: bool = False, on_line=None):
     """Start ``folio serve`` as a child process and wait for its ready line.
 
     Args:
-        args: extra ``folio serve`` arguments (model, engine flags).
-        address: bind address; default a fresh private ``ipc://`` path.
+        args: extra ``folio serve`` arguments (model, engine flags). Without ``--port`` the HTTP
+            API takes any free port (``--port 0``), so private servers never collide.
+        address: ZeroMQ bind address; default a fresh private ``ipc://`` path.
         start_new_session: run it in its own session / process group (as a terminal job would be).
+        on_line: called with each line the server prints before it is ready (progress).
     Returns:
-        ``(Popen, address)``; the child's stdout is a pipe (its ready line already read).
+        ``(Popen, address)``; the child's stdout is a pipe (its ready line already read) and
+        ``Popen.http_url`` is the HTTP API's base URL (``http://HOST:PORT``).
     Raises:
         RuntimeError: the server exited or printed no ready line within ``startup_timeout`` s.
     """
     import os
+    import re
     import selectors
     import subprocess
     import time
-    from .ipc.transport import private_ipc_address
+    from .ipc.transport import cleanup_ipc_address, private_ipc_address
     address = address or private_ipc_address("serve")
-    proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--address", address, *args],
+    port = [] if "--port" in args else ["--port", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "folio", "serve", "--address", address, *port, *args],
                             stdout=subprocess.PIPE, text=True, env=env or os.environ.copy(),
                             start_new_session=start_new_session)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if "ready on" in line:
-                sel.close()
-                return proc, address
-            if not line and proc.poll() is not None:
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.5):
+                line = proc.stdout.readline()
+                if "ready on" in line:
+                    url = re.search(r"http://\S+", line)
+                    proc.http_url = url.group(0) if url else None
+                    return proc, address
+                if line and on_line is not None:
+                    on_line(line.rstrip("\n"))
+                if not line and proc.poll() is not None:
+                    break
+            elif proc.poll() is not None:
                 break
-        elif proc.poll() is not None:
-            break
-    sel.close()
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    raise RuntimeError(f"folio serve did not become ready (exit code {proc.returncode})")
+        raise RuntimeError(f"folio serve did not become ready (exit code {proc.poll()})")
+    except BaseException:
+        stop_server(proc)          # SIGTERM first: a server stopped during start-up cleans up after itself
+        cleanup_ipc_address(address)
+        raise
+    finally:
+        sel.close()
 
 
 def stop_server(proc, timeout: float = 30.0) -> int:

@@ -13,6 +13,14 @@ on a sample's last delta). Leaving a stream early (``break``, an exception, ``cl
 asyncio task being cancelled) sends ``abort`` so the server frees the request's blocks. Errors the
 server reports arrive as ``ServerError`` (its message and code); no message for ``timeout``
 seconds raises ``ClientTimeoutError``.
+
+Prompts take every form ``folio.LLM.generate`` takes: a string, a dict ``{"prompt": str}`` or
+``{"prompt_token_ids": [...]}`` (either with ``"cache_salt"``), or a list of these (``generate``
+then returns one ``RequestOutput`` per prompt, in order, running them concurrently).
+
+A client checks at construction that a ZeroMQ peer answers at ``address`` (``connect_timeout``
+seconds, a handshake, not a request) and raises ``ConnectionError`` with the address otherwise,
+instead of waiting out the request timeout.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import zmq.asyncio
 
 from ..runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from . import messages as M
-from .transport import DEFAULT_ADDRESS, make_socket, recv_frames, send_frames
+from .transport import DEFAULT_ADDRESS, make_socket, recv_frames, send_frames, wait_for_server
+
+DEFAULT_CONNECT_TIMEOUT = 5.0   # seconds a client waits at construction for the server's handshake
 
 
 class ServerError(RuntimeError):
@@ -90,15 +100,57 @@ def _sampling_dict(sampling_params) -> dict:
     return sampling_params.to_dict()
 
 
+def _split_prompt(prompt, prompt_token_ids, cache_salt):
+    """``(text, token_ids, cache_salt)`` of one prompt given as ``LLM.generate`` takes it (a string or a
+    ``{"prompt" | "prompt_token_ids", "cache_salt"}`` dict) or as the ``prompt_token_ids`` keyword.
+
+    Raises:
+        ValueError: unknown dict keys, a non-string / non-dict prompt, or not exactly one of text and ids.
+    """
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+        if unknown:
+            raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
+        if prompt_token_ids is not None:
+            raise ValueError("give the token ids either in the prompt dict or as prompt_token_ids, not both")
+        if prompt.get("cache_salt") is not None:
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise ValueError("two different cache_salt values (prompt dict and keyword)")
+            cache_salt = prompt["cache_salt"]
+        text, prompt_token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if text is not None and prompt_token_ids is not None:
+            text = None          # both given (as LLM.chat builds them): the ids are what runs
+        prompt = text
+    elif prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+    if (prompt is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompt and prompt_token_ids")
+    return prompt, prompt_token_ids, cache_salt
+
+
 def _request_frames(request_id: str, prompt, prompt_token_ids, sampling_params, cache_salt, messages=None) -> list:
     sp = _sampling_dict(sampling_params)
     if messages is not None:
         return M.encode("chat", request_id=request_id, messages=list(messages), sampling=sp, cache_salt=cache_salt)
-    if (prompt is None) == (prompt_token_ids is None):
-        raise ValueError("give exactly one of prompt and prompt_token_ids")
+    prompt, prompt_token_ids, cache_salt = _split_prompt(prompt, prompt_token_ids, cache_salt)
     ids = None if prompt_token_ids is None else np.asarray(prompt_token_ids, dtype=np.int64)
     return M.encode("generate", request_id=request_id, prompt=prompt, prompt_token_ids=ids, sampling=sp,
                     cache_salt=cache_salt)
+
+
+def _per_prompt(prompts, sampling_params, request_id) -> list:
+    """``[(prompt, sampling_params)]`` for a list of prompts (one ``SamplingParams`` / dict for all, or
+    a list with one per prompt), as ``LLM.generate`` pairs them. Raises ``ValueError`` on a length mismatch."""
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("the list of prompts is empty")
+    if request_id is not None:
+        raise ValueError("request_id names one request; leave it out for a list of prompts")
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        return list(zip(prompts, sampling_params))
+    return [(p, sampling_params) for p in prompts]
 
 
 class _Accumulator:
@@ -212,13 +264,20 @@ class Client:
     Args:
         address: the server's address (``tcp://127.0.0.1:5555`` by default).
         timeout: seconds to wait for each reply / next streamed message (``None`` = forever).
+        connect_timeout: seconds to wait at construction for a ZeroMQ handshake with the server
+            (``None``: no check; requests then wait up to ``timeout``).
+    Raises:
+        ConnectionError: nothing at ``address`` answered within ``connect_timeout``.
     """
 
     def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 120.0,
-                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT):
         self.address = address
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
+        if connect_timeout is not None:
+            wait_for_server(address, connect_timeout)
         self._ctx = zmq.Context.instance()
         self._sock = make_socket(self._ctx, zmq.DEALER, linger_ms=500)
         self._sock.connect(address)
@@ -299,7 +358,7 @@ class Client:
             raise ClientTimeoutError(f"no reply from {self.address} within {timeout} s") from None
 
     # -- API -------------------------------------------------------------------------------------------
-    def generate_stream(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+    def generate_stream(self, prompt: str | dict | None = None, sampling_params=None, *, prompt_token_ids=None,
                         request_id: str | None = None, cache_salt: str | None = None,
                         messages: list | None = None, timeout: float | None = -1) -> Iterator[StreamDelta]:
         """Stream one request; yields ``StreamDelta``s. Closing the generator early aborts the request.
@@ -313,7 +372,10 @@ class Client:
         return self._stream(rid, frames, self.timeout if timeout == -1 else timeout, _Accumulator(rid))
 
     def _stream(self, rid, frames, timeout, acc) -> Iterator[StreamDelta]:
-        q = self._submit(rid, frames)
+        # a generator: the request is sent at the first next(), as a stream is consumed
+        yield from self._consume(rid, self._submit(rid, frames), timeout, acc)
+
+    def _consume(self, rid, q, timeout, acc) -> Iterator[StreamDelta]:
         done = False
         try:
             while True:
@@ -331,16 +393,47 @@ class Client:
             if not done and not self._closed:
                 self._post(M.encode("abort", request_id=rid))
 
-    def generate(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+    def generate(self, prompt=None, sampling_params=None, *, prompt_token_ids=None,
                  request_id: str | None = None, cache_salt: str | None = None,
-                 timeout: float | None = -1) -> RequestOutput:
-        """Run one request to the end; returns its ``RequestOutput`` (cumulative, like ``LLM.generate``)."""
-        rid = request_id or uuid.uuid4().hex
-        acc = _Accumulator(rid)
-        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt)
-        for _ in self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc):
-            pass
-        return acc.out
+                 timeout: float | None = -1):
+        """Run requests to the end, like ``LLM.generate``.
+
+        Args:
+            prompt: a string, a ``{"prompt" | "prompt_token_ids", "cache_salt"}`` dict, or a list of these.
+            sampling_params: a ``SamplingParams`` or dict of its fields; for a list of prompts also a
+                list with one per prompt.
+        Returns:
+            a ``RequestOutput`` (cumulative, finished) for one prompt; a list of them, in prompt
+            order, for a list of prompts (all submitted at once, so the server batches them).
+        Raises:
+            ValueError: a malformed prompt (nothing is sent). ServerError: the server rejected or
+            failed a request (the others of the list are aborted).
+        """
+        timeout = self.timeout if timeout == -1 else timeout
+        if not isinstance(prompt, (list, tuple)):
+            rid = request_id or uuid.uuid4().hex
+            acc = _Accumulator(rid)
+            frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt)
+            for _ in self._consume(rid, self._submit(rid, frames), timeout, acc):
+                pass
+            return acc.out
+        if prompt_token_ids is not None:
+            raise ValueError("give a list of prompts or prompt_token_ids, not both")
+        pairs = _per_prompt(prompt, sampling_params, request_id)
+        frames = [(uuid.uuid4().hex, p, sp) for p, sp in pairs]
+        frames = [(rid, _request_frames(rid, p, None, sp, cache_salt)) for rid, p, sp in frames]  # all checked first
+        running = [(rid, self._submit(rid, f), _Accumulator(rid)) for rid, f in frames]
+        done = 0
+        try:
+            for rid, q, acc in running:
+                for _ in self._consume(rid, q, timeout, acc):
+                    pass
+                done += 1
+        finally:
+            for rid, _, _ in running[done + 1:]:       # a failure mid-list: abort the rest
+                self._release(rid)
+                self._post(M.encode("abort", request_id=rid))
+        return [acc.out for _, _, acc in running]
 
     def chat(self, messages: list[dict], sampling_params=None, *, request_id: str | None = None,
              stream: bool = False, cache_salt: str | None = None, timeout: float | None = -1):
@@ -439,10 +532,13 @@ class AsyncClient:
     """
 
     def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 120.0,
-                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT):
         self.address = address
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
+        if connect_timeout is not None:
+            wait_for_server(address, connect_timeout)    # blocks this thread; only at construction
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = make_socket(self._ctx, zmq.DEALER, linger_ms=500)
         self._sock.connect(address)
@@ -507,7 +603,7 @@ class AsyncClient:
             if not done and not self._closed:
                 self._send_now(M.encode("abort", request_id=rid))
 
-    def generate_stream(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+    def generate_stream(self, prompt: str | dict | None = None, sampling_params=None, *, prompt_token_ids=None,
                         request_id: str | None = None, cache_salt: str | None = None,
                         messages: list | None = None, timeout: float | None = -1) -> AsyncIterator[StreamDelta]:
         """Async generator of ``StreamDelta``s (see ``Client.generate_stream``)."""
@@ -515,9 +611,24 @@ class AsyncClient:
         frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt, messages)
         return self._stream(rid, frames, self.timeout if timeout == -1 else timeout, _Accumulator(rid))
 
-    async def generate(self, prompt: str | None = None, sampling_params=None, *, prompt_token_ids=None,
+    async def generate(self, prompt=None, sampling_params=None, *, prompt_token_ids=None,
                        request_id: str | None = None, cache_salt: str | None = None,
-                       timeout: float | None = -1) -> RequestOutput:
+                       timeout: float | None = -1):
+        """Run requests to the end (see ``Client.generate``: one prompt -> a ``RequestOutput``, a
+        list -> a list of them; a failure cancels, hence aborts, the rest)."""
+        if isinstance(prompt, (list, tuple)):
+            if prompt_token_ids is not None:
+                raise ValueError("give a list of prompts or prompt_token_ids, not both")
+            pairs = _per_prompt(prompt, sampling_params, request_id)
+            for p, sp in pairs:                  # check every prompt before sending any
+                _request_frames("check", p, None, sp, cache_salt)
+            tasks = [asyncio.ensure_future(self.generate(p, sp, cache_salt=cache_salt, timeout=timeout))
+                     for p, sp in pairs]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for t in tasks:
+                    t.cancel()
         rid = request_id or uuid.uuid4().hex
         acc = _Accumulator(rid)
         frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt)

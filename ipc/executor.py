@@ -73,7 +73,10 @@ class ZmqExecutor:
         cmd = [sys.executable, "-m", "folio.ipc.worker", "--address", self._addr,
                "--heartbeat-address", self._hb_addr, "--runner", runner,
                "--max-message-bytes", str(max_message_bytes)]
-        self.proc = subprocess.Popen(cmd, env=env)
+        # its own session: a terminal's Ctrl-C or a signal to folio serve's process group reaches only
+        # the scheduler, which then stops the worker in order (a worker still importing would print a
+        # traceback); PR_SET_PDEATHSIG still ties it to the scheduler
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self._last_beat = time.monotonic()
         try:
             send_frames(self._sock, M.encode("init", config=M.config_to_dict(config), parent_pid=os.getpid()))

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..runtime.metrics import ServingStats
 from . import messages as M
 from .transport import check_address, cleanup_ipc_address, make_socket, recv_frames, send_frames
 
@@ -112,6 +113,9 @@ class Server:
         self.healthy = True
         self.unhealthy_reason: str | None = None
         self.started_time = time.time()
+        self.serving_stats = ServingStats()      # TTFT / ITL / ... histograms for the /metrics front end
+        self._extra_addresses: list[str] = []
+        self._last_scheduled_tokens = 0
         self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0, "num_errors": 0,
                       "num_streamed_tokens": 0, "num_bad_messages": 0, "num_vanished_clients": 0}
         # bind first: a busy address fails at once, before any model is loaded
@@ -140,6 +144,16 @@ class Server:
     def stop(self) -> None:
         """Ask the loop to finish (safe from a signal handler)."""
         self._stop = True
+
+    def bind_extra(self, address: str) -> str:
+        """Also accept clients on ``address`` (e.g. a private ``ipc://`` path for the HTTP front end);
+        its socket file is removed on close. Raises ``ValueError`` if it cannot be bound."""
+        try:
+            self.sock.bind(address)
+        except zmq.ZMQError as e:
+            raise ValueError(f"cannot bind {address}: {e}") from None
+        self._extra_addresses.append(address)
+        return address
 
     def serve_forever(self) -> int:
         """Run the serving loop (module docstring) until ``stop()``; returns the exit code (0, or
@@ -199,7 +213,8 @@ class Server:
         if not self.sock.closed:
             self._flush()
             self.sock.close(linger=1000)
-            cleanup_ipc_address(self.address)
+            for address in [self.address, *self._extra_addresses]:
+                cleanup_ipc_address(address)
 
     # -- client side ------------------------------------------------------------------------------
     def _poll_clients(self, timeout_ms: int) -> None:
@@ -339,7 +354,10 @@ class Server:
 
     def _emit(self, deltas) -> None:
         """One ``output`` message per request delta: only the samples that changed, each sample's
-        finish reason on its last message only."""
+        finish reason on its last message only. The step's deltas also feed the serving statistics."""
+        scheduled = self.engine.stats["num_scheduled_tokens"]
+        self.serving_stats.on_step(deltas, scheduled - self._last_scheduled_tokens)
+        self._last_scheduled_tokens = scheduled
         for d in deltas:
             r = self._requests.get(d.request_id)
             if r is None:          # aborted meanwhile
@@ -372,6 +390,9 @@ class Server:
     def _fail_all(self, exc: BaseException) -> int:
         """The worker died or the engine failed: error every request, stay unhealthy, then exit."""
         from .executor import WorkerDiedError
+        if self._stop:       # asked to stop (SIGTERM to the process group reaches the worker too)
+            self._shutdown_requests("server shutting down")
+            return 0
         code = "worker_died" if isinstance(exc, WorkerDiedError) else "engine_error"
         if code == "engine_error":
             traceback.print_exc()
@@ -406,7 +427,8 @@ class Server:
         the time a step's result took beyond the worker's forward + sample time once the worker
         could start it), num_requests, num_finished, num_aborted, num_errors,
         num_streamed_tokens, num_bad_messages, num_vanished_clients, num_requests_in_flight,
-        uptime_s, healthy.
+        uptime_s, healthy, serving (``runtime.metrics.ServingStats.to_dict``: token counters, finished
+        requests by reason, TTFT / ITL / latency / iteration histograms).
         """
         try:
             m = dict(self.engine.get_metrics())
@@ -418,6 +440,7 @@ class Server:
         s["num_requests_in_flight"] = len(self._requests)
         s["uptime_s"] = time.time() - self.started_time
         s["healthy"] = self.healthy
+        s["serving"] = self.serving_stats.to_dict()
         m.update(s)
         return {k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
                 for k, v in m.items()}

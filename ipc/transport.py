@@ -15,10 +15,12 @@ import ipaddress
 import os
 import socket as _socket
 import tempfile
+import time
 import uuid
 from typing import Sequence
 
 import zmq
+import zmq.utils.monitor
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 
@@ -69,15 +71,62 @@ def private_ipc_address(tag: str) -> str:
 
 
 def cleanup_ipc_address(address: str) -> None:
-    """Remove the socket file (and its private directory, if empty) behind an ``ipc://`` address."""
+    """Remove the socket file behind an ``ipc://`` address, and its directory if that is an empty
+    private one made by ``private_ipc_address`` (a user's own folder is left alone)."""
     if not address.startswith("ipc://"):
         return
     path = address[len("ipc://"):]
-    for p, fn in ((path, os.unlink), (os.path.dirname(path), os.rmdir)):
+    steps = [(path, os.unlink)]
+    if os.path.basename(os.path.dirname(path)).startswith("folio-"):
+        steps.append((os.path.dirname(path), os.rmdir))
+    for p, fn in steps:
         try:
             fn(p)
         except OSError:
             pass
+
+
+def wait_for_server(address: str, timeout: float, refused_grace: float = 1.0) -> None:
+    """Check that a ZeroMQ peer listens at ``address``: connect a probe socket and wait for the
+    ZMTP handshake (a socket-monitor event; no message is sent to the server's application).
+
+    Fails fast: at once for an ``ipc://`` path that does not exist, ``refused_grace`` seconds after
+    a TCP connection was first refused (a server just starting gets that long to bind), else after
+    ``timeout`` seconds.
+
+    Raises:
+        ConnectionError: no handshake; the message names the address and what to do.
+        ValueError: a malformed address.
+    """
+    hint = "is `folio serve` running there? (start one with `folio serve`)"
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+        raise ConnectionError(f"no folio server at {address}: the socket file does not exist; {hint}")
+    ctx = zmq.Context.instance()
+    sock = make_socket(ctx, zmq.DEALER)
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED)
+    try:
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as e:
+            raise ValueError(f"cannot connect to {address!r}: {e}") from None
+        end = time.monotonic() + timeout
+        refused_at = None
+        while True:
+            now = time.monotonic()
+            limit = end if refused_at is None else min(end, refused_at + refused_grace)
+            if now >= limit:
+                why = "the connection was refused" if refused_at is not None else \
+                    f"nothing answered within {timeout:g} s"
+                raise ConnectionError(f"no folio server at {address}: {why}; {hint}")
+            if mon.poll(max(1, int(1000 * (limit - now)))):
+                event = zmq.utils.monitor.recv_monitor_message(mon)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
+                refused_at = refused_at or time.monotonic()
+    finally:
+        sock.disable_monitor()
+        mon.close(0)
+        sock.close(0)
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, hwm: int = 0) -> zmq.Socket:

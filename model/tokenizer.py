@@ -114,6 +114,11 @@ class Tokenizer:
         """Vocabulary strings of ``ids`` (byte-level BPE: bytes as GPT-2's printable characters)."""
         return [self.hf.id_to_token(int(i)) for i in ids]
 
+    def set_chat_template(self, template: str | None) -> None:
+        """Replace the chat template (``folio serve --chat-template``); compiled again on next use."""
+        self.chat_template = template
+        self.__dict__.pop("_compiled_template", None)
+
     @cached_property
     def _compiled_template(self):
         import jinja2

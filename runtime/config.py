@@ -95,6 +95,22 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """The engine's max_model_len: ``max_model_len`` if set, else the model's
+        ``max_position_embeddings`` (tokens).
+
+        Raises:
+            ValueError: ``max_model_len`` exceeds ``max_position_embeddings`` (positions the model
+                was not trained for; RoPE would extrapolate), naming both numbers.
+        """
+        limit = int(max_position_embeddings)
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({limit}); use --max-model-len {limit} or less")
+        return int(self.max_model_len)
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from keyword arguments; unknown names raise ``TypeError`` naming them."""

@@ -80,7 +80,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.vocab_size = int(model_config.vocab_size)
-        self.max_model_len = int(config.max_model_len or model_config.max_position_embeddings)
+        self.max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
         self.eos_token_ids = list(dict.fromkeys(list(getattr(model_config, "eos_token_ids", []) or [])
                                                 + list(getattr(tokenizer, "eos_token_ids", []) or [])))
         self.scheduler = scheduler_cls(config, int(executor.num_blocks), self.max_model_len)

@@ -27,3 +27,19 @@ def golden():
     from pathlib import Path
 
     return json.loads((Path(__file__).parent / "data" / "smollm2_135m.json").read_text(encoding="utf-8"))
+
+
+API_KEY = "sk-folio-test"
+
+
+@pytest.fixture(scope="session")
+def echo_http():
+    """A ``folio serve`` with EchoRunner in its worker (next id = last id + 1; 10 ms per step) and both
+    front doors: ``(proc, zmq_address, http_url)``; the HTTP API needs ``Authorization: Bearer API_KEY``."""
+    from folio.cmd_serve import spawn_server, stop_server
+    from serve_helpers import ECHO, echo_env
+
+    proc, addr = spawn_server(ECHO + ["--api-key", API_KEY, "--served-model-name", "echo", "smollm2-135m-instruct"],
+                              env=echo_env(step_s=0.01), startup_timeout=180)
+    yield proc, addr, proc.http_url
+    assert stop_server(proc) == 0

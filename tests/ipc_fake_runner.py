@@ -6,6 +6,7 @@ token the sequence sampled in the step before (overlap scheduling); ``config.ext
 ``echo_period`` (benchmarks: answers wrap into ``[1000, 1000 + echo_period)``, so the vocabulary a
 long run sees is bounded as a model's is, instead of a new id every step); the environment
 variables FOLIO_ECHO_NUM_BLOCKS / FOLIO_ECHO_STEP_S set the same through ``folio serve``.
+FOLIO_ECHO_INIT_S makes start-up take that many seconds (as loading a model does).
 Rows that ask for logprobs (beam search asks for ``2 * beam_width``) or prompt logprobs get made-up
 ones from ``echo_logprobs``, a function of the row's last input token alone.
 """
@@ -43,6 +44,7 @@ class EchoRunner:
             raise RuntimeError("fake init failure")
         self.num_blocks = int(extra.get("num_blocks", os.environ.get("FOLIO_ECHO_NUM_BLOCKS", 64)))
         self.step_s = float(extra.get("step_s", os.environ.get("FOLIO_ECHO_STEP_S", 0.0)))
+        time.sleep(float(os.environ.get("FOLIO_ECHO_INIT_S", 0.0)))
         self.period = extra.get("echo_period")
         self.model_config = None
         self.seen_seqs = set()

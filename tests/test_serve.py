@@ -28,38 +28,10 @@ from folio.ipc import messages as M
 from folio.ipc.client import Client, ServerError
 from folio.ipc.transport import recv_frames, send_frames
 
+from serve_helpers import ECHO, echo_chain, echo_env, idle_metrics, pid_gone, poll_until
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ECHO = ["--worker-runner", "ipc_fake_runner:EchoRunner", "--max-model-len", "4096", "--max-message-bytes", "1000000"]
-
-
-def echo_env(step_s=0.0, num_blocks=512):
-    return {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "FOLIO_ECHO_STEP_S": str(step_s), "FOLIO_ECHO_NUM_BLOCKS": str(num_blocks)}
-
-
-def poll_until(fn, deadline_s, what):
-    end = time.monotonic() + deadline_s
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def pid_gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    with open(f"/proc/{pid}/stat") as f:          # a zombie not yet reaped by its (dead) parent
-        return f.read().split(")")[-1].split()[0] == "Z"
-
-
-def echo_chain(last_prompt_id, n):
-    return [last_prompt_id + 1 + i for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +42,7 @@ def echo_server():
 
 
 def _idle_free_blocks(client):
-    m = poll_until(lambda: (lambda m: m if m["num_requests_in_flight"] == 0 and m["num_running"] == 0
-                            and m["num_waiting"] == 0 else None)(client.get_metrics()), 30, "an idle server")
-    return m["num_free_blocks"]
+    return idle_metrics(client, 30)["num_free_blocks"]
 
 
 # -- malformed input ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Beam search and prompt logprobs through `folio serve` (real processes, ZeroMQ, both clients).
+"""Beam search and prompt logprobs through `folio serve` (real processes): the ZeroMQ clients and
+the HTTP front end's ``use_beam_search`` extension.
 
 The worker is ``tests/ipc_fake_runner.EchoRunner``: its made-up logprobs (``echo_logprobs``, a
 function of the last token) make the expected beams computable by the independent search of
@@ -14,10 +15,9 @@ import pytest
 
 from beam_reference import reference_beam_search
 from folio import AsyncClient, BeamSearchParams, Client, SamplingParams
-from folio.cmd_serve import spawn_server, stop_server
 from folio.ipc.client import ServerError
 from ipc_fake_runner import echo_logprobs
-from test_serve import ECHO, _idle_free_blocks, echo_env
+from serve_helpers import idle_metrics
 
 VOCAB = 49152
 
@@ -30,10 +30,8 @@ def echo_lp(history):
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc, addr = spawn_server(ECHO, env=echo_env(step_s=0.005), startup_timeout=120)
-    yield addr
-    stop_server(proc)
+def server(echo_http):
+    return echo_http[1]
 
 
 def expected(prompt_ids, params):
@@ -45,7 +43,7 @@ def test_client_beam_search_matches_reference_and_frees_blocks(server):
     params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5)
     prompts = [{"prompt_token_ids": [100, 204]}, {"prompt_token_ids": [301, 402, 503, 604, 7]}]
     with Client(server, timeout=60) as c:
-        free = _idle_free_blocks(c)
+        free = idle_metrics(c)["num_free_blocks"]
         outs = c.beam_search(prompts, params)
         for p, out in zip(prompts, outs):
             got = [(s.token_ids, s.cum_logprob) for s in out.sequences]
@@ -58,7 +56,7 @@ def test_client_beam_search_matches_reference_and_frees_blocks(server):
             c.beam_search("Hello", {"beam_width": 10, "max_tokens": 1000})
         with pytest.raises(ValueError, match="beam_width"):
             c.beam_search("Hello", {"beam_width": 0, "max_tokens": 2})     # refused before sending
-        assert _idle_free_blocks(c) == free
+        assert idle_metrics(c)["num_free_blocks"] == free
 
 
 def test_async_client_beam_search_and_prompt_logprobs(server):

@@ -15,14 +15,14 @@ def add_parser(bench_subparsers) -> None:
                     "tokens/s, KV slots holding tokens vs allocated; --peer runs the same workload through "
                     "transformers (static batches of 16) or llama-cpp-python in the same run.")
     add_common(p)
-    p.add_argument("--num-prompts", type=positive, default=64)
+    p.add_argument("--num-prompts", type=positive, default=64, help="number of requests")
     p.add_argument("--input-len", type=positive, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
                    help="prompt lengths, uniform in [MIN, MAX] (random token ids)")
     p.add_argument("--output-len", type=positive, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
                    help="output lengths, uniform in [MIN, MAX] (ignore_eos)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=positive, default=256)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--max-num-seqs", type=positive, default=256, help="folio: most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="folio: token budget of one step")
     p.add_argument("--num-blocks", type=positive, default=None,
                    help="KV blocks (default: enough for every request at once)")
     p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama-cpp"],

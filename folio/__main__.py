@@ -1,0 +1,7 @@
+"""``python -m folio`` is the ``folio`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,190 @@
+"""The FastAPI application: routes, API-key check, OpenAI-shaped errors.
+
+Routes (as vLLM serves them): ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200, or 503 when the engine is
+gone), ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /`` (the chat page). ``/docs`` has the generated OpenAPI page.
+
+Errors: every error is ``{"error": {"message", "type", "param", "code"}}``. Invalid input is a
+400 (never FastAPI's 422, never a 500), an unknown model a 404, a missing or wrong API key a 401
+(``Authorization: Bearer KEY``; ``/``, ``/health``, ``/metrics``, ``/version`` and ``/docs`` need
+none), an engine that is gone a 503.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import logging
+from contextlib import asynccontextmanager
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..ipc.client import ClientTimeoutError, ServerError
+from .metrics import Metrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       error_body)
+from .serving import ChatRun, CompletionRun, FrontEnd, api_error_from, cancel_on_disconnect, log_unknown_fields
+
+log = logging.getLogger("folio.api")
+
+OPEN_PATHS = {"/", "/health", "/metrics", "/version", "/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc"}
+HEALTH_TIMEOUT_S = 5.0
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """FastAPI's list of validation errors as one sentence, and the first field it names."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})")
+            continue
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {err.get('msg')}")
+    return "; ".join(dict.fromkeys(parts)) or "invalid request", param
+
+
+def build_app(front: FrontEnd) -> FastAPI:
+    """The application for one ``FrontEnd`` (its client is opened and closed with the app's lifespan)."""
+    metrics = Metrics(front.model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await front.start()
+        try:
+            yield
+        finally:
+            await front.close()
+
+    app = FastAPI(title="folio", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API of a folio engine")
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _error(400, message, param)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        status = exc.status_code
+        message = f"no route {request.method} {request.url.path}" if status in (404, 405) else str(exc.detail)
+        return _error(status, message)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if front.api_key is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {front.api_key}".encode()):
+                return _error(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
+        return await call_next(request)
+
+    # -- generation ---------------------------------------------------------------------------------
+    async def run(request: Request, runner):
+        await runner.group.start()                       # 400 / 503 here, before any status line
+        if runner.req.stream:
+            # the background task runs however the response ends, even when the client left before the
+            # first chunk (then the stream generator never ran its own clean-up): nothing keeps running
+            return StreamingResponse(runner.stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(runner.group.close))
+        body = await cancel_on_disconnect(request, runner.response())
+        if body is None:                                 # the client left; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        log_unknown_fields(req, request.url.path)
+        return await run(request, CompletionRun(front, req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        log_unknown_fields(req, request.url.path)
+        return await run(request, ChatRun(front, req))
+
+    # -- models, tokenizer, health, metrics ------------------------------------------------------------
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": front.created, "owned_by": "folio",
+                "root": front.model_root, "parent": None, "max_model_len": front.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(n) for n in front.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        front.check_model(model)
+        return model_card(model)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, request: Request):
+        log_unknown_fields(req, request.url.path)
+        front.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        text = req.prompt if req.prompt is not None else front.render_chat(req.messages, req.add_generation_prompt)
+        ids = front.encode(text, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids,
+                "token_strs": front.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest, request: Request):
+        log_unknown_fields(req, request.url.path)
+        front.check_model(req.model)
+        vocab = front.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": front.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/health")
+    async def health():
+        try:
+            h = await front.client.health(timeout=HEALTH_TIMEOUT_S)
+        except (ServerError, ClientTimeoutError) as e:
+            err = api_error_from(e)
+            return _error(503, f"engine unavailable: {err.message}")
+        if not h.get("healthy"):
+            return _error(503, f"engine unhealthy: {h.get('reason')}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        try:
+            snapshot = await front.client.get_metrics(timeout=HEALTH_TIMEOUT_S)
+        except (ServerError, ClientTimeoutError) as e:
+            return _error(503, f"engine unavailable: {api_error_from(e).message}")
+        return Response(metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    page = resources.files("folio.api").joinpath("chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def chat_page():
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(front.model_name, quote=True)))
+
+    return app

@@ -1,0 +1,100 @@
+"""``GET /metrics``: the scheduler's counters in Prometheus' text format (``prometheus_client``).
+
+Names are vLLM's (``vllm/v1/metrics/loggers.py``) under a ``folio:`` prefix, each labelled with
+``model_name``. Every scrape asks the scheduler process for a fresh snapshot
+(``AsyncClient.get_metrics``: engine gauges and counters, plus ``runtime.metrics.ServingStats``'
+histograms) and exposes it through a custom collector, so the numbers count every request the
+engine ran, whichever front door (HTTP or ZeroMQ) it came through.
+
+Differences from vLLM: ``num_requests_running`` / ``num_requests_waiting`` count sequences (a request
+with ``n`` samples counts ``n`` once forked); ``prefix_cache_queries`` / ``prefix_cache_hits`` count
+tokens, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+PREFIX = "folio:"
+
+_GAUGES = [
+    ("num_requests_running", "Number of sequences in the running batch.",
+     lambda m: m.get("num_running", 0)),
+    ("num_requests_waiting", "Number of sequences waiting to be scheduled.",
+     lambda m: m.get("num_waiting", 0)),
+    ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+     lambda m: 1.0 - m["num_free_blocks"] / m["num_total_blocks"] if m.get("num_total_blocks") else 0.0),
+]
+_COUNTERS = [
+    ("prompt_tokens", "Number of prompt tokens of requests that produced a first token.",
+     lambda m: m["serving"]["prompt_tokens"]),
+    ("generation_tokens", "Number of generated tokens.", lambda m: m["serving"]["generation_tokens"]),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda m: m.get("prefix_cache_queries", 0)),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda m: m.get("prefix_cache_hits", 0)),
+    ("num_preemptions", "Number of preemptions (recompute) in the engine.", lambda m: m.get("num_preemptions", 0)),
+]
+_HISTOGRAMS = [
+    ("time_to_first_token_seconds", "Time to first token, from arrival at the engine."),
+    ("inter_token_latency_seconds", "Time between successive tokens of a request."),
+    ("e2e_request_latency_seconds", "End-to-end request latency, from arrival to finish."),
+    ("request_queue_time_seconds", "Time a request waited before it was first scheduled."),
+    ("iteration_tokens_total", "Tokens computed per engine step."),
+]
+FINISHED_REASONS = ("stop", "length", "abort")
+METRIC_NAMES = [n for n, _, _ in _GAUGES] + [n for n, _, _ in _COUNTERS] + ["request_success"] + \
+               [n for n, _ in _HISTOGRAMS]
+
+
+class SnapshotCollector:
+    """Exposes the latest scheduler snapshot (``set(snapshot)`` before each ``generate_latest``)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: dict | None = None
+
+    def set(self, snapshot: dict) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):
+        m = self.snapshot
+        if not m:
+            return
+        labels, values = ["model_name"], [self.model_name]
+        for name, doc, get in _GAUGES:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(values, float(get(m)))
+            yield g
+        for name, doc, get in _COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(values, float(get(m)))
+            yield c
+        serving = m["serving"]
+        c = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
+                                labels=labels + ["finished_reason"])
+        for reason in sorted(set(FINISHED_REASONS) | set(serving["request_success"])):
+            c.add_metric(values + [reason], float(serving["request_success"].get(reason, 0)))
+        yield c
+        for name, doc in _HISTOGRAMS:
+            h = serving["histograms"][name]
+            buckets, total = [], 0
+            for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
+                total += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+            fam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+            fam.add_metric(values, buckets, sum_value=h["sum"])
+            yield fam
+
+
+class Metrics:
+    """A registry holding the snapshot collector; ``render(snapshot)`` -> exposition bytes."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.collector = SnapshotCollector(model_name)
+        self.registry.register(self.collector)
+
+    def render(self, snapshot: dict) -> bytes:
+        self.collector.set(snapshot)
+        return generate_latest(self.registry)

@@ -1,0 +1,526 @@
+"""OpenAI requests -> engine requests (through ``AsyncClient``), engine deltas -> OpenAI responses.
+
+One HTTP request becomes one engine request per prompt (each with ``n`` samples, which the engine
+runs as parallel sampling); choice ``k`` of the response is sample ``k % n`` of prompt ``k // n``,
+as vLLM numbers them. The front end tokenizes (and applies the chat template) itself and sends
+token ids, so it knows each prompt's length; the engine still validates every request (its
+message, e.g. a prompt over ``max_model_len`` naming both numbers, becomes a 400).
+
+Streaming (Server-Sent Events, ``data: {json}`` ... ``data: [DONE]``): the status line is sent only
+after every engine request has answered once (first token or error), so a request the engine
+rejects gets a 400, not a 200 followed by an error event. Later errors (the engine shutting down)
+arrive as a ``data: {"error": ...}`` event before ``[DONE]``. Leaving the response early (client
+disconnect) cancels the tasks reading the engine streams, and ``AsyncClient`` then aborts the
+requests, which frees their KV blocks at the scheduler's next step.
+
+Shapes: ``vllm/entrypoints/openai/serving_completion.py`` / ``serving_chat.py`` (choices, usage with
+``prompt_tokens_details.cached_tokens``, ``stop_reason``, the final usage chunk with empty
+``choices`` when ``stream_options.include_usage``), and OpenAI's API reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
+from ..runtime.sampling_params import SamplingParams
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+log = logging.getLogger("folio.api")
+
+# ServerError codes (ipc/server.py) -> HTTP status
+_STATUS = {"invalid_argument": 400, "bad_request": 400, "worker_died": 503, "shutdown": 503}
+LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity; vLLM sends this for a zero probability
+
+
+def api_error_from(exc: Exception) -> APIError:
+    """An ``APIError`` for a failure reported by the scheduler (or no answer from it)."""
+    if isinstance(exc, ServerError):
+        status = _STATUS.get(exc.code, 500)
+        param = exc.message.split(" ", 1)[0] if status == 400 else None
+        return APIError(status, exc.message, param if param in _SAMPLING_NAMES else None)
+    if isinstance(exc, ClientTimeoutError):
+        return APIError(503, f"the engine did not answer: {exc}")
+    return APIError(500, f"{type(exc).__name__}: {exc}")
+
+
+_SAMPLING_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "max_completion_tokens"}
+
+
+@dataclass
+class FrontEnd:
+    """What the routes share: the scheduler client, the tokenizer and the served model's facts.
+
+    Attributes:
+        scheduler_address: the ZeroMQ address of the scheduler process.
+        tokenizer: a ``folio.model.tokenizer.Tokenizer`` (chat template included).
+        served_model_names: names a request's ``model`` may use (the first names the responses).
+        model_root: the model's folder or name (``/v1/models`` ``root``).
+        max_model_len: the engine's limit on prompt + output tokens.
+        kv_capacity_tokens: token slots of the whole KV cache (caps a chat's default max_tokens).
+        api_key: the Bearer key ``/v1`` routes need, or None.
+    """
+
+    scheduler_address: str
+    tokenizer: object
+    served_model_names: list[str]
+    model_root: str
+    max_model_len: int
+    kv_capacity_tokens: int
+    api_key: str | None = None
+    client: AsyncClient | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_text: dict = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    async def start(self) -> None:
+        # no per-message timeout: a queued request may wait long; the scheduler reports its own death
+        self.client = AsyncClient(self.scheduler_address, timeout=None)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves "
+                                f"{', '.join(self.served_model_names)}).", "model")
+
+    def token_text(self, token_id: int, as_id: bool) -> str:
+        """The text of one token for logprobs (``token_id:N`` with return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False, kwargs: dict | None = None) -> str:
+        """The prompt text of a conversation (the model's chat template, or ``--chat-template``).
+
+        Raises:
+            APIError(400): content parts other than text, no chat template, or a template error.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
+                           "continue_final_message")
+        msgs = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                      **(kwargs or {}))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), "messages") from None
+        if continue_final_message:
+            end = text.rfind(msgs[-1]["content"])
+            if msgs[-1]["content"] and end >= 0:
+                text = text[:end + len(msgs[-1]["content"])]    # leave the final message open
+        return text
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _message_text(m: ChatMessage, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for p in m.content:
+        if p.type != "text" or p.text is None:
+            raise APIError(400, f"messages[{i}]: only text content parts are supported, got {p.type!r}",
+                           "messages")
+        parts.append(p.text)
+    return "\n".join(parts)
+
+
+def log_unknown_fields(body, path: str) -> None:
+    """One log line naming the fields a request had that folio ignores (nested ones included)."""
+    names = list(body.model_extra or {})
+    for key in ("stream_options",):
+        sub = getattr(body, key, None)
+        if sub is not None and sub.model_extra:
+            names += [f"{key}.{k}" for k in sub.model_extra]
+    for i, m in enumerate(getattr(body, "messages", None) or []):
+        if m.model_extra:
+            names += [f"messages[{i}].{k}" for k in m.model_extra]
+    if names:
+        log.info("%s: ignoring unknown field(s): %s", path, ", ".join(names))
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> dict:
+    """The ``SamplingParams`` fields of a request (defaults where the request leaves one out).
+
+    Raises:
+        APIError(400): an unsupported feature or an invalid value (message from ``SamplingParams``).
+    """
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    d = {"n": req.n, "max_tokens": max_tokens, "presence_penalty": req.presence_penalty,
+         "frequency_penalty": req.frequency_penalty, "seed": req.seed, "stop": req.stop,
+         "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
+         "include_stop_str_in_output": req.include_stop_str_in_output,
+         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            d[name] = getattr(req, name)
+    if d.get("top_k") == -1:
+        d["top_k"] = 0                  # vLLM's "off"; folio takes -1 as well, keep one spelling
+    try:
+        return SamplingParams.from_dict(d).to_dict()
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), name if name in _SAMPLING_NAMES else None) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# engine requests of one HTTP request
+# ---------------------------------------------------------------------------------------------
+
+class RequestGroup:
+    """The engine requests of one HTTP request (one per prompt), their deltas merged as they arrive.
+
+    ``start()`` sends them and waits until each has answered once; ``deltas()`` yields
+    ``(prompt_index, StreamDelta)``; ``close()`` cancels what still runs (the client aborts it).
+    """
+
+    def __init__(self, client: AsyncClient, prompts: list[list[int]], sampling: dict, cache_salt: str | None):
+        self.client, self.prompts, self.sampling, self.cache_salt = client, prompts, sampling, cache_salt
+        self.rid = uuid.uuid4().hex
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._buffer: list = []
+        self._open = len(prompts)
+
+    async def _pump(self, i: int, ids: list[int]) -> None:
+        try:
+            async for d in self.client.generate_stream(prompt_token_ids=ids, sampling_params=self.sampling,
+                                                       request_id=f"{self.rid}-{i}", cache_salt=self.cache_salt):
+                self._q.put_nowait((i, d, None))
+        except (ServerError, ClientTimeoutError) as e:
+            self._q.put_nowait((i, None, e))
+            return
+        self._q.put_nowait((i, None, None))
+
+    async def start(self) -> None:
+        """Raises ``APIError`` if the engine rejected one of the requests (the others are aborted)."""
+        self._tasks = [asyncio.ensure_future(self._pump(i, ids)) for i, ids in enumerate(self.prompts)]
+        answered: set[int] = set()
+        try:
+            while len(answered) < len(self.prompts):
+                item = await self._q.get()
+                i, d, exc = item
+                if exc is not None:
+                    raise api_error_from(exc)
+                answered.add(i)
+                self._buffer.append(item)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Raises ``APIError`` for an engine error after the start (e.g. shutdown)."""
+        while self._open:
+            i, d, exc = self._buffer.pop(0) if self._buffer else await self._q.get()
+            if exc is not None:
+                raise api_error_from(exc)
+            if d is None:
+                self._open -= 1
+                continue
+            yield i, d
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def cancel_on_disconnect(request, coro):
+    """Run ``coro``; if the HTTP client disconnects first, cancel it (its engine requests are aborted)
+    and return ``None``."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# choices
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Choice:
+    text: list = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list = field(default_factory=list)      # (token_id, {token_id: Logprob}) per token
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False                             # streaming: first chunk sent
+    text_offset: int = 0                              # completions logprobs: offset of the next token
+
+
+class _Accumulator:
+    """Per-choice state and usage of one HTTP request."""
+
+    def __init__(self, num_prompts: int, n: int):
+        self.n = n
+        self.choices = [_Choice() for _ in range(num_prompts * n)]
+        self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
+
+    def add(self, i: int, d: StreamDelta) -> tuple[int, _Choice]:
+        k = i * self.n + d.index
+        c = self.choices[k]
+        self.prompt_tokens[i] = d.num_prompt_tokens or self.prompt_tokens[i]
+        self.cached_tokens[i] = max(self.cached_tokens[i], d.num_cached_tokens or 0)
+        c.text.append(d.text)
+        c.num_tokens += len(d.token_ids)
+        if d.logprobs is not None:
+            c.logprobs.extend(zip(d.token_ids, d.logprobs))
+        if d.finish_reason is not None:
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        return k, c
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+
+def _lp(value: float) -> float:
+    return max(float(value), LOGPROB_FLOOR)
+
+
+def _top(entries: dict, k: int) -> list:
+    """The top-``k`` ``(token_id, Logprob)`` of one position, best first."""
+    ranked = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k),
+                    key=lambda x: x[1].rank)
+    return ranked[:k]
+
+
+def completion_logprobs(front: FrontEnd, items: list, k: int, offset: int, as_ids: bool) -> tuple[dict, int]:
+    """OpenAI's legacy completions ``logprobs`` object for ``items`` [(token_id, {id: Logprob})];
+    returns it and the text offset after the last token."""
+    out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for tid, entries in items:
+        tok = front.token_text(tid, as_ids)
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(_lp(entries[tid].logprob))
+        top = {front.token_text(t, as_ids): _lp(lp.logprob) for t, lp in _top(entries, k)}
+        top.setdefault(tok, _lp(entries[tid].logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    return out, offset
+
+
+def chat_logprobs(front: FrontEnd, items: list, k: int, as_ids: bool) -> dict:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def one(tid, lp):
+        tok = front.token_text(tid, as_ids)
+        return {"token": tok, "logprob": _lp(lp.logprob), "bytes": list(tok.encode("utf-8", "replace"))}
+
+    content = []
+    for tid, entries in items:
+        entry = one(tid, entries[tid])
+        entry["top_logprobs"] = [one(t, lp) for t, lp in _top(entries, k)]
+        content.append(entry)
+    return {"content": content}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/completions
+# ---------------------------------------------------------------------------------------------
+
+def completion_prompts(front: FrontEnd, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """``[(text or None, token ids)]`` of the prompt field's four forms. Raises ``APIError(400)``."""
+    p = req.prompt
+    if isinstance(p, str):
+        texts_or_ids = [p]
+    elif not p:
+        raise APIError(400, "prompt must not be an empty list", "prompt")
+    elif all(isinstance(x, int) for x in p):
+        texts_or_ids = [p]
+    else:
+        texts_or_ids = list(p)
+    out = []
+    for x in texts_or_ids:
+        if isinstance(x, str):
+            out.append((x, front.encode(x, req.add_special_tokens)))
+        else:
+            if any(t < 0 for t in x):
+                raise APIError(400, "prompt token ids must be >= 0", "prompt")
+            out.append((None, list(x)))
+    return out
+
+
+class _Run:
+    """One generation request: validated and started (``group.start()``), then answered whole
+    (``response()``) or as SSE (``stream()``). Subclasses shape the choices."""
+
+    object_name = ""          # of the whole response
+    chunk_object_name = ""    # of a streamed chunk
+
+    def __init__(self, front: FrontEnd, req, prompts: list[list[int]], sampling: dict, id_prefix: str):
+        self.front, self.req, self.sampling = front, req, sampling
+        self.acc = _Accumulator(len(prompts), req.n)
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.group = RequestGroup(front.client, prompts, sampling, req.cache_salt)
+
+    def _choice(self, k: int, c: _Choice) -> dict:
+        raise NotImplementedError
+
+    def _stream_choices(self, i: int, k: int, c: _Choice, d: StreamDelta, new_logprobs: list):
+        raise NotImplementedError
+
+    def _chunk(self, choices: list, usage=None, with_usage_key: bool = False) -> dict:
+        out = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
+               "model": self.front.model_name, "choices": choices}
+        if with_usage_key:
+            out["usage"] = usage
+        return out
+
+    async def response(self) -> dict:
+        try:
+            async for i, d in self.group.deltas():
+                self.acc.add(i, d)
+        finally:
+            await self.group.close()
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.front.model_name,
+                "choices": [self._choice(k, c) for k, c in enumerate(self.acc.choices)], "usage": self.acc.usage()}
+
+    async def stream(self) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        try:
+            async for i, d in self.group.deltas():
+                n_before = len(self.acc.choices[i * self.req.n + d.index].logprobs)
+                k, c = self.acc.add(i, d)
+                for choice in self._stream_choices(i, k, c, d, c.logprobs[n_before:]):
+                    yield sse(self._chunk([choice], None, include_usage))
+            if include_usage:
+                yield sse(self._chunk([], self.acc.usage(), True))
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            await self.group.close()
+        yield SSE_DONE
+
+
+class CompletionRun(_Run):
+    """One ``/v1/completions`` request."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, front: FrontEnd, req: CompletionRequest):
+        front.check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which folio does not compute", "echo")
+        sampling = sampling_params(req, req.max_tokens, req.logprobs)
+        self.prompts = completion_prompts(front, req)
+        super().__init__(front, req, [ids for _, ids in self.prompts], sampling, "cmpl")
+
+    def _echo(self, i: int) -> str:
+        text, ids = self.prompts[i]
+        return text if text is not None else self.front.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _logprobs(self, c: _Choice, items: list):
+        if self.req.logprobs is None:
+            return None
+        lp, c.text_offset = completion_logprobs(self.front, items, self.req.logprobs, c.text_offset,
+                                                self.req.return_tokens_as_token_ids)
+        return lp
+
+    def _choice(self, k: int, c: _Choice) -> dict:
+        prefix = self._echo(k // self.req.n) if self.req.echo else ""
+        return {"index": k, "text": prefix + "".join(c.text), "logprobs": self._logprobs(c, c.logprobs),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_logprobs": None}
+
+    def _stream_choices(self, i, k, c, d, new_logprobs):
+        text = d.text
+        if not c.started:
+            c.started = True
+            if self.req.echo:
+                text = self._echo(i) + text
+        if text or d.token_ids or d.finish_reason is not None:
+            yield {"index": k, "text": text, "logprobs": self._logprobs(c, new_logprobs),
+                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+
+class ChatRun(_Run):
+    """One ``/v1/chat/completions`` request."""
+
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, front: FrontEnd, req: ChatCompletionRequest):
+        front.check_model(req.model)
+        if req.tools and req.tool_choice != "none":
+            raise APIError(400, "tool calling is not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than text is not supported", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        text = front.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                 req.chat_template_kwargs)
+        ids = front.encode(text)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:     # as vLLM: up to the model's length (here also what the KV cache holds)
+            room = min(front.max_model_len, front.kv_capacity_tokens) - len(ids)
+            max_tokens = room if room > 0 else None   # None: the engine explains why nothing fits
+        self.top_k = (req.top_logprobs or 0) if req.logprobs else None
+        super().__init__(front, req, [ids], sampling_params(req, max_tokens, self.top_k), "chatcmpl")
+
+    def _logprobs(self, items: list):
+        if self.top_k is None:
+            return None
+        return chat_logprobs(self.front, items, self.top_k, self.req.return_tokens_as_token_ids)
+
+    def _choice(self, k: int, c: _Choice) -> dict:
+        return {"index": k, "message": {"role": "assistant", "content": "".join(c.text), "tool_calls": []},
+                "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def _stream_choices(self, i, k, c, d, new_logprobs):
+        if not c.started:          # the first chunk of a choice carries the role
+            c.started = True
+            yield {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}
+        if d.text or d.token_ids or d.finish_reason is not None:
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            yield {"index": k, "delta": delta, "logprobs": self._logprobs(new_logprobs),
+                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
