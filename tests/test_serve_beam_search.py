@@ -78,3 +78,44 @@ def test_async_client_beam_search_and_prompt_logprobs(server):
         # the echo's made-up prompt logprobs: the prompt token at -3.0 rank 7, then the top 2
         assert plp[i][p[i]].logprob == -3.0 and plp[i][p[i]].rank == 7
         assert len(plp[i]) == 3
+
+
+def test_http_use_beam_search(echo_http, default_model_dir):
+    import json
+
+    import httpx
+    from conftest import API_KEY
+    from folio.model.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(default_model_dir)
+    _, addr, url = echo_http
+    p = [700, 31, 8]
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    want = expected(p, params)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as h:
+        body = {"model": "echo", "prompt": p, "max_tokens": 4, "ignore_eos": True, "use_beam_search": True, "n": 3}
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        texts = [c["text"] for c in out["choices"]]
+        assert texts == [tok.decode(ids) for ids, _ in want]   # the best first
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert out["usage"]["completion_tokens"] == sum(len(ids) for ids, _ in want)
+        # folio's beam_width field sets the width instead of n; the stream carries the same choices
+        r = h.post("/v1/completions", json={**body, "n": 1, "beam_width": 3, "stream": True})
+        assert r.status_code == 200
+        events = [e for e in r.text.split("\n\n") if e.startswith("data: {")]
+        streamed = {}
+        for e in events:
+            for c in json.loads(e[6:])["choices"]:
+                streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+        assert [streamed[k] for k in range(3)] == texts
+        r = h.post("/v1/chat/completions", json={"model": "echo", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 3, "use_beam_search": True, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        r = h.post("/v1/completions", json={**body, "stop": ["x"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+        r = h.post("/v1/completions", json={**body, "n": 11})
+        assert r.status_code == 400 and "beam_width" in r.json()["error"]["message"]
+    with Client(addr, timeout=60) as c:
+        m = idle_metrics(c)
+        assert m["num_free_blocks"] == m["num_total_blocks"]
