@@ -509,7 +509,7 @@ class CompletionRun(_Run):
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
         if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which folio does not compute", "echo")
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported over HTTP", "echo")
         sampling = sampling_params(req, req.max_tokens, req.logprobs)
         self.prompts = completion_prompts(front, req)
         super().__init__(front, req, [ids for _, ids in self.prompts], sampling, "cmpl")
