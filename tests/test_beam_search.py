@@ -157,7 +157,8 @@ def test_width_one_is_greedy(runner, cases):
     ids, params, ref = next(c for c in cases if c[1].beam_width == 1)
     greedy = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=params.max_tokens),
                           use_tqdm=False)[0].outputs[0]
-    assert ref[0][0] == greedy.token_ids
+    beam = llm.beam_search({"prompt_token_ids": ids}, params)[0].sequences
+    assert len(beam) == 1 and beam[0].token_ids == greedy.token_ids == ref[0][0]
 
 
 def test_beams_under_preemption_pressure_equal_ample_memory(runner, cases):
