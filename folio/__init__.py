@@ -7,11 +7,13 @@ Offline: ``folio.LLM(model).generate(prompts, SamplingParams(...))``. Online: ``
 __version__ = "0.1.0"
 
 from .llm import LLM
+from .runtime.beam_search import BeamSearchOutput, BeamSearchSequence
 from .runtime.config import EngineConfig
 from .runtime.outputs import CompletionOutput, RequestOutput
-from .runtime.sampling_params import SamplingParams
+from .runtime.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["__version__", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
+__all__ = ["__version__", "LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
 
 
 def __getattr__(name):

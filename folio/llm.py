@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from .runtime.beam_search import BeamSearchOutput
 from .runtime.config import DEFAULT_MODEL, EngineConfig
 from .runtime.engine import LLMEngine
 from .runtime.outputs import RequestOutput
-from .runtime.sampling_params import SamplingParams
+from .runtime.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict
 
@@ -67,6 +68,33 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        return self._run(self._add_all(prompts, params), use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``; the algorithm, and where
+        folio differs from vLLM, in ``runtime/beam_search.py``). The beams of a prompt are
+        sequences of one request sharing KV blocks; all prompts run together.
+
+        Args:
+            prompts: as ``generate`` takes them (a string, a dict, or a list of these).
+            params: a ``BeamSearchParams``.
+            use_tqdm: show a progress bar of finished prompts.
+        Returns:
+            one ``BeamSearchOutput`` per prompt, in order; its ``sequences`` best first.
+        Raises:
+            ValueError: a bad prompt or parameter (before anything runs).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        outs = self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+        return [BeamSearchOutput.from_request_output(o) for o in outs]
+
+    def _add_all(self, prompts: list, params: list) -> list[str]:
+        """Queue one request per prompt; on an error none of them stays queued."""
         ids = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -77,7 +105,7 @@ class LLM:
             self.llm_engine.abort_request(ids)
             self._drain(set(ids))
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

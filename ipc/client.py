@@ -169,6 +169,8 @@ class _Accumulator:
             self.out.num_cached_tokens = f["num_cached_tokens"]
         if f.get("metrics"):
             self.out.metrics = RequestMetrics(**f["metrics"])
+        if f.get("prompt_logprobs") is not None:
+            self.out.prompt_logprobs = [None if pos is None else _logprobs_of(pos) for pos in f["prompt_logprobs"]]
         deltas = []
         for o in f["outputs"]:
             idx = int(o.get("index", 0))
@@ -183,9 +185,10 @@ class _Accumulator:
                 c.finish_reason, c.stop_reason = o["finish_reason"], o.get("stop_reason")
             lps = None
             if o.get("logprobs") is not None:
-                lps = [{int(t): Logprob(lp, rank, tok) for t, lp, rank, tok in pos} for pos in o["logprobs"]]
+                lps = [_logprobs_of(pos) for pos in o["logprobs"]]
                 c.logprobs = (c.logprobs or []) + lps
-                c.cumulative_logprob = o.get("cumulative_logprob")
+            if o.get("cumulative_logprob") is not None:
+                c.cumulative_logprob = o["cumulative_logprob"]
             deltas.append(StreamDelta(self.out.request_id, idx, ids, o.get("text", ""), o.get("finish_reason"),
                                       o.get("stop_reason"), False, self.out.num_cached_tokens,
                                       len(self.out.prompt_token_ids), now, lps))
@@ -195,8 +198,60 @@ class _Accumulator:
         return deltas
 
 
+def _logprobs_of(pos: list) -> dict:
+    return {int(t): Logprob(lp, rank, tok) for t, lp, rank, tok in pos}
+
+
 def _raise_error(f: dict):
     raise ServerError(f["message"], f["code"], f.get("request_id"))
+
+
+class _BeamSearches:
+    """The ``beam_search`` messages of one client call, one per prompt, and their results. Prompts
+    as ``LLM.beam_search`` takes them: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
+    (each optionally with ``"cache_salt"``), or a list of these.
+
+    Raises:
+        ValueError: a bad prompt or parameter (nothing is sent then).
+    """
+
+    def __init__(self, prompts, params):
+        from ..runtime.sampling_params import BeamSearchParams
+        if isinstance(params, dict):
+            params = BeamSearchParams.from_dict(params)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams or a dict of its fields, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        self.requests: list[tuple[str, list]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                p = {"prompt": p}
+            if not isinstance(p, dict) or set(p) - {"prompt", "prompt_token_ids", "cache_salt"}:
+                raise ValueError(f"a prompt is a string or a dict with prompt / prompt_token_ids / cache_salt, got {p!r}")
+            if ("prompt" in p) == ("prompt_token_ids" in p):
+                raise ValueError("give exactly one of prompt and prompt_token_ids")
+            ids = p.get("prompt_token_ids")
+            rid = uuid.uuid4().hex
+            self.requests.append((rid, M.encode(
+                "beam_search", request_id=rid, prompt=p.get("prompt"),
+                prompt_token_ids=None if ids is None else np.asarray(ids, dtype=np.int64), params=params.to_dict(),
+                cache_salt=p.get("cache_salt"))))
+        self.accs = [_Accumulator(rid) for rid, _ in self.requests]
+
+    @staticmethod
+    def add(acc: "_Accumulator", msg_type: str, f: dict) -> None:
+        if msg_type == "error":
+            _raise_error(f)
+        acc.add(f)
+
+    def unfinished(self, num_sent: int) -> list[tuple[str, bool]]:
+        """``(request id, finished)`` of the first ``num_sent`` requests (to release / abort)."""
+        return [(rid, acc.out.finished) for (rid, _), acc in zip(self.requests[:num_sent], self.accs)]
+
+    def results(self) -> list:
+        from ..runtime.beam_search import BeamSearchOutput
+        return [BeamSearchOutput.from_request_output(acc.out) for acc in self.accs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,6 +452,35 @@ class Client:
         """Abort a request (its stream then ends with finish_reason "abort")."""
         self._post(M.encode("abort", request_id=request_id))
 
+    def beam_search(self, prompts, params, *, timeout: float | None = -1) -> list:
+        """Beam search on the server (``LLM.beam_search``'s semantics): one ``BeamSearchOutput`` per
+        prompt, in order, ``sequences`` best first. Every prompt is sent at once; each answers with
+        one message when its search ends (``timeout``: the longest wait for each).
+
+        Args:
+            prompts: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (optionally
+                with ``"cache_salt"``), or a list of these.
+            params: a ``BeamSearchParams`` or a dict of its fields.
+        Raises:
+            ValueError: a bad prompt or parameter (before anything is sent). ServerError: the
+            server rejected or failed a search (the others are aborted). ClientTimeoutError.
+        """
+        timeout = self.timeout if timeout == -1 else timeout
+        batch = _BeamSearches(prompts, params)
+        queues = []
+        try:
+            for rid, frames in batch.requests:
+                queues.append(self._submit(rid, frames))
+            for q, acc in zip(queues, batch.accs):
+                while not acc.out.finished:
+                    batch.add(acc, *self._get(q, timeout))
+        finally:
+            for rid, finished in batch.unfinished(len(queues)):
+                self._release(rid)
+                if not finished and not self._closed:
+                    self._post(M.encode("abort", request_id=rid))
+        return batch.results()
+
     def _call(self, msg_type: str, timeout) -> dict:
         cid = uuid.uuid4().hex
         q = self._submit(cid, M.encode(msg_type, corr_id=cid))
@@ -571,6 +655,24 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         self._send_now(M.encode("abort", request_id=request_id))
+
+    async def beam_search(self, prompts, params, *, timeout: float | None = -1) -> list:
+        """``Client.beam_search`` for asyncio (cancelling the task aborts the searches)."""
+        timeout = self.timeout if timeout == -1 else timeout
+        batch = _BeamSearches(prompts, params)
+        queues = []
+        try:
+            for rid, frames in batch.requests:
+                queues.append(self._open(rid, frames))
+            for q, acc in zip(queues, batch.accs):
+                while not acc.out.finished:
+                    batch.add(acc, *(await self._get(q, timeout)))
+        finally:
+            for rid, finished in batch.unfinished(len(queues)):
+                self._routes.pop(rid, None)
+                if not finished and not self._closed:
+                    self._send_now(M.encode("abort", request_id=rid))
+        return batch.results()
 
     async def _call(self, msg_type: str, timeout) -> dict:
         cid = uuid.uuid4().hex

@@ -16,7 +16,7 @@ array's dtype, shape and byte length. Any failure raises ``MessageError``, whose
 be sent back to the one peer that sent the message (see ``error_reply``).
 
 Message types:
-  client -> scheduler: generate, chat, abort, health, metrics
+  client -> scheduler: generate, chat, beam_search, abort, health, metrics
   scheduler -> client: output, error, health_reply, metrics_reply
   scheduler <-> worker: init, ready, step, step_result, shutdown, shutdown_ack, heartbeat, error
 
@@ -81,6 +81,13 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
         "add_generation_prompt": ("bool", False),
         "cache_salt": ("?str", False),
     },
+    "beam_search": {                        # one prompt; answered by one "output" at the end
+        "request_id": ("str", True),
+        "prompt": ("?str", False),
+        "prompt_token_ids": ("?array", False),
+        "params": ("dict", True),           # BeamSearchParams fields
+        "cache_salt": ("?str", False),
+    },
     "abort": {"request_id": ("str", True)},
     "health": {"corr_id": ("str", True)},
     "metrics": {"corr_id": ("str", True)},
@@ -93,6 +100,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
         "prompt_token_ids": ("?array", False),
         "num_cached_tokens": ("?int", False),
         "metrics": ("?dict", False),
+        "prompt_logprobs": ("?list", False),  # [None, [[token, logprob, rank, text], ...], ...]
     },
     "error": {
         "message": ("str", True),
@@ -120,12 +128,17 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
         "new_seq_token_ids": ("array", True),  # all new_seqs' prompt, output and eos ids, end to end
         "finished_seq_ids": ("list", True),
         "block_copies": ("array", True),
+        "prompt_logprob_indices": ("array", False),    # only when a request asked for them
+        "prompt_logprob_token_ids": ("array", False),
     },
     "step_result": {
         "step_id": ("int", True),
         "sampled_token_ids": ("array", True),
         "logprobs": ("?array", False),
         "logprob_token_ids": ("?array", False),
+        "prompt_logprobs": ("?array", False),
+        "prompt_logprob_token_ids": ("?array", False),
+        "prompt_logprob_ranks": ("?array", False),
         "forward_time": ("float", True),
         "sample_time": ("float", True),
         "idle_time": ("float", False),
@@ -309,6 +322,9 @@ def error_reply(message: str, code: str = "bad_request", request_id: str | None 
 
 _PLAN_ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
                 "seq_ids", "logits_indices", "sample_seq_ids", "block_copies")
+_PROMPT_LOGPROB_ROWS = ("prompt_logprob_indices", "prompt_logprob_token_ids")  # sent only when non-empty
+_RESULT_ARRAYS = ("logprobs", "logprob_token_ids", "prompt_logprobs", "prompt_logprob_token_ids",
+                  "prompt_logprob_ranks")
 
 
 def encode_plan(plan: StepPlan) -> list:
@@ -326,6 +342,8 @@ def encode_plan(plan: StepPlan) -> list:
         chunks += [s.prompt_token_ids, s.output_token_ids, s.eos_token_ids]
     ids = np.fromiter((int(t) for c in chunks for t in c), dtype=np.int64) if chunks else np.zeros(0, np.int64)
     arrays = {name: np.asarray(getattr(plan, name)) for name in _PLAN_ARRAYS}
+    if len(plan.prompt_logprob_indices):
+        arrays.update({name: np.asarray(getattr(plan, name), dtype=np.int64) for name in _PROMPT_LOGPROB_ROWS})
     return encode("step", step_id=int(plan.step_id), new_seqs=new_seqs, new_seq_token_ids=ids,
                   finished_seq_ids=[int(i) for i in plan.finished_seq_ids], **arrays)
 
@@ -359,17 +377,19 @@ def plan_from_fields(fields: dict) -> StepPlan:
         raise MessageError("step: new_seq_token_ids longer than the new_seqs counts")
     if not all(isinstance(x, int) for x in fields["finished_seq_ids"]):
         raise MessageError("step: finished_seq_ids must be ints")
+    extra = {name: fields[name] for name in _PROMPT_LOGPROB_ROWS if name in fields}
+    if len(extra) == 1 or (extra and extra["prompt_logprob_indices"].shape != extra["prompt_logprob_token_ids"].shape):
+        raise MessageError("step: prompt_logprob_indices and prompt_logprob_token_ids go together, same shape")
     return StepPlan(step_id=fields["step_id"], new_seqs=new_seqs, finished_seq_ids=fields["finished_seq_ids"],
-                    **{name: fields[name] for name in _PLAN_ARRAYS})
+                    **{name: fields[name] for name in _PLAN_ARRAYS}, **extra)
 
 
 def encode_result(result: StepResult) -> list:
     """Frames of a ``step_result`` message."""
+    arrays = {name: np.asarray(getattr(result, name)) for name in _RESULT_ARRAYS
+              if getattr(result, name) is not None}
     return encode("step_result", step_id=int(result.step_id),
-                  sampled_token_ids=np.asarray(result.sampled_token_ids, dtype=np.int64),
-                  logprobs=None if result.logprobs is None else np.asarray(result.logprobs),
-                  logprob_token_ids=None if result.logprob_token_ids is None
-                  else np.asarray(result.logprob_token_ids),
+                  sampled_token_ids=np.asarray(result.sampled_token_ids, dtype=np.int64), **arrays,
                   forward_time=float(result.forward_time), sample_time=float(result.sample_time),
                   idle_time=float(result.idle_time), error=result.error)
 
@@ -377,7 +397,7 @@ def encode_result(result: StepResult) -> list:
 def result_from_fields(fields: dict) -> StepResult:
     """Rebuild a ``StepResult`` from a decoded ``step_result`` message."""
     return StepResult(step_id=fields["step_id"], sampled_token_ids=fields["sampled_token_ids"],
-                      logprobs=fields.get("logprobs"), logprob_token_ids=fields.get("logprob_token_ids"),
+                      **{name: fields.get(name) for name in _RESULT_ARRAYS},
                       forward_time=float(fields["forward_time"]), sample_time=float(fields["sample_time"]),
                       idle_time=float(fields.get("idle_time", 0.0)), error=fields.get("error"))
 

@@ -73,6 +73,11 @@ class _Pending:
     arrival_time: float
 
 
+def _wire_logprobs(pos: dict) -> list:
+    """One position's ``{token_id: Logprob}`` as ``[[token, logprob, rank, text], ...]``."""
+    return [[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in pos.items()]
+
+
 class Server:
     """The scheduler process's main object.
 
@@ -247,7 +252,7 @@ class Server:
             if eid in self._requests:
                 self._pending_aborts.append(eid)
             return
-        if msg_type not in ("generate", "chat"):
+        if msg_type not in ("generate", "chat", "beam_search"):
             raise M.MessageError(f"clients may not send {msg_type}")
         rid = f["request_id"]
         if not self.healthy:
@@ -267,8 +272,9 @@ class Server:
         self.stats["num_requests"] += 1
 
     def _prepare(self, msg_type: str, f: dict):
-        from ..runtime.sampling_params import SamplingParams
-        sp = SamplingParams.from_dict(f["sampling"])
+        from ..runtime.sampling_params import BeamSearchParams, SamplingParams
+        sp = BeamSearchParams.from_dict(f["params"]) if msg_type == "beam_search" else \
+            SamplingParams.from_dict(f["sampling"])
         if msg_type == "chat":
             msgs = f["messages"]
             if not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -362,11 +368,13 @@ class Server:
                 o = {"index": c.index, "token_ids": np.asarray(c.token_ids, dtype=np.int64), "text": c.text,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if c.logprobs is not None:
-                    o["logprobs"] = [[[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in pos.items()]
-                                     for pos in c.logprobs]
+                    o["logprobs"] = [_wire_logprobs(pos) for pos in c.logprobs]
+                if c.cumulative_logprob is not None:
                     o["cumulative_logprob"] = c.cumulative_logprob
                 comps.append(o)
             extra: dict = {"num_cached_tokens": int(d.num_cached_tokens)}
+            if d.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = [None if pos is None else _wire_logprobs(pos) for pos in d.prompt_logprobs]
             if not r.started:
                 r.started = True
                 extra["prompt"] = d.prompt

@@ -15,7 +15,8 @@ Life cycle (driven by ``ipc.executor.ZmqExecutor``, which spawns this module as
    time the worker waited for its plan after sending the previous result (``idle_time``).
 
 Orphans: the worker asks the kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
-Linux) and also polls its parent pid, so it never outlives the scheduler. SIGINT is ignored (a
+Linux) and also polls its parent pid, so it never outlives the scheduler; an orphaned worker removes
+the private socket files the dead scheduler bound. SIGINT is ignored (a
 terminal's Ctrl-C reaches the whole process group; the scheduler decides how to stop us).
 """
 
@@ -34,19 +35,28 @@ import traceback
 import zmq
 
 from . import messages as M
-from .transport import make_socket, recv_frames, send_frames
+from .transport import cleanup_ipc_address, make_socket, recv_frames, send_frames
 
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _exit_removing_sockets(addresses: tuple[str, ...], code: int) -> None:
+    """Exit, removing the private ``ipc://`` socket files the scheduler bound for us: a SIGKILLed
+    scheduler can no longer remove them (no /tmp/folio-* is left behind). Safe whenever we exit,
+    since this worker is those sockets' only peer (the scheduler's own clean-up then finds nothing)."""
+    for address in addresses:
+        cleanup_ipc_address(address)
+    os._exit(code)
+
+
+def _die_with_parent(parent_pid: int, addresses: tuple[str, ...]) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except OSError:
         pass
     if os.getppid() != parent_pid:  # parent died before prctl took effect
-        os._exit(1)
+        _exit_removing_sockets(addresses, 1)
 
 
 def _load_factory(spec: str):
@@ -54,14 +64,15 @@ def _load_factory(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _heartbeat_loop(ctx: zmq.Context, address: str, interval: float, parent_pid: int, stop: threading.Event):
+def _heartbeat_loop(ctx: zmq.Context, address: str, interval: float, parent_pid: int, stop: threading.Event,
+                    addresses: tuple[str, ...]):
     sock = make_socket(ctx, zmq.PUSH, hwm=4)
     sock.connect(address)
     pid = os.getpid()
     try:
         while not stop.wait(interval):
             if os.getppid() != parent_pid:      # orphaned: PDEATHSIG missing (non-Linux) or raced
-                os._exit(1)
+                _exit_removing_sockets(addresses, 1)
             try:
                 send_frames(sock, M.encode("heartbeat", pid=pid, time=time.time()), flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -74,16 +85,20 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
                max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES) -> int:
     """Serve StepPlans until ``shutdown``; returns the exit code."""
     parent_pid = os.getppid()
-    _die_with_parent(parent_pid)
+    addresses = (address, heartbeat_address)
+    _die_with_parent(parent_pid, addresses)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # SIGTERM: the scheduler stopping us, or PDEATHSIG when it died. The two cannot be told apart
+    # reliably (PDEATHSIG fires when the spawning *thread* exits, before getppid() changes), so the
+    # socket files are removed either way
+    signal.signal(signal.SIGTERM, lambda *_: _exit_removing_sockets(addresses, 0))
 
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, linger_ms=1000)
     sock.connect(address)
     stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, args=(ctx, heartbeat_address, heartbeat_interval, parent_pid,
-                                                        stop), daemon=True, name="folio-heartbeat")
+                                                        stop, addresses), daemon=True, name="folio-heartbeat")
     hb.start()
 
     runner = None

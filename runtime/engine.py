@@ -34,7 +34,8 @@ from .executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
 from .kv_cache_manager import cdiv
 from .output_processor import OutputProcessor
 from .outputs import RequestDelta
-from .sampling_params import SamplingParams
+from .beam_search import BeamState
+from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from .step import make_step_plan
@@ -101,17 +102,26 @@ class LLMEngine:
 
         ``max_tokens=0`` is a defined prompt-only result: the request's only delta comes with the
         next step, with no tokens, empty text and ``finish_reason="length"``; no block is used.
+        ``sampling_params`` may be a ``BeamSearchParams``: the request is then a beam search
+        (``runtime/beam_search.py``) whose only delta, when it ends, carries one completion per
+        result sequence, best first.
         Raises:
             ValueError: a request that could never run, before it is admitted: duplicate id, no
                 prompt, empty prompt, a token id outside the vocabulary, prompt + max_tokens over
-                ``max_model_len``, more KV blocks for one sample than the whole cache, ``n`` over
-                ``max_num_seqs``, a prompt over ``max_num_batched_tokens`` when chunked prefill is
-                off, or a bad cache_salt / sampling_params type.
+                ``max_model_len``, more KV blocks for one sample than the whole cache, ``n`` (or
+                ``beam_width``) over ``max_num_seqs``, beams that could not all fit the cache
+                unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
+                ``max_num_batched_tokens`` when chunked prefill is off, or a bad cache_salt /
+                sampling_params type.
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
+        beam = None
+        if isinstance(sampling_params, BeamSearchParams):  # a beam search (runtime/beam_search.py)
+            beam, sampling_params = sampling_params, sampling_params.worker_params()
         if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+            raise ValueError("sampling_params must be a SamplingParams or BeamSearchParams, got "
+                             f"{type(sampling_params).__name__}")
         if request_id in self.scheduler.requests or self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -147,6 +157,11 @@ class LLMEngine:
         if sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({sampling_params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request run side by side")
+        if beam is not None and beam.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width ({beam.beam_width}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
+                             "the beams of one request run side by side")
+        if sampling_params.prompt_logprobs is not None and max_tokens == 0:
+            raise ValueError("prompt_logprobs needs max_tokens >= 1 (the prompt is computed with the first token)")
         if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
             raise ValueError(f"the prompt has {num_prompt} tokens; without chunked prefill it must fit "
                              f"max_num_batched_tokens ({self.config.max_num_batched_tokens})")
@@ -154,11 +169,19 @@ class LLMEngine:
         total = int(self.executor.num_blocks)
         if need > total:
             raise ValueError(f"the request needs {need} KV blocks per sample but the whole cache has {total}")
+        if beam is not None and beam.beam_width * need > total:
+            # recomputed after a preemption, beams may share nothing: the search must fit alone
+            raise ValueError(f"beam search with beam_width {beam.beam_width} needs up to {beam.beam_width * need} "
+                             f"KV blocks ({need} per beam, nothing shared) but the whole cache has {total}")
         request = Request(request_id, prompt, prompt_token_ids, sampling_params, max_tokens, cache_salt,
                           arrival_time, self.eos_token_ids)
+        if beam is not None:
+            request.n = beam.beam_width
+            request.beam = BeamState(beam, request.eos_stop_set)
         self.output_processor.add_request(request)
         if max_tokens == 0:
-            self._pending.append(self.output_processor.finish_request(request, "length"))
+            self._pending.append(self.output_processor.finish_beams(request) if beam is not None
+                                 else self.output_processor.finish_request(request, "length"))
             return
         self.scheduler.add_request(request)
 
@@ -215,13 +238,12 @@ class LLMEngine:
 
     def _fill(self) -> None:
         """Hand over steps until ``1 + depth`` are in flight or nothing can be scheduled."""
-        retries = 0
         while len(self._in_flight) <= self._depth and self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
             if out.is_empty:
-                # a pass that only preempted (its own sequence included) admits at the next pass
-                if out.num_preempted and retries < 2:
-                    retries += 1
+                # a pass that only preempted (its own sequence, or idle beams) admits at a later
+                # pass; each such pass moves running sequences to waiting, so this ends
+                if out.num_preempted:
                     continue
                 return
             plan = make_step_plan(out, self.config.block_size)

@@ -60,11 +60,13 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of ``seq`` (no reference taken yet).
 
         At least one token of ``seq.prefill_target`` is always left to compute, so the last
-        prompt token's logits (or, for a parent, the fork point) are produced by this engine.
+        prompt token's logits (or, for a parent, the fork point) are produced by this engine. A
+        request whose prompt logprobs are not all computed yet reads nothing from the cache
+        (cached positions have no logits; vLLM V1 skips the lookup the same way).
         Returns:
             (blocks, number of tokens they hold).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or seq.request.prompt_logprobs_next >= 0:
             return [], 0
         target = seq.prefill_target
         hashes = seq.update_block_hashes(self.block_size)
@@ -169,13 +171,20 @@ class KVCacheManager:
         self._num_registered_blocks[seq.seq_id] = end
 
     # sharing and freeing
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent`` (one more reference each)."""
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """``child`` shares every block of ``parent`` (one more reference each; a block either
+        then writes is copied on write by ``allocate_slots``).
+
+        Returns:
+            block copies the worker must do before ``child`` runs: none here (a subclass that
+            gives the child copies instead of shares, a benchmark baseline, returns them).
+        """
         blocks = list(self.seq_blocks.get(parent.seq_id, []))
         self.pool.touch(blocks)
         self.seq_blocks[child.seq_id] = blocks
         self._num_registered_blocks[child.seq_id] = self._num_registered_blocks.get(parent.seq_id, 0)
         self._write_row(child.seq_id, blocks, 0)
+        return []
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, so the chain's tail is evicted first."""

@@ -18,7 +18,10 @@ keeps cached but free are not counted as used). The automatic sizes are capped a
 sequence for copy-on-write).
 
 On the CUDA table a step runs through ``runtime/device_step.py``: one upload, forward, device
-sampling, one download, one sync per step, and CUDA graphs for decode steps.
+sampling, one download, one sync per step, and CUDA graphs for decode steps. A step with prompt
+logprob rows (rare: only requests that ask for them, only while their prompt is computed) runs
+the eager path below on either table: the forward returns the sampled rows' logits followed by
+the prompt rows', reduced in chunks (``sampler.prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ..model.attention import AttentionMetadata
 from ..model.loader import allocate_kv_caches, load_model, resolve_device
 from .config import EngineConfig
 from .device_step import DeviceStep
-from .sampler import SamplingState, sample
+from .sampler import SamplingState, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .step import LastSampledTokens, StepPlan, StepResult
 
@@ -245,7 +248,8 @@ class ModelRunner:
         if input_ids is not plan.input_ids:
             plan = dataclasses.replace(plan, input_ids=input_ids)
 
-        if self.device_step is not None:
+        num_plp = len(plan.prompt_logprob_indices)
+        if self.device_step is not None and not num_plp:
             if R and not plan.num_tokens:
                 raise ValueError("plan samples rows but has no tokens")
             states = [self._seqs[s] for s in sample_ids]
@@ -256,6 +260,15 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=lp,
                               logprob_token_ids=lp_ids, forward_time=fwd, sample_time=smp)
 
+        if self.device_step is not None:  # a prompt-logprob step on the GPU: eager, on folio's stream
+            with self.device_step.dev.activate():
+                return self._execute_eager(plan, sample_ids, R, num_plp)
+        return self._execute_eager(plan, sample_ids, R, num_plp)
+
+    def _execute_eager(self, plan: StepPlan, sample_ids: list[int], R: int, num_plp: int) -> StepResult:
+        """Forward + sample on any table, one kernel call at a time (the CPU path, and GPU steps
+        with prompt-logprob rows)."""
+        xp = self.xp
         t0 = time.perf_counter()
         copies = np.asarray(plan.block_copies, dtype=np.int64).reshape(-1, 2)
         if len(copies):
@@ -274,26 +287,39 @@ class ModelRunner:
                 block_tables=xp.asarray(np.ascontiguousarray(plan.block_tables, dtype=np.int32)),
                 max_query_len=int(np.diff(qsl).max()) if len(qsl) > 1 else 0,
                 max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0)
-            rows = np.asarray(plan.logits_indices, dtype=np.int64) if R else np.array([T - 1], np.int64)
+            rows = np.asarray(plan.logits_indices, dtype=np.int64) if R else np.zeros(0, np.int64)
+            if num_plp:  # the prompt rows' logits come after the sampled rows'
+                rows = np.concatenate([rows, np.asarray(plan.prompt_logprob_indices, dtype=np.int64)])
+            if not len(rows):
+                rows = np.array([T - 1], np.int64)
             logits = self.model.forward(xp.asarray(np.asarray(plan.input_ids, dtype=np.int64)),
                                         xp.asarray(np.asarray(plan.positions, dtype=np.int64)),
                                         md, self.kv_caches, xp.asarray(rows))
-        elif R:
+        elif R or num_plp:
             raise ValueError("plan samples rows but has no tokens")
         t1 = time.perf_counter()
 
-        if not R:
-            return StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, dtype=np.int64),
-                              forward_time=t1 - t0)
-        states = [self._seqs[s] for s in sample_ids]
-        out = sample(logits, states, xp)
-        for st, tok in zip(states, out.token_ids.tolist()):
-            st.append(tok)
-        self._last_sampled.record(plan, out.token_ids)
-        t2 = time.perf_counter()
-        return StepResult(step_id=plan.step_id, sampled_token_ids=out.token_ids, logprobs=out.logprobs,
-                          logprob_token_ids=out.logprob_token_ids, forward_time=t1 - t0,
-                          sample_time=t2 - t1)
+        result = StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, dtype=np.int64),
+                            forward_time=t1 - t0)
+        if num_plp:
+            result.prompt_logprobs, result.prompt_logprob_token_ids, result.prompt_logprob_ranks = \
+                prompt_logprobs(logits[R:], plan.prompt_logprob_token_ids, self._num_prompt_logprobs(plan), xp)
+        if R:
+            states = [self._seqs[s] for s in sample_ids]
+            out = sample(logits[:R] if num_plp else logits, states, xp)
+            for st, tok in zip(states, out.token_ids.tolist()):
+                st.append(tok)
+            self._last_sampled.record(plan, out.token_ids)
+            result.sampled_token_ids, result.logprobs, result.logprob_token_ids = \
+                out.token_ids, out.logprobs, out.logprob_token_ids
+        result.sample_time = time.perf_counter() - t1
+        return result
+
+    def _num_prompt_logprobs(self, plan: StepPlan) -> int:
+        """The largest ``prompt_logprobs`` of the sequences owning the plan's prompt rows."""
+        qsl = np.asarray(plan.query_start_loc)
+        owners = np.asarray(plan.seq_ids)[np.searchsorted(qsl, plan.prompt_logprob_indices, side="right") - 1]
+        return max(int(self._seqs[int(s)].params.prompt_logprobs or 0) for s in set(owners.tolist()))
 
     @property
     def num_active_sequences(self) -> int:

@@ -25,14 +25,16 @@ from .sequence import Request, Sequence
 
 
 class _RequestState:
-    """The output processor's view of one request: which samples have reported their finish."""
+    """The output processor's view of one request: which samples have reported their finish, and
+    the prompt logprobs received so far (``None`` when not asked for)."""
 
-    __slots__ = ("request", "done", "num_done")
+    __slots__ = ("request", "done", "num_done", "prompt_logprobs")
 
     def __init__(self, request: Request):
         self.request = request
         self.done = [False] * request.n
         self.num_done = 0
+        self.prompt_logprobs = [None] if request.sampling_params.prompt_logprobs is not None else None
 
 
 class OutputProcessor:
@@ -50,9 +52,12 @@ class OutputProcessor:
         self._token_bytes: dict[bool, TokenBytes] = {}       # skip_special_tokens -> token bytes
         self._token_text: dict[bool, dict[int, str]] = {}    # skip_special_tokens -> single-token texts
         self._states: dict[str, _RequestState] = {}
+        self._prompt_logprobs_ready: dict[str, list] = {}  # complete, for the request's next delta
 
     def add_request(self, request: Request) -> None:
-        self._states[request.request_id] = _RequestState(request)
+        state = self._states[request.request_id] = _RequestState(request)
+        if state.prompt_logprobs is not None and len(request.prompt_token_ids) == 1:
+            self._prompt_logprobs_ready[request.request_id] = state.prompt_logprobs
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
@@ -84,6 +89,8 @@ class OutputProcessor:
         deltas: list[RequestDelta] = []
         stopped: list[tuple[Sequence, str]] = []
         by_request: dict[str, RequestDelta] = {}
+        if update.prompt_logprob_spans:
+            self._add_prompt_logprobs(update.prompt_logprob_spans, result)
         with_logprobs = result.logprobs is not None
         for seq, row in zip(update.seqs, update.rows):
             request = seq.request
@@ -128,7 +135,48 @@ class OutputProcessor:
                 state.num_done += 1
                 if state.num_done == request.n:
                     self._finish(delta, state)
+        for request in update.finished_beams:
+            deltas.append(self.finish_beams(request))
+        if self._prompt_logprobs_ready:
+            for delta in deltas:
+                lps = self._prompt_logprobs_ready.pop(delta.request_id, None)
+                if lps is not None:
+                    delta.prompt_logprobs = lps
         return deltas, stopped
+
+    def _add_prompt_logprobs(self, spans, result) -> None:
+        """Append each span's prompt logprobs (rows of ``result.prompt_logprobs`` in span order) to
+        its request; a request whose prompt is complete gets them with its next delta."""
+        lps, ids, ranks = result.prompt_logprobs, result.prompt_logprob_token_ids, result.prompt_logprob_ranks
+        row = 0
+        for request, pos, count in spans:
+            state = self._states.get(request.request_id)
+            if state is None or state.prompt_logprobs is None:  # finished or aborted meanwhile
+                row += count
+                continue
+            k = request.sampling_params.prompt_logprobs
+            entries = state.prompt_logprobs
+            if len(entries) != pos + 1:
+                raise RuntimeError(f"prompt logprobs of {request.request_id!r} at {pos} after {len(entries) - 1}")
+            for r in range(row, row + count):
+                entry = {int(ids[r, j]): Logprob(float(lps[r, j]), rank=j) for j in range(1, k + 1)}
+                entry[int(ids[r, 0])] = Logprob(float(lps[r, 0]), rank=int(ranks[r]))
+                entries.append(entry)
+            row += count
+            if len(entries) == len(request.prompt_token_ids):
+                self._prompt_logprobs_ready[request.request_id] = entries
+
+    def finish_beams(self, request: Request) -> RequestDelta:
+        """The one delta of a finished beam search: one completion per result sequence, best first
+        (``CompletionDelta.index`` = rank), with its whole token ids, text and cumulative logprob."""
+        state = self._states[request.request_id]
+        comps = [CompletionDelta(i, h.token_ids, self._hf.decode(h.token_ids, skip_special_tokens=True),
+                                 h.finish_reason, None, None, h.cum_logprob)
+                 for i, h in enumerate(request.beam.ranked())]
+        delta = RequestDelta(request.request_id, comps, False, request.num_prefix_hit_tokens or 0, request.prompt,
+                             request.prompt_token_ids)
+        self._finish(delta, state)
+        return delta
 
     def _logprobs_entry(self, seq: Sequence, result, row: int) -> dict[int, Logprob]:
         k = seq.request.sampling_params.logprobs
@@ -155,6 +203,9 @@ class OutputProcessor:
         delta.metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
                                        request.last_token_time, request.finished_time)
         del self._states[request.request_id]
+        lps = self._prompt_logprobs_ready.pop(request.request_id, None)
+        if lps is not None:
+            delta.prompt_logprobs = lps
 
     # -- requests that end without a step ------------------------------------------------------------
     def finish_request(self, request: Request, reason: str) -> RequestDelta | None:

@@ -31,6 +31,9 @@ class Logprob:
 
 # One dict per generated token: {token_id: Logprob} with the top-k and the sampled token.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first, then {token_id: Logprob} with the prompt token
+# (its rank filled in) and the top-k (vLLM's PromptLogprobs).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -94,6 +97,7 @@ class RequestOutput:
         finished: all samples finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: the request's times.
+        prompt_logprobs: per prompt token (``None`` for the first) when asked for, else ``None``.
     """
 
     request_id: str
@@ -103,6 +107,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @classmethod
     def from_deltas(cls, deltas: list["RequestDelta"]) -> "RequestOutput":
@@ -117,9 +122,12 @@ class RequestOutput:
         first, last = deltas[0], deltas[-1]
         texts: dict[int, list[str]] = {}
         comps: dict[int, CompletionOutput] = {}
+        prompt_logprobs = None
         for delta in deltas:
             if delta.request_id != first.request_id:
                 raise ValueError(f"delta of request {delta.request_id!r} among {first.request_id!r}'s")
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs = delta.prompt_logprobs
             for d in delta.outputs:
                 c = comps.get(d.index)
                 if c is None:
@@ -136,7 +144,7 @@ class RequestOutput:
         for i, c in comps.items():
             c.text = "".join(texts[i])
         return cls(first.request_id, first.prompt, list(first.prompt_token_ids), [comps[i] for i in sorted(comps)],
-                   last.finished, last.num_cached_tokens, last.metrics)
+                   last.finished, last.num_cached_tokens, last.metrics, prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -175,6 +183,8 @@ class RequestDelta:
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt / prompt_token_ids: the request's prompt (references, not copies).
         metrics: the request's times, on the last delta only.
+        prompt_logprobs: the prompt logprobs, on the first delta after they are complete
+            (requests that asked for them only).
     """
 
     request_id: str
@@ -184,4 +194,5 @@ class RequestDelta:
     prompt: str | None
     prompt_token_ids: list[int]
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 

@@ -278,23 +278,60 @@ def sample(logits, states: list[SamplingState], xp=np) -> SamplerOutput:
 
     out = SamplerOutput(to_numpy(tokens).astype(np.int64))
     if raw_lp is not None:
-        K = max(want)
-        sampled_lp = xp.take_along_axis(raw_lp, tokens[:, None], axis=1)
-        if K > 0:
-            top = xp.argpartition(-raw_lp, K - 1, axis=1)[:, :K] if K < V else \
-                xp.broadcast_to(xp.arange(V), (R, V)).copy()
-            top_lp = xp.take_along_axis(raw_lp, top, axis=1)
-            order = xp.argsort(-top_lp, axis=1, kind="stable") if xp is np else \
-                xp.argsort(-top_lp, axis=1)
-            top = xp.take_along_axis(top, order, axis=1)
-            top_lp = xp.take_along_axis(top_lp, order, axis=1)
-            lp = xp.concatenate([sampled_lp, top_lp], axis=1)
-            ids = xp.concatenate([tokens[:, None], top], axis=1)
-        else:
-            lp, ids = sampled_lp, tokens[:, None]
-        out.logprobs = to_numpy(lp).astype(np.float32)
-        out.logprob_token_ids = to_numpy(ids).astype(np.int64)
+        out.logprobs, out.logprob_token_ids = _with_top_logprobs(raw_lp, tokens, max(want), xp)
     return out
+
+
+def _with_top_logprobs(raw_lp, first_ids, K: int, xp=np) -> tuple[np.ndarray, np.ndarray]:
+    """Host ``([R, 1 + K] float32, [R, 1 + K] int64)``: column 0 the logprob of ``first_ids``
+    ``[R]`` (xp int64) in ``raw_lp [R, V]``, columns 1.. the top ``K`` (descending; equal values
+    in id order on the host)."""
+    R, V = raw_lp.shape
+    first_lp = xp.take_along_axis(raw_lp, first_ids[:, None], axis=1)
+    if K > 0:
+        top = xp.argpartition(-raw_lp, K - 1, axis=1)[:, :K] if K < V else \
+            xp.broadcast_to(xp.arange(V), (R, V)).copy()
+        top_lp = xp.take_along_axis(raw_lp, top, axis=1)
+        order = xp.argsort(-top_lp, axis=1, kind="stable") if xp is np else \
+            xp.argsort(-top_lp, axis=1)
+        top = xp.take_along_axis(top, order, axis=1)
+        top_lp = xp.take_along_axis(top_lp, order, axis=1)
+        lp = xp.concatenate([first_lp, top_lp], axis=1)
+        ids = xp.concatenate([first_ids[:, None], top], axis=1)
+    else:
+        lp, ids = first_lp, first_ids[:, None]
+    return to_numpy(lp).astype(np.float32), to_numpy(ids).astype(np.int64)
+
+
+# prompt logprob rows are reduced this many at a time (bounds the [rows, V] temporaries)
+PROMPT_LOGPROB_CHUNK = 256
+
+
+def prompt_logprobs(logits, target_ids: np.ndarray, K: int, xp=np):
+    """Prompt logprobs (vLLM's ``prompt_logprobs``) of ``N`` prompt positions.
+
+    Args:
+        logits: ``[N, V]`` float32 xp array, the logits at each position.
+        target_ids: ``[N]`` int64 host array, the prompt token following each position.
+        K: how many top logprobs per row (>= 0).
+    Returns:
+        host arrays ``(logprobs [N, 1 + K] float32, ids [N, 1 + K] int64, ranks [N] int64)``:
+        column 0 the target's raw logprob (log-softmax of the logits, before any sampling
+        processing), columns 1.. the top ``K``; ``ranks`` the target's 1-based rank (1 + the
+        number of tokens with a strictly larger logprob).
+    """
+    N = int(logits.shape[0])
+    lps, ids, ranks = [], [], []
+    for a in range(0, N, PROMPT_LOGPROB_CHUNK):
+        raw = log_softmax(logits[a:a + PROMPT_LOGPROB_CHUNK].astype(xp.float32), xp)
+        tgt = xp.asarray(np.asarray(target_ids[a:a + PROMPT_LOGPROB_CHUNK], dtype=np.int64))
+        lp, top = _with_top_logprobs(raw, tgt, K, xp)
+        ranks.append(to_numpy((raw > xp.asarray(lp[:, :1])).sum(axis=1) + 1).astype(np.int64))
+        lps.append(lp)
+        ids.append(top)
+    if not N:
+        return np.zeros((0, 1 + K), np.float32), np.zeros((0, 1 + K), np.int64), np.zeros(0, np.int64)
+    return np.concatenate(lps), np.concatenate(ids), np.concatenate(ranks)
 
 
 # ---- the device path: the same semantics as sample(), run by the CUDA table's sampling kernels ----

@@ -43,6 +43,11 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the detokenized text.
         logprobs: return this many top logprobs per generated token (plus the sampled token's);
             ``None`` = no logprobs, 0 = only the sampled token's.
+        prompt_logprobs: return, for each prompt position after the first, the raw logprob of
+            the prompt token given the tokens before it plus this many top logprobs (``None`` for
+            position 0; vLLM's ``RequestOutput.prompt_logprobs``); ``None`` = off. A request that
+            asks for them does not read the prefix cache for its prompt (cached positions have
+            no logits; vLLM V1 does the same), and needs ``max_tokens >= 1``.
 
     Raises:
         ValueError: from ``__post_init__`` with a message naming the field, on any invalid value.
@@ -65,6 +70,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -129,8 +135,10 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
 
     # --- derived views -------------------------------------------------------------------------
     @property
@@ -170,3 +178,76 @@ class SamplingParams:
         d = self.to_dict()
         d.update(changes)
         return SamplingParams.from_dict(d)
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of a beam search (vLLM's ``BeamSearchParams``; the algorithm and where folio
+    differs from vLLM are in ``runtime/beam_search.py``).
+
+    Attributes:
+        beam_width: beams kept each step, in ``[1, MAX_LOGPROBS // 2]`` (each beam proposes its
+            ``2 * beam_width`` most likely next tokens, as vLLM and Hugging Face do).
+        max_tokens: most tokens to generate (>= 0; 0 returns one empty sequence).
+        ignore_eos: EOS is an ordinary token (no beam finishes early).
+        temperature: >= 0. Scores are the model's raw logprobs whatever the temperature (vLLM
+            V1's default ``raw_logprobs``); with ``temperature > 0`` each beam also proposes one
+            token sampled at that temperature (vLLM's sampled-token candidate).
+        length_penalty: the final ranking is by ``cum_logprob / len ** length_penalty`` (len = the
+            generated tokens, a final EOS not counted).
+        include_stop_str_in_output: a finished sequence's ``token_ids`` end with its EOS token.
+
+    Raises:
+        ValueError: from ``__post_init__``, naming the field, on any invalid value.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], got {self.beam_width!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BeamSearchParams":
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: unknown or missing keys (named in the message), or invalid values.
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown beam search parameter(s): {', '.join(map(str, unknown))}")
+        missing = [n for n in ("beam_width", "max_tokens") if n not in d]
+        if missing:
+            raise ValueError(f"missing beam search parameter(s): {', '.join(missing)}")
+        return cls(**d)
+
+    def worker_params(self) -> SamplingParams:
+        """What the worker runs for each beam: one token per step (argmax, or a draw at
+        ``temperature``) with the raw logprobs of its ``2 * beam_width`` most likely tokens."""
+        return SamplingParams(temperature=float(self.temperature), logprobs=2 * self.beam_width,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              include_stop_str_in_output=self.include_stop_str_in_output)

@@ -16,6 +16,15 @@ token-level stop conditions (EOS, ``stop_token_ids``, ``max_tokens``, ``max_mode
 in vLLM V1), forks parents that reached their fork point, finishes and frees. A token sampled for
 a sequence that finished or was aborted while the step was in flight is discarded.
 
+Beam search requests (``Request.beam``) run their beams as sequences of the request: after each
+step whose candidates cover every live beam, ``_advance_beams`` keeps the best extensions
+(``beam_search.py``), forks a beam with several surviving extensions through the same path as
+``n > 1`` (``_fork_child``: shared blocks, copy-on-write of the partly filled last block), and
+frees a beam with none at once. A beam is never scheduled while a step sampling it is in flight
+(its next token is the scheduler's choice, so no placeholder can stand for it); docs/architecture.md
+("Beam search") has the whole design. Prompt logprobs: the rows of prompt positions whose next
+token's logprob a request asked for are listed per step (``prompt_logprob_spans``).
+
 The block bookkeeping lives in ``kv_cache_manager.py`` (as in vLLM V1's ``sched/scheduler.py``);
 this file never touches a block. Subclasses may restrict admission (``_may_admit``), e.g. the
 benchmarks' request-level static batching (``folio/bench/static_batching.py``).
@@ -57,6 +66,9 @@ class SchedulerOutput:
         fork_ready: parents whose prefill reaches the fork point in this step (forked when the
             step's result is applied).
         num_preempted: sequences preempted while scheduling this step.
+        prompt_logprob_spans: ``(i, position, count)``: rows of scheduled sequence ``i`` at
+            positions ``position .. position + count - 1`` give prompt logprobs (of the prompt
+            token after each), in batch order.
     """
 
     step_id: int
@@ -70,6 +82,7 @@ class SchedulerOutput:
     block_tables: object = None
     fork_ready: list[Sequence] = field(default_factory=list)
     num_preempted: int = 0
+    prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -87,10 +100,15 @@ class SchedulerUpdate:
     Attributes:
         seqs: the sequences that got one new token (their last), in result-row order.
         rows: each one's row in the ``StepResult`` (for logprobs).
+        finished_beams: beam search requests whose search ended in this step.
+        prompt_logprob_spans: ``(request, position, count)`` per span of the step's prompt
+            logprob rows, in result order (``StepResult.prompt_logprobs``).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    finished_beams: list[Request] = field(default_factory=list)
+    prompt_logprob_spans: list = field(default_factory=list)
 
 
 # seq ids are unique in the process, so engines that share one worker never collide
@@ -133,16 +151,22 @@ class Scheduler:
         self._step_id = 0
         self._admit_counter = 0
         self._finished_seq_ids: list[int] = []  # to tell the worker in the next plan
+        self._pending_copies: list[tuple[int, int]] = []  # block copies a fork asked for (next plan)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request: one parent sequence when ``n > 1`` and the prompt has at
-        least two tokens (forked after its prefill), otherwise ``n`` sequences."""
+        least two tokens (forked after its prefill), one beam for a beam search, otherwise ``n``
+        sequences."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         n = request.n
         seed = getattr(request.sampling_params, "seed", None)
-        if n > 1 and len(request.prompt_token_ids) >= 2:
+        if request.beam is not None:
+            seqs = [Sequence(next(_SEQ_IDS), request, 0, request.prompt_token_ids, None, is_beam=True)]
+            request.beam.live = seqs
+            request.beam.cum[seqs[0].seq_id] = 0.0
+        elif n > 1 and len(request.prompt_token_ids) >= 2:
             seqs = [Sequence(next(_SEQ_IDS), request, 0, request.prompt_token_ids,
                              derive_seed(seed, 0, n), is_parent=True)]
         else:
@@ -158,6 +182,16 @@ class Scheduler:
         that already finished."""
         if seq.status is _FINISHED:
             return
+        self._release(seq)
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        request = seq.request
+        request.num_finished_seqs += 1
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take ``seq`` out of its queue, free its blocks, tell the worker (with the next plan)."""
         if seq.status is _RUNNING:
             self.running.remove(seq)
         else:
@@ -166,15 +200,9 @@ class Scheduler:
             except ValueError:
                 pass
         seq.status = _FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
         self.kv_cache_manager.free(seq)
         if seq.sent_to_worker:
             self._finished_seq_ids.append(seq.seq_id)
-        request = seq.request
-        request.num_finished_seqs += 1
-        if request.is_finished:
-            self.requests.pop(request.request_id, None)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish every sequence of the request with reason ``"abort"``; returns the request
@@ -218,8 +246,10 @@ class Scheduler:
                 if num_left > 1:
                     prefills.append((seq, num_left))
                 continue
-            # its last token is still being sampled: if that one ends it by length, wait
-            if p and (n_total - seq.num_prompt_tokens >= seq.request.max_output_tokens or n_total >= max_len):
+            # its last token is still being sampled: if that one ends it by length, wait; a
+            # beam waits for it in any case (the scheduler chooses its next token)
+            if p and (n_total - seq.num_prompt_tokens >= seq.request.max_output_tokens or n_total >= max_len
+                      or seq.is_beam):
                 continue
             if budget <= 0:
                 break
@@ -237,6 +267,8 @@ class Scheduler:
             seq.scheduled_step = step
             if seq.is_parent:
                 out.fork_ready.append(seq)
+                if seq.request.prompt_logprobs_next >= 0:  # its fork point is a prompt position
+                    self._prompt_logprob_span(out, seq, c, 1)
             else:
                 sampled.append(seq)
                 seq.num_output_placeholders = p + 1
@@ -263,11 +295,43 @@ class Scheduler:
         # waiting sequences: admit oldest first while budget, seats and blocks last
         if not out.num_preempted:
             self._admit_waiting(out, budget, step)
+            if not out.seqs and self.waiting:
+                self._preempt_idle_beams(out)
         if out.seqs:  # finished sequences are reported to the worker with the next plan that runs
             out.finished_seq_ids = self._finished_seq_ids
             self._finished_seq_ids = []
+            if self._pending_copies:  # forks' copies first: a copy-on-write may read their blocks
+                out.block_copies[:0] = self._pending_copies
+                self._pending_copies = []
             out.block_tables = kv.get_block_tables([s.seq_id for s in out.seqs])
         return out
+
+    def _prompt_logprob_span(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
+        """List the rows of ``seq``'s tokens ``start .. start + num_new - 1`` (the last one
+        scheduled, at batch index ``len(out.seqs) - 1`` or about to be) whose logits give a prompt
+        logprob not yet scheduled."""
+        request = seq.request
+        last = len(request.prompt_token_ids) - 1
+        end = min(start + num_new, last)
+        first = max(start, request.prompt_logprobs_next)
+        if end > first:
+            out.prompt_logprob_spans.append((len(out.seqs) - 1, first, end - first))
+            request.prompt_logprobs_next = end if end < last else -1
+
+    def _preempt_idle_beams(self, out: SchedulerOutput) -> None:
+        """Nothing could be scheduled, sequences wait, and nothing is in flight: the running
+        sequences are beams holding blocks while they wait for siblings that wait for blocks.
+        Preempt the newest such group (recomputed later) so the pass after admits the head."""
+        if any(s.num_output_placeholders for s in self.running) or \
+                any(s.num_output_placeholders for s in self.waiting):
+            return  # a result in flight will change the picture
+        for seq in reversed(self.running):
+            if seq.is_beam:
+                group = [s for s in seq.request.beam.live if s.status is _RUNNING]
+                for s in group:
+                    self.preempt(s)
+                out.num_preempted += len(group)
+                return
 
     def _allocate_or_preempt(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int):
         """Room for ``seq``'s tokens after the pool refused: preempt the newest running sequences
@@ -275,9 +339,17 @@ class Scheduler:
         ``seq`` itself was preempted."""
         while True:
             victim = self._pick_victim(step)
-            self.preempt(victim)
-            out.num_preempted += 1
-            if victim is seq:
+            if victim.is_beam:
+                # the victim's whole beam group not yet in this step: siblings left holding blocks
+                # could only wait for it
+                group = [s for s in victim.request.beam.live
+                         if s.status is _RUNNING and s.scheduled_step != step]
+            else:
+                group = [victim]
+            for s in group:
+                self.preempt(s)
+            out.num_preempted += len(group)
+            if seq in group:
                 return None
             copies = self.kv_cache_manager.allocate_slots(seq, num_new)
             if copies is not None:
@@ -294,10 +366,11 @@ class Scheduler:
             if seq.num_output_placeholders or not self._may_admit(seq):
                 break  # a preempted sequence waits for its in-flight token first
             request = seq.request
-            # a parent will become n sequences
-            seats = request.n if seq.is_parent else 1
-            if self.running and len(self.running) + seats > self.max_num_seqs:
-                break
+            if seq.is_beam:
+                if not self._beams_fit(seq):
+                    break
+            elif self.running and len(self.running) + (request.n if seq.is_parent else 1) > self.max_num_seqs:
+                break  # (a parent will become n sequences)
             if seq.num_computed_tokens == 0:
                 hit_blocks, num_hit = kv.get_computed_blocks(seq)
             else:
@@ -324,10 +397,24 @@ class Scheduler:
             self._add(out, seq, num_new, step)
             budget -= num_new
 
-    @staticmethod
-    def _add(out: SchedulerOutput, seq: Sequence, num_new: int, step: int) -> None:
+    def _beams_fit(self, seq: Sequence) -> bool:
+        """A waiting beam is admitted only while the seats and the free blocks could take every
+        waiting beam of its search (the first beam: all ``beam_width`` it becomes) to its next
+        token, no sharing counted: a search is not split by a lack of room that its own admitted
+        part holds."""
+        waiting = [s for s in seq.request.beam.live if s.status is _WAITING]
+        seats = seq.request.n if seq.num_output_tokens == 0 else len(waiting)
+        if self.running and len(self.running) + seats > self.max_num_seqs:
+            return False
+        bs = self.block_size
+        need = sum(-(-(s.num_tokens + 1) // bs) for s in waiting)
+        return need <= self.kv_cache_manager.get_num_free_blocks()
+
+    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int) -> None:
         start = seq.num_computed_tokens
         out.seqs.append(seq)
+        if seq.request.prompt_logprobs_next >= 0:
+            self._prompt_logprob_span(out, seq, start, num_new)
         out.num_new_tokens.append(num_new)
         out.num_computed_tokens.append(start)
         seq.num_computed_tokens = start + num_new
@@ -359,6 +446,14 @@ class Scheduler:
         seq.status = _WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += int(count)
+        if seq.is_beam:  # its recompute samples its candidates again
+            seq.request.beam.pending.pop(seq.seq_id, None)
+            # the search's waiting beams queue together (``_beams_fit`` admits them as one)
+            siblings = [s for s in seq.request.beam.live if s is not seq and s.status is _WAITING]
+            for s in siblings:
+                self.waiting.remove(s)
+            for i, s in enumerate(siblings, 1):
+                self.waiting.insert(i, s)
 
     # -- after the step -----------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result) -> SchedulerUpdate:
@@ -378,13 +473,23 @@ class Scheduler:
         if len(tokens) != len(sampled):
             raise RuntimeError(f"the worker returned {len(tokens)} tokens for {len(sampled)} rows")
         update = SchedulerUpdate()
+        if out.prompt_logprob_spans:
+            update.prompt_logprob_spans = [(out.seqs[i].request, pos, count)
+                                           for i, pos, count in out.prompt_logprob_spans]
         upd_seqs, upd_rows = update.seqs, update.rows
         now = time.time()
         max_len = self.max_model_len
+        beams = None
         row = 0
         for seq, token in zip(sampled, tokens):
             seq.num_output_placeholders -= 1
             if seq.status is _FINISHED:   # ended while this step was in flight: discard
+                row += 1
+                continue
+            if seq.is_beam:
+                if seq.status is _RUNNING:  # (a preempted beam samples its candidates again)
+                    beams = beams or []
+                    beams.append((seq, row))
                 row += 1
                 continue
             all_ids = seq.all_token_ids
@@ -404,6 +509,8 @@ class Scheduler:
         for seq in out.fork_ready:
             if seq.is_parent and seq.status is _RUNNING and seq.num_computed_tokens == len(seq.all_token_ids) - 1:
                 self._fork(seq)
+        if beams:
+            self._beam_rows(beams, result, now, update)
         return update
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -414,19 +521,82 @@ class Scheduler:
         n = request.n
         seed = getattr(request.sampling_params, "seed", None)
         parent.is_parent = False
-        children = []
+        children = [self._fork_child(parent, i, derive_seed(seed, i, n)) for i in range(1, n)]
         pos = self.running.index(parent)
-        for i in range(1, n):
-            child = Sequence(next(_SEQ_IDS), request, i, parent.all_token_ids, derive_seed(seed, i, n))
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.block_hashes = list(parent.block_hashes)
-            child.status = _RUNNING
-            child.admit_order = parent.admit_order
-            self.kv_cache_manager.fork(parent, child)
-            children.append(child)
         self.running[pos + 1:pos + 1] = children
         request.seqs.extend(children)
         return children
+
+    def _fork_child(self, parent: Sequence, index: int, seed: int | None) -> Sequence:
+        """A running copy of ``parent`` (same tokens, computed up to the same point) that shares
+        every one of its blocks by reference count; the caller places it in ``running``."""
+        child = Sequence(next(_SEQ_IDS), parent.request, index, parent.all_token_ids, seed, is_beam=parent.is_beam)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.status = _RUNNING
+        child.admit_order = parent.admit_order
+        copies = self.kv_cache_manager.fork(parent, child)
+        if copies:
+            self._pending_copies.extend(copies)
+        return child
+
+    # -- beam search ----------------------------------------------------------------------------
+    def _beam_rows(self, beams: list[tuple[Sequence, int]], result, now: float, update: SchedulerUpdate) -> None:
+        """Record each sampled beam's candidates (its row of the result's logprobs) and advance
+        every search whose live beams all have theirs."""
+        ready = []
+        for seq, row in beams:
+            request = seq.request
+            if request.beam.add_candidates(seq, result.logprob_token_ids[row], result.logprobs[row]):
+                ready.append(request)
+        for request in ready:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            if self._advance_beams(request):
+                update.finished_beams.append(request)
+
+    def _advance_beams(self, request: Request) -> bool:
+        """One step of the search (``BeamState.select``): a beam with one surviving extension
+        appends it, one with k > 1 is forked k - 1 times first (the children share its blocks),
+        one with none is freed now; beams that reach the length limit finish. Returns whether the
+        search ended."""
+        state = request.beam
+        old = state.live
+        chosen = state.select()
+        first: dict[int, Sequence] = {}
+        extensions = []
+        for rank, (pos, token, cum) in enumerate(chosen):
+            parent = old[pos]
+            if pos not in first:
+                first[pos] = parent
+                seq = parent
+            else:  # fork before the parent appends its own token
+                seq = self._fork_child(parent, rank, None)
+                where = self.running.index(parent) + 1
+                self.running.insert(where, seq)
+            seq.index = rank
+            extensions.append((seq, token, cum))
+        for pos, seq in enumerate(old):
+            if pos not in first:
+                self._release(seq)  # fell off: its blocks go back now
+        state.cum = {}
+        for seq, token, cum in extensions:
+            seq.all_token_ids.append(token)
+            state.cum[seq.seq_id] = cum
+        state.live = [seq for seq, _, _ in extensions]
+        request.seqs = state.live
+        if state.live:
+            seq = state.live[0]
+            if seq.num_output_tokens >= request.max_output_tokens or seq.num_tokens >= self.max_model_len:
+                state.finish_live("length")
+                for seq in state.live:
+                    self._release(seq)
+                state.live = request.seqs = []
+        if not state.live:
+            state.done = True
+            self.requests.pop(request.request_id, None)
+        return state.done
 
     def rollback(self, outs: list[SchedulerOutput]) -> None:
         """Undo steps whose results will never come (the worker failed one): forget the hashes
@@ -440,6 +610,10 @@ class Scheduler:
                 if seq.status is _RUNNING:
                     kv.drop_unwritten_hashes(seq, start)
             finished.extend(out.finished_seq_ids)
+            for i, pos, _ in out.prompt_logprob_spans:  # their prompt logprobs never came
+                request = out.seqs[i].request
+                nxt = request.prompt_logprobs_next
+                request.prompt_logprobs_next = pos if nxt < 0 else min(nxt, pos)
         for out in outs:
             for seq in out.seqs:
                 seq.num_output_placeholders = 0

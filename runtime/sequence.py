@@ -46,6 +46,9 @@ class Sequence:
             ``num_tokens`` onwards are such placeholders; the worker feeds them itself.
         is_parent: True while this sequence prefills a prompt on behalf of ``n`` samples; it then
             stops one token short of the prompt (``prefill_target``) and is forked.
+        is_beam: a beam of a beam search request (``Request.beam``): the scheduler, not the
+            worker's sample, chooses its next token, so it is never scheduled while a step that
+            samples it is in flight.
         block_hashes: prefix-cache hashes of the full blocks of ``all_token_ids`` (chain).
         sent_to_worker: whether the worker has its sampling state (``NewSequence`` sent).
         seed: this sample's RNG seed or ``None``.
@@ -55,12 +58,12 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "request", "index", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "num_output_placeholders", "is_parent", "status", "block_hashes", "sent_to_worker", "seed",
+                 "num_output_placeholders", "is_parent", "is_beam", "status", "block_hashes", "sent_to_worker", "seed",
                  "finish_reason", "stop_reason", "admit_order", "scheduled_step", "detokenizer", "logprobs",
                  "cumulative_logprob")
 
     def __init__(self, seq_id: int, request: "Request", index: int, token_ids: list[int],
-                 seed: int | None, is_parent: bool = False):
+                 seed: int | None, is_parent: bool = False, is_beam: bool = False):
         self.seq_id = seq_id
         self.request = request
         self.index = index
@@ -69,6 +72,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         self.is_parent = is_parent
+        self.is_beam = is_beam
         self.status = SequenceStatus.WAITING
         self.block_hashes: list[BlockHash] = []
         self.sent_to_worker = False
@@ -137,6 +141,9 @@ class Request:
         num_prefix_hit_tokens: prompt tokens served from the prefix cache at first admission
             (``None`` until then; ``RequestOutput.num_cached_tokens`` reports it).
         num_finished_seqs: samples finished so far.
+        beam: the search state (``beam_search.BeamState``) of a beam search request, else ``None``.
+        prompt_logprobs_next: the first prompt position whose prompt logprob (the logprob of the
+            prompt token after it) is not yet scheduled, or -1 when none is wanted or all are.
         first_scheduled_time / first_token_time / last_token_time / finished_time: seconds
             since the epoch, or ``None``.
     """
@@ -165,7 +172,12 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.aborted = False
+        self.beam = None
+        wants = getattr(sampling_params, "prompt_logprobs", None) is not None
+        self.prompt_logprobs_next = 0 if wants and len(self.prompt_token_ids) > 1 else -1
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.aborted or self.beam.done
         return self.aborted or self.num_finished_seqs >= self.n

@@ -26,6 +26,8 @@ import numpy as np
 # an input id the worker replaces with the token its sequence sampled in the previous step
 PLACEHOLDER_TOKEN_ID = -1
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)  # shared, never written
+
 
 @dataclass
 class NewSequence:
@@ -72,6 +74,10 @@ class StepPlan:
         finished_seq_ids: sequences whose worker-side state can be dropped.
         block_copies: ``[N, 2]`` int64 ``(src, dst)`` copy-on-write block copies, done before the
             forward pass.
+        prompt_logprob_indices: ``[N]`` int64 token rows whose logits give prompt logprobs (a
+            prompt position of a request that asked for them), in batch order.
+        prompt_logprob_token_ids: ``[N]`` int64 the prompt token following each of those rows
+            (whose logprob is wanted).
     """
 
     step_id: int
@@ -87,6 +93,8 @@ class StepPlan:
     new_seqs: list[NewSequence] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    prompt_logprob_indices: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    prompt_logprob_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +116,11 @@ class StepResult:
         idle_time: seconds the worker waited for this plan after finishing the previous one
             (its idle time between steps; measured by whoever runs the runner).
         error: a message when the step failed on the worker (then the other fields are empty).
+        prompt_logprobs: ``[N, 1 + K]`` float32 or ``None``, one row per
+            ``plan.prompt_logprob_indices`` row: column 0 the raw logprob of the following prompt
+            token, columns 1.. the top-K (K = the largest ``prompt_logprobs`` of the step).
+        prompt_logprob_token_ids: ``[N, 1 + K]`` int64 matching (column 0 = the prompt token).
+        prompt_logprob_ranks: ``[N]`` int64 1-based rank of each prompt token in its row.
     """
 
     step_id: int
@@ -118,6 +131,9 @@ class StepResult:
     sample_time: float = 0.0
     idle_time: float = 0.0
     error: str | None = None
+    prompt_logprobs: np.ndarray | None = None
+    prompt_logprob_token_ids: np.ndarray | None = None
+    prompt_logprob_ranks: np.ndarray | None = None
 
 
 def make_step_plan(out, block_size: int) -> StepPlan:
@@ -165,6 +181,15 @@ def make_step_plan(out, block_size: int) -> StepPlan:
         mask = np.fromiter((id(s) in is_sampled for s in seqs), dtype=bool, count=S)
         logits_indices = (query_start_loc[1:][mask] - 1).astype(np.int64)
         sample_seq_ids = seq_ids[mask]
+    plp_rows = plp_targets = _NO_ROWS
+    if out.prompt_logprob_spans:
+        rows, targets = [], []
+        for i, pos, count in out.prompt_logprob_spans:
+            first = int(query_start_loc[i]) + pos - out.num_computed_tokens[i]
+            rows.extend(range(first, first + count))
+            targets.extend(seqs[i].all_token_ids[pos + 1:pos + 1 + count])
+        plp_rows = np.array(rows, dtype=np.int64)
+        plp_targets = np.array(targets, dtype=np.int64)
     new_seqs = [NewSequence(seq_id=s.seq_id, prompt_token_ids=list(s.request.prompt_token_ids),
                             output_token_ids=s.all_token_ids[s.num_prompt_tokens:],
                             sampling=s.request.sampling_params.to_dict(), seed=s.seed,
@@ -184,6 +209,8 @@ def make_step_plan(out, block_size: int) -> StepPlan:
         new_seqs=new_seqs,
         finished_seq_ids=list(out.finished_seq_ids),
         block_copies=np.asarray(out.block_copies, dtype=np.int64).reshape(-1, 2),
+        prompt_logprob_indices=plp_rows,
+        prompt_logprob_token_ids=plp_targets,
     )
 
 

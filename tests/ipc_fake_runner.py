@@ -7,6 +7,8 @@ token the sequence sampled in the step before (overlap scheduling); ``config.ext
 long run sees is bounded as a model's is, instead of a new id every step); the environment
 variables FOLIO_ECHO_NUM_BLOCKS / FOLIO_ECHO_STEP_S set the same through ``folio serve``.
 FOLIO_ECHO_INIT_S makes start-up take that many seconds (as loading a model does).
+Rows that ask for logprobs (beam search asks for ``2 * beam_width``) or prompt logprobs get made-up
+ones from ``echo_logprobs``, a function of the row's last input token alone.
 """
 
 import os
@@ -24,6 +26,17 @@ except ImportError:  # an older folio measured by perf/engine_overhead.py --pack
 ECHO_BASE = 1000
 
 
+def echo_logprobs(last_ids, K: int):
+    """Made-up logprobs after each token of ``last_ids`` ``[R]``: ids ``last + 1 .. last + K``
+    with logprobs ``-(j + 1) * (0.3 + 0.1 * (last % 5))``. Returns ``(ids [R, 1 + K], logprobs
+    [R, 1 + K] float32)``, column 0 the answered token (``last + 1``) as the sampler lays them out."""
+    last = np.asarray(last_ids, dtype=np.int64)[:, None]
+    j = np.arange(max(K, 1))[None, :]
+    ids = last + 1 + j
+    lps = (-(j + 1) * (0.3 + 0.1 * (last % 5))).astype(np.float32)
+    return np.concatenate([ids[:, :1], ids[:, :K]], axis=1), np.concatenate([lps[:, :1], lps[:, :K]], axis=1)
+
+
 class EchoRunner:
     def __init__(self, config):
         extra = config.extra or {}
@@ -35,6 +48,7 @@ class EchoRunner:
         self.period = extra.get("echo_period")
         self.model_config = None
         self.seen_seqs = set()
+        self.want: dict[int, tuple] = {}   # seq_id -> (logprobs, prompt_logprobs) asked for
         self.last_sampled = LastSampledTokens() if LastSampledTokens is not None else None
 
     def execute(self, plan):
@@ -51,7 +65,28 @@ class EchoRunner:
             ids = ECHO_BASE + (ids - ECHO_BASE) % int(self.period)
         if self.last_sampled is not None:
             self.last_sampled.record(plan, ids)
-        return StepResult(plan.step_id, ids.astype(np.int64), forward_time=time.perf_counter() - t0)
+        result = StepResult(plan.step_id, ids.astype(np.int64), forward_time=time.perf_counter() - t0)
+        self._logprobs(plan, ids, result)
+        return result
+
+    def _logprobs(self, plan, ids, result):
+        for ns in plan.new_seqs:
+            self.want[ns.seq_id] = (ns.sampling.get("logprobs"), ns.sampling.get("prompt_logprobs"))
+        want = [self.want.get(int(s), (None, None))[0] for s in plan.sample_seq_ids]
+        if any(k is not None for k in want):
+            K = max(k for k in want if k is not None)
+            result.logprob_token_ids, result.logprobs = echo_logprobs(ids - 1, K)
+        rows = np.asarray(getattr(plan, "prompt_logprob_indices", ()), dtype=np.int64)
+        if len(rows):
+            qsl = np.asarray(plan.query_start_loc)
+            owners = np.asarray(plan.seq_ids)[np.searchsorted(qsl, rows, side="right") - 1]
+            K = max(self.want[int(s)][1] for s in owners)
+            top, lps = echo_logprobs(np.asarray(plan.input_ids)[rows], K)
+            tgt = np.asarray(plan.prompt_logprob_token_ids)
+            result.prompt_logprob_token_ids = np.concatenate([tgt[:, None], top[:, 1:]], axis=1)
+            result.prompt_logprobs = lps.copy()
+            result.prompt_logprobs[:, 0] = -3.0
+            result.prompt_logprob_ranks = np.full(len(rows), 7, dtype=np.int64)
 
     def shutdown(self):
         pass

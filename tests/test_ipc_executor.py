@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -119,15 +120,20 @@ def test_worker_dies_with_its_parent():
         from folio.ipc.executor import ZmqExecutor
         from folio.runtime.config import EngineConfig
         ex = ZmqExecutor(EngineConfig(), runner={RUNNER!r})
-        print(ex.worker_pid, flush=True)
+        print(ex.worker_pid, ex._addr, ex._hb_addr, flush=True)
         time.sleep(600)
     """)
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
     try:
-        worker_pid = int(parent.stdout.readline())
+        pid, *addresses = parent.stdout.readline().split()
+        worker_pid = int(pid)
         parent.kill()
         parent.wait(10)
         assert _wait_gone(worker_pid), "worker outlived its parent"
+        # the SIGKILLed parent could not remove its private socket folders: the orphaned worker did
+        folders = [os.path.dirname(a[len("ipc://"):]) for a in addresses]
+        assert all(f.startswith(tempfile.gettempdir()) for f in folders), folders
+        assert not any(os.path.exists(f) for f in folders), folders
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -139,6 +139,38 @@ def test_section4_block_counts(report):
         assert row["shared"]["output_tokens"] == row["separate"]["output_tokens"] == n * O * TINY.s4_num_prompts
 
 
+def test_section4_beam_search_block_counts(report):
+    _, data = report
+    P, O = TINY.s4_prompt_len, TINY.s4_output_len
+    per_beam = cdiv(P + O - 1, 16)   # the last token chosen is never computed
+    shared_full = P // 16            # the first beam computes the whole prompt; full blocks stay shared
+    rows = data["sections"]["4"]["beam_rows"]
+    assert [r["beam_width"] for r in rows] == list(TINY.s4_beam_widths)
+    for r in rows:
+        w = r["beam_width"]
+        assert r["separate"]["peak_blocks"] == w * per_beam * TINY.s4_num_prompts
+        assert r["shared"]["peak_blocks"] == (shared_full + w * (per_beam - shared_full)) * TINY.s4_num_prompts
+        assert r["same_results"]
+        assert r["shared"]["output_tokens"] == r["separate"]["output_tokens"] == w * O * TINY.s4_num_prompts
+
+
+def test_update_reruns_one_section_and_keeps_the_others(report, tmp_path):
+    import shutil
+    out, before = report
+    shutil.copytree(out, tmp_path / "perf")
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "report", "--tiny", "--sections", "7",
+                        "--update", "--out", str(tmp_path / "perf"), "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = json.loads((tmp_path / "perf" / "report.json").read_text())
+    assert {k: v for k, v in after["sections"].items() if k != "7"} == \
+        {k: v for k, v in before["sections"].items() if k != "7"}
+    assert after["sections"]["7"] == before["sections"]["7"]   # computed, not measured: the same again
+    assert [u["sections"] for u in after["reruns"]] == [["7"]]
+    md = (tmp_path / "perf" / "REPORT.md").read_text()
+    assert "Section(s) 7 rerun" in md and "## 1. KV memory waste" in md
+
+
 def test_section5_hits_and_changed_token(report):
     _, data = report
     r = data["sections"]["5"]

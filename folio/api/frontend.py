@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.parent_pid is not None:
         from ..ipc.worker import _die_with_parent
-        _die_with_parent(a.parent_pid)
+        _die_with_parent(a.parent_pid, (a.scheduler_address,))
     # uvicorn handles SIGINT/SIGTERM while it serves and re-raises them afterwards: let those land here
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         sock.close()
+        # we are the only peer of folio serve's private socket for us: remove it, in case folio
+        # serve died without its own clean-up (SIGKILL)
+        from ..ipc.transport import cleanup_ipc_address
+        cleanup_ipc_address(a.scheduler_address)
     return 0
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
-from ..runtime.sampling_params import SamplingParams
+from ..runtime.sampling_params import BeamSearchParams, SamplingParams
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 log = logging.getLogger("folio.api")
@@ -183,6 +183,33 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> dict:
         raise APIError(400, str(e), name if name in _SAMPLING_NAMES else None) from None
 
 
+def beam_search_params(req, sampling: dict) -> dict:
+    """The ``BeamSearchParams`` of a request with vLLM's ``use_beam_search`` extension: width
+    ``beam_width`` or else ``n`` (vLLM), the request's max_tokens, ignore_eos, length_penalty,
+    include_stop_str_in_output; temperature 0 unless given (vLLM's completions default to 1,
+    which adds a random candidate per beam; folio's search stays deterministic).
+
+    Raises:
+        APIError(400): stop strings / stop tokens / min_tokens / logprobs, which folio's beam search
+            does not take, or an invalid value.
+    """
+    for name in ("stop", "stop_token_ids", "min_tokens"):
+        if sampling.get(name):
+            raise APIError(400, f"{name} is not supported with use_beam_search", name)
+    if sampling.get("logprobs") is not None:
+        raise APIError(400, "logprobs are not supported with use_beam_search", "logprobs")
+    try:
+        return BeamSearchParams(
+            beam_width=req.beam_width if req.beam_width is not None else req.n,
+            # (None: the prompt alone fills the model; the engine says so, naming the numbers)
+            max_tokens=sampling["max_tokens"] if sampling["max_tokens"] is not None else 1,
+            ignore_eos=req.ignore_eos, temperature=req.temperature or 0.0, length_penalty=req.length_penalty,
+            include_stop_str_in_output=req.include_stop_str_in_output).to_dict()
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), name if name in ("beam_width", "length_penalty", "temperature") else None) from None
+
+
 # ---------------------------------------------------------------------------------------------
 # engine requests of one HTTP request
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +271,33 @@ class RequestGroup:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class BeamSearchGroup:
+    """``RequestGroup``'s interface over beam searches (one per prompt): ``start()`` runs them to
+    the end (a beam search answers once), ``deltas()`` yields each result sequence as one finished
+    delta of choice ``rank``."""
+
+    def __init__(self, client: AsyncClient, prompts: list[list[int]], params: dict, cache_salt: str | None):
+        self.client, self.prompts, self.params, self.cache_salt = client, prompts, params, cache_salt
+        self.outputs: list = []
+
+    async def start(self) -> None:
+        salt = {"cache_salt": self.cache_salt} if self.cache_salt is not None else {}
+        try:
+            self.outputs = await self.client.beam_search([{"prompt_token_ids": ids, **salt} for ids in self.prompts],
+                                                         self.params)
+        except (ServerError, ClientTimeoutError) as e:
+            raise api_error_from(e) from None
+
+    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        for i, (ids, out) in enumerate(zip(self.prompts, self.outputs)):
+            for rank, s in enumerate(out.sequences):
+                yield i, StreamDelta("", rank, s.token_ids, s.text, s.finish_reason, s.stop_reason, True, 0,
+                                     len(ids), time.monotonic())
+
+    async def close(self) -> None:
+        pass
 
 
 async def cancel_on_disconnect(request, coro):
@@ -394,10 +448,15 @@ class _Run:
 
     def __init__(self, front: FrontEnd, req, prompts: list[list[int]], sampling: dict, id_prefix: str):
         self.front, self.req, self.sampling = front, req, sampling
+        if req.use_beam_search:   # one choice per result sequence, best first
+            beam = beam_search_params(req, sampling)
+            req.n = beam["beam_width"]
+            self.group = BeamSearchGroup(front.client, prompts, beam, req.cache_salt)
+        else:
+            self.group = RequestGroup(front.client, prompts, sampling, req.cache_salt)
         self.acc = _Accumulator(len(prompts), req.n)
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.group = RequestGroup(front.client, prompts, sampling, req.cache_salt)
 
     def _choice(self, k: int, c: _Choice) -> dict:
         raise NotImplementedError
@@ -450,7 +509,7 @@ class CompletionRun(_Run):
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
         if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which folio does not compute", "echo")
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported over HTTP", "echo")
         sampling = sampling_params(req, req.max_tokens, req.logprobs)
         self.prompts = completion_prompts(front, req)
         super().__init__(front, req, [ids for _, ids in self.prompts], sampling, "cmpl")

@@ -27,6 +27,9 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--sections", type=_sections, default=list(range(1, 8)), help="e.g. 1,3,7 (default all)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (seconds; what the tests run)")
     p.add_argument("--no-peers", action="store_true", help="section 3 without transformers / llama.cpp")
+    p.add_argument("--update", action="store_true",
+                   help="rerun only --sections and merge them into the existing OUT/report.json (the other sections "
+                        "are kept; REPORT.md says which were rerun)")
     p.add_argument("--rerender", action="store_true",
                    help="only redraw the plots and rewrite REPORT.md from OUT/report.json (no measurement)")
     p.set_defaults(func=with_threads(run))
@@ -42,6 +45,9 @@ def run(args) -> int:
     if args.no_peers:
         size.s3_peers = ()
     data = run_report(args.out, sections=args.sections, size=size, size_name="tiny" if args.tiny else "full",
-                      model=args.model, threads=args.threads, progress=not args.no_progress)
+                      model=args.model, threads=args.threads, progress=not args.no_progress, update=args.update)
+    if args.update:
+        print(f"reran section(s) {', '.join(map(str, args.sections))} into {args.out}/report.json and REPORT.md")
+        return 0
     print(f"wrote {args.out}/REPORT.md, {args.out}/report.json and the plots in {data['total_s'] / 60:.1f} min")
     return 0

@@ -52,6 +52,7 @@ class ReportSize:
     s4_prompt_len: int = 512
     s4_output_len: int = 32
     s4_n: tuple = (2, 4, 8)
+    s4_beam_widths: tuple = (2, 4, 8)
     # 5
     s5_system_len: int = 1500
     s5_num_questions: int = 32
@@ -77,7 +78,7 @@ class ReportSize:
                    s3_num_prompts=4, s3_input_len=(8, 24), s3_output_len=(2, 6), s3_build_llama_server=False,
                    s3_kernel_layers=2, s3_kernel_contexts=(128,), s3_kernel_repeat=1, s3_kernel_model_decode=False,
                    s2_num_requests=4, s2_input_len=(8, 16), s2_output_len=(2, 4), s2_rates=(20.0, 80.0),
-                   s2_max_num_seqs=2, s4_num_prompts=1, s4_prompt_len=40, s4_output_len=3, s4_n=(2, 4),
+                   s2_max_num_seqs=2, s4_num_prompts=1, s4_prompt_len=40, s4_output_len=3, s4_n=(2, 4), s4_beam_widths=(2,),
                    s5_system_len=64, s5_num_questions=3, s5_question_len=(3, 6), s5_output_len=2,
                    s5_change_positions=(0, 40, 63), s6_num_streams=2, s6_stream_input_len=(4, 8),
                    s6_stream_output_len=8, s6_long_len=200, s6_long_output_len=2, s6_inject_after=2,
@@ -91,12 +92,19 @@ def _section_command(n: int, size_name: str) -> str:
 
 def run_report(out_dir="perf", sections=SECTIONS, size: ReportSize | None = None, size_name: str = "full",
                model: str = "smollm2-135m-instruct", threads: int = 1, progress: bool = True,
-               plots: bool = True) -> dict:
+               plots: bool = True, update: bool = False) -> dict:
     """Run ``sections``, write report.json, the plots and REPORT.md into ``out_dir``.
 
+    Args:
+        update: keep the other sections of the existing ``out_dir/report.json`` and replace only
+            those run now (the report then says which sections were rerun, when and how).
     Returns:
         the raw figures (also in ``out_dir/report.json``).
+    Raises:
+        FileNotFoundError: ``update`` without an existing report.json.
     """
+    if update:
+        return _update_report(out_dir, sections, size, size_name, model, threads, progress, plots)
     from tqdm.auto import tqdm
 
     from .kv_replay import run_section1
@@ -129,7 +137,7 @@ def run_report(out_dir="perf", sections=SECTIONS, size: ReportSize | None = None
         elif s == 3:
             data["sections"]["3"] = _section3(size, model, host, threads, progress)
         elif s == 4:
-            sub.total = len(size.s4_n)
+            sub.total = len(size.s4_n) + len(size.s4_beam_widths)
             data["sections"]["4"] = run_section4(host, size, sub)
         elif s == 5:
             sub.total = 3
@@ -152,6 +160,25 @@ def run_report(out_dir="perf", sections=SECTIONS, size: ReportSize | None = None
     (out_dir / "report.json").write_text(json.dumps(_jsonable(data), indent=1))
     (out_dir / "REPORT.md").write_text(render_markdown(data, figs, size_name))
     return data
+
+
+def _update_report(out_dir, sections, size, size_name, model, threads, progress, plots) -> dict:
+    """``run_report(update=True)``: rerun ``sections`` into a scratch folder, then merge them into
+    the existing report.json (sizes of the rerun sections recorded with them) and re-render."""
+    import tempfile
+    out_dir = Path(out_dir)
+    data = json.loads((out_dir / "report.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        new = run_report(tmp, sections, size, size_name, model, threads, progress, plots=False)
+    for k, v in new["sections"].items():
+        data["sections"][k] = v
+        data["timings_s"][k] = new["timings_s"][k]
+    data.setdefault("reruns", []).append({"sections": sorted(new["sections"], key=int), "command": new["command"],
+                                          "started": new["started"], "size": size_name, "threads": threads,
+                                          "machine_start": new["machine_start"], "machine_end": new["machine_end"],
+                                          "total_s": new["total_s"]})
+    (out_dir / "report.json").write_text(json.dumps(_jsonable(data), indent=1))
+    return rerender(out_dir) if plots else data
 
 
 def rerender(out_dir="perf") -> dict:
@@ -321,6 +348,16 @@ def make_plots(data: dict, out_dir: Path) -> dict:
         axs[1].set_ylabel("output tokens/s")
         axs[1].legend(fontsize=8)
         save(fig, "fig4_parallel_sampling.png")
+        beams = S["4"].get("beam_rows")
+        if beams:
+            x = np.arange(len(beams))
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            ax.bar(x - 0.2, [r["shared"]["peak_blocks"] for r in beams], 0.4, label="beams sharing blocks")
+            ax.bar(x + 0.2, [r["separate"]["peak_blocks"] for r in beams], 0.4, label="beams as separate sequences")
+            ax.set_xticks(x, [f"width {r['beam_width']}" for r in beams])
+            ax.set_ylabel("peak KV blocks in use")
+            ax.legend(fontsize=8)
+            save(fig, "fig4b_beam_search.png")
     if "5" in S:
         r = S["5"]
         fig, axs = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -470,6 +507,32 @@ def _pct(x):
     return f"{100 * x:.1f}%"
 
 
+def _beam_search_markdown(r: dict, figure: list) -> list:
+    rows = r["beam_rows"]
+    L = ["### Beam search", "",
+         "**Claim** (PagedAttention section 4.4): beam search is where block sharing matters most: beams fork and "
+         "die every step, and sharing their common blocks saves up to 55% of KV memory.", "",
+         f"**Setup**: the same {r['num_prompts']} prompt(s) of {r['prompt_len']} tokens, beam search of "
+         f"{r['output_len']} tokens (ignore_eos) at each width. Sharing: folio's beams, sequences of one request "
+         "that fork by reference count (copy-on-write of a shared partly filled block; a beam that falls off frees "
+         "its blocks at once). Separate: the same search with every fork copying all of its parent's blocks "
+         "(`folio/bench/separate_beams.py`), as if each beam were a sequence of its own; prefix caching off. Peak "
+         "blocks in use from the block pool.", ""] + figure + [
+         "| beam width | peak blocks sharing | peak blocks separate | memory saved | same beams |",
+         "|---|---|---|---|---|"]
+    for x in rows:
+        L.append(f"| {x['beam_width']} | {x['shared']['peak_blocks']} | {x['separate']['peak_blocks']} | "
+                 f"{_pct(x['memory_saving'])} | {'yes' if x['same_results'] else 'NO'} |")
+    last = rows[-1]
+    L += ["", f"**Meaning**: at width {last['beam_width']} the beams hold {last['shared']['peak_blocks']} blocks at the "
+          f"peak instead of {last['separate']['peak_blocks']} ({_pct(last['memory_saving'])} saved): the prompt's "
+          "blocks and every prefix the beams still have in common are held once, and a pruned beam's blocks return "
+          "at once. How much is saved depends on how much of each beam is shared: here a "
+          f"{r['prompt_len']}-token prompt and {r['output_len']} generated tokens per beam (the published 55% is "
+          "for its own workloads).", ""]
+    return L
+
+
 def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
     S = data["sections"]
     m0 = data["machine_start"]
@@ -481,6 +544,12 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
          "(the machine is shared, so timings are noisy). Model: SmolLM2-135M-Instruct, float32 on CPU, "
          f"{data['threads']} thread(s) per engine (folio and every peer alike; section 3 also at 1). Raw figures: "
          "[report.json](report.json).", ""]
+    for u in data.get("reruns", []):
+        L += [f"Section(s) {', '.join(u['sections'])} rerun {u['started']} by `{u['command']}` in "
+              f"{u['total_s'] / 60:.1f} min on {u['machine_start'].get('cpu', '?')}, {u['machine_start'].get('cores')} "
+              f"cores, {u['threads']} thread(s), 1-min load {u['machine_start'].get('loadavg_1m', 0):.1f} at the start "
+              f"and {u['machine_end'].get('loadavg_1m', 0):.1f} at the end; the other sections are from the run above.",
+              ""]
     cmd = lambda n: _section_command(n, size_name)  # noqa: E731
 
     def fig(key):
@@ -569,8 +638,10 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
         last = r["rows"][-1]
         L += ["", f"**Meaning**: with n = {last['n']} sharing saves {_pct(last['memory_saving'])} of the KV blocks "
               f"and runs {last['speedup']:.2f}x as fast (the prompt is computed once instead of n times). The "
-              "saving grows with n and with the prompt's share of each sequence.", "",
-              f"Reproduce: `{cmd(4)}`", ""]
+              "saving grows with n and with the prompt's share of each sequence.", ""]
+        if r.get("beam_rows"):
+            L += _beam_search_markdown(r, fig("fig4b"))
+        L += [f"Reproduce: `{cmd(4)}`", ""]
     if "5" in S:
         r = S["5"]
         on, off = r["on"], r["off"]

@@ -63,7 +63,31 @@ def run_section4(host: ModelHost, size, bar=None) -> dict:
         if bar is not None:
             bar.update(1)
     return {"num_prompts": len(prompts), "prompt_len": size.s4_prompt_len, "output_len": size.s4_output_len,
-            "block_size": 16, "rows": rows}
+            "block_size": 16, "rows": rows, "beam_rows": run_section4_beams(host, size, prompts, bar)}
+
+
+def run_section4_beams(host: ModelHost, size, prompts, bar=None) -> list:
+    """Beam search at each width: beams sharing blocks (forks by reference count, copy-on-write)
+    against the same search with every fork copying its parent's blocks (``separate_beams.py``:
+    beams as separate sequences, prefix caching off). Same prompts as the n-sample rows."""
+    from ..runtime.sampling_params import BeamSearchParams
+    rows = []
+    for width in size.s4_beam_widths:
+        def params(r, width=width):
+            return BeamSearchParams(beam_width=width, max_tokens=r.output_len, ignore_eos=True)
+        runs = {}
+        for name, eng in (("shared", host.engine()),
+                          ("separate", host.engine("separate-beams", enable_prefix_caching=False))):
+            res = run_trace(eng, prompts, params, sample_kv=True)
+            runs[name] = {"wall_s": res.wall_s, "peak_blocks": max(k[4] for k in res.kv),
+                          "output_tokens": res.output_tokens(),
+                          "sequences": [[c.token_ids for c in o.outputs] for _, o in sorted(res.outputs.items())]}
+        same = runs["shared"].pop("sequences") == runs["separate"].pop("sequences")
+        rows.append({"beam_width": width, **runs, "same_results": same,
+                     "memory_saving": 1 - runs["shared"]["peak_blocks"] / runs["separate"]["peak_blocks"]})
+        if bar is not None:
+            bar.update(1)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------

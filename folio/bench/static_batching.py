@@ -30,4 +30,9 @@ class StaticBatchScheduler(Scheduler):
         return seq.request.request_id in self._batch
 
 
-SCHEDULERS = {"continuous": Scheduler, "static": StaticBatchScheduler}
+def _schedulers() -> dict:
+    from .separate_beams import SeparateBeamsScheduler
+    return {"continuous": Scheduler, "static": StaticBatchScheduler, "separate-beams": SeparateBeamsScheduler}
+
+
+SCHEDULERS = _schedulers()
