@@ -21,7 +21,8 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--repeat", type=positive, default=5, help="timed calls per figure (best and median printed)")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="model for the single-sequence decode figure ('' to skip)")
-    p.add_argument("--contexts", type=positive, nargs="+", default=[128, 512, 2048])
+    p.add_argument("--contexts", type=positive, nargs="+", default=[128, 512, 2048],
+                   help="context lengths (tokens) for the paged-attention figures")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=run)
 
