@@ -126,10 +126,14 @@ def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel:
     """
     server = tools_dir() / "llama-server"
     parallel = parallel or len(requests)
-    n_ctx = sum(len(r.prompt_token_ids) + r.output_len for r in requests) + 16 * parallel
+    # One KV stream per slot (llama.cpp's default): each sequence's attention reads only its own
+    # cache. ``--kv-unified`` (one buffer shared by every slot) made every decode attend over the
+    # whole shared buffer under a mask: 3x slower on this workload (perf/RESULTS.md, issue 9).
+    n_ctx_slot = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 16
+    n_ctx = n_ctx_slot * parallel
     port = _free_port()
     cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-tb", str(threads), "-np", str(parallel), "-c", str(n_ctx), "--kv-unified", "-b", "2048", "-ub", "512",
+           "-tb", str(threads), "-np", str(parallel), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
            "--no-webui"]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="llama-server-")
     t0 = time.perf_counter()
