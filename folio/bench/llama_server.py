@@ -11,9 +11,9 @@ one request at a time. This peer runs the throughput workload through it:
 * the model is the same GGUF file folio imports, once as shipped (Q4_1) and once converted to
   F32 with ``llama-quantize --allow-requantize ... F32`` (folio's own precision; the file is
   cached in ``$FOLIO_HOME/llama-cpp/``);
-* the server gets as many slots as requests run at once in folio (all of them here), one KV
-  buffer shared by the slots (``--kv-unified``) sized like folio's (every request's prompt plus
-  output), the same thread count for generation and prompt processing, and llama.cpp's default
+* the server gets as many slots as requests run at once in folio (all of them here), a KV
+  stream per slot (llama.cpp's default) holding the longest request's prompt plus output, the
+  same thread count for generation and prompt processing, and llama.cpp's default
   batch sizes (``-b 2048`` like folio's token budget, ``-ub 512``);
 * every request is sent at once over HTTP (``POST /completion`` with the prompt's token ids,
   ``n_predict`` = the output length, ``ignore_eos``, greedy), and the wall time runs from the
@@ -128,7 +128,7 @@ def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel:
     parallel = parallel or len(requests)
     # One KV stream per slot (llama.cpp's default): each sequence's attention reads only its own
     # cache. ``--kv-unified`` (one buffer shared by every slot) made every decode attend over the
-    # whole shared buffer under a mask: 3x slower on this workload (perf/RESULTS.md, issue 9).
+    # whole shared buffer under a mask: 1.6x slower on this workload (perf/RESULTS.md, issue 9).
     n_ctx_slot = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 16
     n_ctx = n_ctx_slot * parallel
     port = _free_port()

@@ -428,8 +428,9 @@ def _section3_markdown(r: dict, figure: list, reproduce: str) -> list:
          "2048 tokens/step, float32. transformers: `generate` in static batches of 16, left-padded, float32. "
          "llama-cpp-python: the packaged Q4_1 GGUF, one request at a time. llama-server: llama.cpp's HTTP server "
          "built from the source in the pinned llama-cpp-python sdist (portable AVX2 flags, `benchmark/Makefile`), "
-         + (f"{server['parallel']} slots (one per request folio runs at once), one shared KV buffer, "
-            "continuous batching, " if server else "") +
+         + (f"{server['parallel']} slots (one per request folio runs at once), a KV stream per slot (its "
+            "default; one buffer shared by all slots, `--kv-unified`, was 1.6x slower here), continuous "
+            "batching, " if server else "") +
          "every request sent at once over HTTP; on the same GGUF converted to F32 with llama-quantize (folio's "
          "precision) and as shipped (Q4_1). Every engine runs with the thread count in the table, one after the "
          "other on the same machine.", ""] + figure + [
