@@ -293,14 +293,17 @@ def _raw_post(url: str, path: str, body: dict) -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_aborts_and_frees_the_blocks(echo_http, zmq_client, stream):
+@pytest.mark.parametrize("stream,beam", [(True, False), (False, False), (False, True), (True, True)])
+def test_client_disconnect_aborts_and_frees_the_blocks(echo_http, zmq_client, stream, beam):
     _, _, url = echo_http
     idle = idle_metrics(zmq_client)
     before = idle["serving"]["request_success"].get("abort", 0)
+    # a beam search answers (streamed or not) only when it ends: the client leaves while it runs
     s = _raw_post(url, "/v1/completions", {"prompt": [300, 301], "max_tokens": 3000, "ignore_eos": True,
-                                           "stream": stream})
-    if stream:
+                                           "stream": stream, "use_beam_search": beam, "n": 2 if beam else 1})
+    if beam:
+        poll_until(lambda: zmq_client.get_metrics()["num_running"] == 2, 30, "the beams to run")
+    elif stream:
         got = b""
         while got.count(b"data: {") < 3:         # the stream is running
             got += s.recv(65536)

@@ -101,7 +101,14 @@ def build_app(front: FrontEnd) -> FastAPI:
 
     # -- generation ---------------------------------------------------------------------------------
     async def run(request: Request, runner):
-        await runner.group.start()                       # 400 / 503 here, before any status line
+        async def start():
+            await runner.group.start()                   # 400 / 503 here, before any status line
+            return True
+
+        # a client that leaves before the first token (a queued request; a beam search, which answers
+        # only when it ends) cancels the start, and with it its engine requests (AsyncClient aborts them)
+        if not await cancel_on_disconnect(request, start()):
+            return Response(status_code=499)
         if runner.req.stream:
             # the background task runs however the response ends, even when the client left before the
             # first chunk (then the stream generator never ran its own clean-up): nothing keeps running
