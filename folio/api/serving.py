@@ -141,7 +141,7 @@ class FrontEnd:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise APIError(400, f"the {param} is not valid Unicode text (lone surrogate at {e.start})",
+            raise APIError(400, f"{param}: not valid Unicode text (lone surrogate at {e.start})",
                            param) from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
