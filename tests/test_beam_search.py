@@ -161,6 +161,8 @@ def run_all(llm, cases, extra=()):
 
 def test_beam_search_equals_full_recompute_reference(runner, cases):
     assert min(len(ids) for ids, _, _ in cases) == 1 and max(len(ids) for ids, _, _ in cases) > 12
+    assert any(reason == "stop" for _, _, ref in cases for _, _, reason in ref)   # some beam ends at EOS
+    assert {p.beam_width for _, p, _ in cases} == set(range(1, 9))
     llm = make_llm(runner, 0, 160)
     ids, params, ref = cases[1]
     check(llm.beam_search({"prompt_token_ids": ids}, params)[0], ref, cases.delta)   # the offline API, one prompt
