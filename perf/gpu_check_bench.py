@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -205,6 +206,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     result = {"engine": args.engine, "model": args.model, "num_requests": args.num_requests, "seed": args.seed,
               "lengths": [args.min_len, args.max_len]}
+    path = dummy = None
     try:
         path, dummy, cfg = model_dir_for(args.model)
         reqs = workload(args.num_requests, args.seed, cfg["vocab_size"], args.min_len, args.max_len)
@@ -222,6 +224,9 @@ def main(argv=None) -> int:
         result["ok"] = False
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        if dummy:          # model_dir_for's temporary folder (config.json + synthetic tokenizer)
+            shutil.rmtree(path, ignore_errors=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "traceback"}))

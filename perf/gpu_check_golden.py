@@ -154,26 +154,26 @@ def graphs(dry: bool) -> dict:
     from folio import LLM, SamplingParams
 
     cfg = dict(SMOLLM2_135M, num_hidden_layers=2, vocab_size=2048) if dry else SMOLLM2_135M
-    d = tempfile.mkdtemp(prefix="folio-graphs-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    synthetic_tokenizer(d, cfg["vocab_size"])
-    rng = np.random.default_rng(1)
-    prompts = [{"prompt_token_ids": rng.integers(0, cfg["vocab_size"], 20 + 7 * i).tolist()} for i in range(3)]
-    n = 6 if dry else 64
-    out = {}
-    for eager in (True, False):
-        llm = LLM(model=d, device="cuda", load_format="dummy", enforce_eager=eager, max_model_len=512,
-                  max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.3)
-        t0 = time.perf_counter()
-        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        ex = llm.llm_engine.executor
-        step = getattr(ex, "runner", ex).device_step  # in-process executors wrap the ModelRunner
-        out[eager] = {"tokens": [list(r.outputs[0].token_ids) for r in res],
-                      "seconds": round(time.perf_counter() - t0, 3),
-                      "graphs": sorted(map(list, step.graphs)) if step is not None else None,
-                      "graph_error": step.graph_error if step is not None else None}
-        del llm
+    with tempfile.TemporaryDirectory(prefix="folio-graphs-") as d:   # removed however the runs end
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        synthetic_tokenizer(d, cfg["vocab_size"])
+        rng = np.random.default_rng(1)
+        prompts = [{"prompt_token_ids": rng.integers(0, cfg["vocab_size"], 20 + 7 * i).tolist()} for i in range(3)]
+        n = 6 if dry else 64
+        out = {}
+        for eager in (True, False):
+            llm = LLM(model=d, device="cuda", load_format="dummy", enforce_eager=eager, max_model_len=512,
+                      max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.3)
+            t0 = time.perf_counter()
+            res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+            ex = llm.llm_engine.executor
+            step = getattr(ex, "runner", ex).device_step  # in-process executors wrap the ModelRunner
+            out[eager] = {"tokens": [list(r.outputs[0].token_ids) for r in res],
+                          "seconds": round(time.perf_counter() - t0, 3),
+                          "graphs": sorted(map(list, step.graphs)) if step is not None else None,
+                          "graph_error": step.graph_error if step is not None else None}
+            del llm
     agree = np.mean([a == b for ta, tb in zip(out[True]["tokens"], out[False]["tokens"]) for a, b in zip(ta, tb)])
     return {"eager": out[True], "graphs": out[False], "token_agreement": float(agree),
             "ok": out[False]["graph_error"] is None and bool(out[False]["graphs"])}

@@ -19,7 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_gpu_check_dry_run(tmp_path):
     require_compiler()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FOLIO_TEST_CUDA")}
-    env.update(FOLIO_GPU_CHECK_DRY="1", OUT=str(tmp_path), PYTHON=sys.executable)
+    scratch = tmp_path / "tmp"      # the check's own temporary folders (dummy model configs) go here
+    scratch.mkdir()
+    env.update(FOLIO_GPU_CHECK_DRY="1", OUT=str(tmp_path / "out"), PYTHON=sys.executable, TMPDIR=str(scratch))
+    tmp_path = tmp_path / "out"
     r = subprocess.run(["bash", str(ROOT / "perf" / "gpu_check.sh")], env=env, capture_output=True, text=True,
                        timeout=1200)
     log = (tmp_path / "gpu_check.log").read_text() if (tmp_path / "gpu_check.log").exists() else ""
@@ -38,3 +41,5 @@ def test_gpu_check_dry_run(tmp_path):
     assert g["golden"].get("ok", True), g["golden"]
     b = steps["bench_folio_small"]["result"]
     assert b["ok"] and b["output_tokens"] == b["expected_output_tokens"], b
+    left = sorted(p.name for p in scratch.glob("folio-*"))   # (pytest's own folders may stay)
+    assert not left, f"the check left temporary folders behind: {left}"

@@ -203,6 +203,16 @@ BAD_REQUESTS = [   # (path, body, text the message must contain, param)
                               "max_tokens": 5000}, "max_model_len", None),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one", "prompt"),
     ("/detokenize", {"tokens": [-1]}, "vocabulary", "tokens"),
+    # values JSON carries but the engine's wire (msgpack, int64 arrays, UTF-8) cannot: a 400, not a
+    # request that never answers; lone surrogates written as JSON escapes (valid JSON, invalid text)
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2 ** 64}, "64 bits", None),
+    ("/v1/completions", {"prompt": [2 ** 63]}, "64 bits", None),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2 ** 64]}, "64 bits", None),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "Unicode", None),
+    ("/v1/completions", b'{"prompt": "x", "cache_salt": "\\udcff"}', "Unicode", None),
+    ("/v1/completions", b'{"prompt": "x \\ud83d"}', "Unicode", "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "Unicode", "messages"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "Unicode", "prompt"),
 ]
 
 

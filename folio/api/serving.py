@@ -40,7 +40,13 @@ LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity; vLLM sends this for a zero pr
 
 
 def api_error_from(exc: Exception) -> APIError:
-    """An ``APIError`` for a failure reported by the scheduler (or no answer from it)."""
+    """An ``APIError`` for a failure reported by the scheduler (or no answer from it), or for a
+    request the client could not send (``_WIRE_ERRORS``: a 400)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, _WIRE_ERRORS):
+        return APIError(400, f"the request has a value the engine cannot take (integers must fit in 64 bits, "
+                             f"text must be valid Unicode): {exc}")
     if isinstance(exc, ServerError):
         status = _STATUS.get(exc.code, 500)
         param = exc.message.split(" ", 1)[0] if status == 400 else None
@@ -50,6 +56,9 @@ def api_error_from(exc: Exception) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}")
 
 
+# what encoding an engine request raises for a value JSON allows but msgpack / int64 arrays / UTF-8
+# do not: an integer of 64 bits or more (OverflowError), a lone surrogate (UnicodeEncodeError)
+_WIRE_ERRORS = (OverflowError, UnicodeEncodeError)
 _SAMPLING_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "max_completion_tokens"}
 
 
@@ -126,7 +135,14 @@ class FrontEnd:
                 text = text[:end + len(msgs[-1]["content"])]    # leave the final message open
         return text
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
+        """Token ids of ``text``. Raises ``APIError(400)`` for text that is not valid Unicode (a lone
+        surrogate, which JSON's escapes can carry)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"the {param} is not valid Unicode text (lone surrogate at {e.start})",
+                           param) from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -234,7 +250,11 @@ class RequestGroup:
             async for d in self.client.generate_stream(prompt_token_ids=ids, sampling_params=self.sampling,
                                                        request_id=f"{self.rid}-{i}", cache_salt=self.cache_salt):
                 self._q.put_nowait((i, d, None))
-        except (ServerError, ClientTimeoutError) as e:
+        except (ServerError, ClientTimeoutError, *_WIRE_ERRORS) as e:
+            self._q.put_nowait((i, None, e))
+            return
+        except Exception as e:      # a bug, but start() must never wait for an answer that cannot come
+            log.exception("engine request %s-%d failed", self.rid, i)
             self._q.put_nowait((i, None, e))
             return
         self._q.put_nowait((i, None, None))
@@ -556,7 +576,7 @@ class ChatRun(_Run):
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         text = front.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs)
-        ids = front.encode(text)
+        ids = front.encode(text, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:     # as vLLM: up to the model's length (here also what the KV cache holds)
             room = min(front.max_model_len, front.kv_capacity_tokens) - len(ids)
