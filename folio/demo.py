@@ -152,9 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-color", action="store_true", help="no ANSI colours")
     p.add_argument("--serve-arg", action="append", default=[], help=argparse.SUPPRESS)   # tests: extra flags
     a = p.parse_args(argv)
+    from .ipc.client import ServerError
     try:
         return _main(a)
     except KeyboardInterrupt:
+        print("\ninterrupted: the demo and its server stopped", file=sys.stderr, flush=True)
+        return 0
+    except ServerError as e:
+        # Ctrl-C in a terminal reaches the server too (same process group): when it stops first,
+        # the demo's streams end with its shutdown error before the demo sees the interrupt
+        if e.code != "shutdown":
+            raise
         print("\ninterrupted: the demo and its server stopped", file=sys.stderr, flush=True)
         return 0
 

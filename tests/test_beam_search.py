@@ -90,13 +90,13 @@ def make_llm(runner, offset, num_blocks, **kw):
 # (greedy) to 8; the chat prompts make the instruct model answer briefly and end with EOS
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 CASES = [("Hello", 8, 3, 1.0),
-         ("The capital of France is", 4, 6, 1.0),
+         ("The capital of France is", 7, 4, 2.0),
          ("def fibonacci(n):", 1, 8, 1.0),
          ("Once upon a time, in a small village by the sea, there lived", 2, 6, 0.5),
          ("Q: What is the largest planet in the solar system?\nA:", 3, 4, 1.0),
-         ("List three colors:", 7, 3, 2.0),
-         (CHAT.format("What is 2+2? Answer with one number."), 5, 8, 1.0),
-         (CHAT.format("Say yes or no."), 8, 6, 1.0)]
+         ("import numpy as", 6, 3, 2.0),
+         (CHAT.format("What is 2+2? Answer with one number."), 4, 6, 1.0),
+         (CHAT.format("Say yes or no."), 5, 8, 1.0)]
 
 
 def check(out, ref_seqs, delta):
@@ -161,6 +161,8 @@ def run_all(llm, cases, extra=()):
 
 def test_beam_search_equals_full_recompute_reference(runner, cases):
     assert min(len(ids) for ids, _, _ in cases) == 1 and max(len(ids) for ids, _, _ in cases) > 12
+    assert any(reason == "stop" for _, _, ref in cases for _, _, reason in ref)   # some beam ends at EOS
+    assert {p.beam_width for _, p, _ in cases} == set(range(1, 9))
     llm = make_llm(runner, 0, 160)
     ids, params, ref = cases[1]
     check(llm.beam_search({"prompt_token_ids": ids}, params)[0], ref, cases.delta)   # the offline API, one prompt
