@@ -250,11 +250,9 @@ class RequestGroup:
             async for d in self.client.generate_stream(prompt_token_ids=ids, sampling_params=self.sampling,
                                                        request_id=f"{self.rid}-{i}", cache_salt=self.cache_salt):
                 self._q.put_nowait((i, d, None))
-        except (ServerError, ClientTimeoutError, *_WIRE_ERRORS) as e:
-            self._q.put_nowait((i, None, e))
-            return
-        except Exception as e:      # a bug, but start() must never wait for an answer that cannot come
-            log.exception("engine request %s-%d failed", self.rid, i)
+        except Exception as e:      # start() must never wait for an answer that cannot come
+            if not isinstance(e, (ServerError, ClientTimeoutError, *_WIRE_ERRORS)):
+                log.exception("engine request %s-%d failed", self.rid, i)     # a bug
             self._q.put_nowait((i, None, e))
             return
         self._q.put_nowait((i, None, None))
