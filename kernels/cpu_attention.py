@@ -3,8 +3,8 @@
 The work of one step is cut into items ``(sequence, kv head, query tile)``. An item's rows are
 every query row that reads that KV head: ``tile tokens x group`` (the GQA group, ``num_heads //
 num_kv_heads`` query heads per KV head), so each key and value row is read once per item for
-the whole group. The item walks the sequence's context a chunk of whole KV blocks at a time
-(``CHUNK_KEYS`` keys) and keeps, per row, the running maximum ``m``, the running sum ``l`` and
+the whole group. The item walks the sequence's context in whole KV blocks (a chunk of
+``CHUNK_KEYS`` keys at a time for tiles, one block for decodes) and keeps, per row, the running maximum ``m``, the running sum ``l`` and
 the unnormalised output ``acc`` of the online softmax (rescaled by ``2^(m_old - m_new)`` when the
 maximum grows), then writes ``acc / l``. Rows stop at their causal limit (key positions
 ``<= their own``); chunks past the last row's limit are never read.
@@ -18,16 +18,26 @@ Two ways to compute an item, chosen by its number of rows:
   ``acc += P V`` are two single-threaded BLAS ``sgemm`` calls on ``[rows, head_dim] x [head_dim,
   chunk]`` and ``[rows, chunk] x [chunk, head_dim]`` (dense products at the sgemm rate); the
   softmax between them is a vectorised loop per row.
-* **Loops** (decode: one token, ``group`` rows): the products are Numba loops over the cache
-  rows in place (vectorised over ``head_dim``); a decode item is bound by reading its K/V.
+* **Decodes** (fewer rows: one token, or a few, times the ``group``): one KV block at a time,
+  the scores of every row against the block's keys (Numba loops over the cache rows in place,
+  vectorised over ``head_dim``), the online-softmax update, then the block's values; the next
+  block's cache lines are requested while one block is used (the blocks of a sequence lie
+  anywhere in the cache, so the hardware prefetcher cannot guess them). A decode item is bound
+  by reading its K/V. When there are fewer decoding sequences than two per thread (a single
+  long conversation), each is cut by KV head and into key ranges of at least ``SPLIT_MIN_KEYS``
+  keys (FlashDecoding): each range keeps its own running max, sum and unnormalised rows, merged
+  after the region.
 
 Scores are kept in base 2 (``q * scale * log2(e)``) and exponentiated with the vectorised
-``cpu_math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items are taken largest first from a shared
-counter by one task per thread (``kernels.cpu_threads``); every buffer is per task and
-allocated before the parallel region.
+``cpu_math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items
+are taken largest first from a shared counter by one task per thread (``kernels.cpu_threads``); every buffer is per task and
+allocated before the parallel region. Planning is one compiled call and buffers plus region another:
+each Python-level call costs tens of microseconds when a decode step's weight stream has just
+evicted the interpreter's data from the caches.
 
 Sources: PagedAttention (Kwon et al., SOSP 2023); online softmax (Milakov & Gimelshein 2018) as
-used by FlashAttention (Dao et al., 2022) and FlashDecoding's GQA grouping; the CPU tiling of
+used by FlashAttention (Dao et al., 2022); FlashDecoding's key partitions and GQA grouping
+(Dao et al., 2023, "Flash-Decoding for long-context inference"); the CPU tiling of
 vLLM's ``cpu_attn`` and llama.cpp's ``flash_attn_ext`` as descriptions of the problem.
 """
 
@@ -46,6 +56,7 @@ TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
 TILE_MIN_ROWS = 8      # fewer rows: the loop path (decode)
 CHUNK_KEYS = 128       # keys per online-softmax step (rounded down to whole blocks)
 _PARALLEL_MIN_WORK = 1 << 18   # multiply-adds below which a step runs on the calling thread
+SPLIT_MIN_KEYS = 256  # shortest key range of a partitioned decode (FlashDecoding)
 _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastmath assumes no inf)
 
 
@@ -88,88 +99,21 @@ def _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc):
             l[r] += s
 
 
-@njit(cache=True, fastmath=True)
-def _scores_loop(qs, Rh, key_cache, b, h0, h1, n, sc, j0):
-    # sc[(h - h0) * Rh + i, j0 + o] = qs[(h - h0) * Rh + i] . key_cache[b, o, h] for o < n, KV
-    # heads h0..h1: the block is read in memory order (key, head), 4 keys per pass sharing each
-    # q load
-    D = key_cache.shape[3]
-    o = 0
-    while o + 4 <= n:
-        for h in range(h0, h1):
-            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
-                a0 = _F32(0.0)
-                a1 = _F32(0.0)
-                a2 = _F32(0.0)
-                a3 = _F32(0.0)
-                for d in range(D):
-                    qv = qs[r, d]
-                    a0 += qv * key_cache[b, o, h, d]
-                    a1 += qv * key_cache[b, o + 1, h, d]
-                    a2 += qv * key_cache[b, o + 2, h, d]
-                    a3 += qv * key_cache[b, o + 3, h, d]
-                sc[r, j0 + o] = a0
-                sc[r, j0 + o + 1] = a1
-                sc[r, j0 + o + 2] = a2
-                sc[r, j0 + o + 3] = a3
-        o += 4
-    while o < n:
-        for h in range(h0, h1):
-            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
-                a0 = _F32(0.0)
-                for d in range(D):
-                    a0 += qs[r, d] * key_cache[b, o, h, d]
-                sc[r, j0 + o] = a0
-        o += 1
-
-
-@njit(cache=True, fastmath=True)
-def _values_loop(sc, Rh, value_cache, b, h0, h1, n, acc, j0):
-    # acc[(h - h0) * Rh + i] += sum_o sc[(h - h0) * Rh + i, j0 + o] * value_cache[b, o, h]: 4
-    # keys per pass, so each acc element is loaded and stored once per 4 keys
-    D = value_cache.shape[3]
-    o = 0
-    while o + 4 <= n:
-        for h in range(h0, h1):
-            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
-                p0 = sc[r, j0 + o]
-                p1 = sc[r, j0 + o + 1]
-                p2 = sc[r, j0 + o + 2]
-                p3 = sc[r, j0 + o + 3]
-                for d in range(D):
-                    acc[r, d] += (p0 * value_cache[b, o, h, d] + p1 * value_cache[b, o + 1, h, d]
-                                  + p2 * value_cache[b, o + 2, h, d] + p3 * value_cache[b, o + 3, h, d])
-        o += 4
-    while o < n:
-        for h in range(h0, h1):
-            for r in range((h - h0) * Rh, (h - h0 + 1) * Rh):
-                p0 = sc[r, j0 + o]
-                for d in range(D):
-                    acc[r, d] += p0 * value_cache[b, o, h, d]
-        o += 1
-
-
-@njit(cache=True)
-def _prefetch_block(cache, b):
-    # every cache line of block b of a [num_blocks, block_size, num_kv_heads, head_dim] cache
-    n = cache.shape[1] * cache.shape[2] * cache.shape[3]
-    base = b * n
-    for i in range(0, n, 16):
-        prefetch(cache, base + i)
-
-
-@njit(cache=True, fastmath=True)
-def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                 s, h0, h1, t0, t1, qs, kb, vb, sc, acc, m, l):
-    # Tokens t0..t1 of sequence s, KV heads h0..h1 (one for a tile item). Rows r = (h - h0) * Rh
-    # + (t - t0) * group + g with Rh = (t1 - t0) * group: query head h * group + g of token t.
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
+                 s, h0, h1, t0, t1, k0, k1, part, qs, sc, acc, m, l, pm, pl, pacc):
+    # Tokens t0..t1 (fewer than TILE_MIN_ROWS rows per KV head: a decode) of sequence s, KV heads
+    # h0..h1, keys k0..k1 of the context. Rows r = (h - h0) * Rh + (t - t0) * group + g. One KV
+    # block at a time: scores of every row against the block's keys, the online-softmax update,
+    # then the block's values; the next block's cache lines are requested while this one is used.
+    # part < 0: the normalised rows go to out; else (a key partition, FlashDecoding) the running
+    # max, sum and unnormalised rows go to pm / pl / pacc[part] for _merge_partitions.
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
     group = H // Hkv
     q_start = query_start_loc[s]
     first_pos = seq_lens[s] - (query_start_loc[s + 1] - q_start) + (t0 - q_start)
     Rh = (t1 - t0) * group
-    tiles = Rh >= TILE_MIN_ROWS
     R = Rh * (h1 - h0)
     for r in range(R):
         hq = (h0 + r // Rh) * group + r % group
@@ -179,48 +123,64 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
             acc[r, d] = 0.0
         m[r] = _NEG
         l[r] = 0.0
-    n_keys = first_pos + (t1 - t0)             # the last token sees keys 0 .. n_keys - 1
-    n_blocks = (n_keys + bs - 1) // bs
-    CH = kb.shape[0]                            # whole blocks
-    for c0 in range(0, n_keys, CH):
-        nk = min(CH, n_keys - c0)
-        if tiles:
-            # the chunk's keys and values as [nk, D] matrices: in place when its blocks are
-            # consecutive in the cache (row stride Hkv * D), else gathered into kb / vb
-            b0 = block_tables[s, c0 // bs]
-            in_place = True
-            for bi in range(c0 // bs + 1, (c0 + nk + bs - 1) // bs):
-                if block_tables[s, bi] != b0 + bi - c0 // bs:
-                    in_place = False
-            if in_place:
-                off = (b0 * bs * Hkv + h0) * D
-                kmat, vmat, ld = ptr(key_cache, off), ptr(value_cache, off), Hkv * D
+    k1 = min(k1, first_pos + (t1 - t0))         # the last token sees keys 0 .. first_pos + t1 - t0 - 1
+    row = Hkv * D
+    b_end = (k1 + bs - 1) // bs
+    for bi in range(k0 // bs, b_end):
+        b = block_tables[s, bi]
+        o0 = max(0, k0 - bi * bs)
+        n = min(bs, k1 - bi * bs)
+        nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
+        for o in range(o0, n):
+            # one cache line of the next block's keys and values per 16 floats of this key row
+            base = (nxt * bs + o) * row + h0 * D
+            for x in range(0, (h1 - h0) * D, 16):
+                prefetch(key_cache, base + x)
+                prefetch(value_cache, base + x)
+            for r in range(R):
+                h = h0 + r // Rh
+                a = _F32(0.0)
+                for d in range(D):
+                    a += qs[r, d] * key_cache[b, o, h, d]
+                sc[r, o] = a
+        for r in range(R):
+            # keys of this block that row r sees (causal): o0 .. nv
+            nv = min(n, first_pos + (r % Rh) // group + 1 - bi * bs)
+            if nv <= o0:
+                for o in range(o0, n):
+                    sc[r, o] = 0.0
+                continue
+            mx = m[r]
+            for o in range(o0, nv):
+                mx = max(mx, sc[r, o])
+            total = _F32(0.0)
+            for o in range(o0, nv):
+                v = exp2(sc[r, o] - mx)
+                sc[r, o] = v
+                total += v
+            for o in range(nv, n):
+                sc[r, o] = 0.0
+            if mx > m[r]:
+                corr = exp2(m[r] - mx)
+                l[r] = l[r] * corr + total
+                for d in range(D):
+                    acc[r, d] *= corr
+                m[r] = mx
             else:
-                for j in range(nk):
-                    b = block_tables[s, (c0 + j) // bs]
-                    o = (c0 + j) % bs
-                    for d in range(D):
-                        kb[j, d] = key_cache[b, o, h0, d]
-                        vb[j, d] = value_cache[b, o, h0, d]
-                kmat, vmat, ld = ptr(kb, 0), ptr(vb, 0), D
-            sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, kmat, ld, _F32(0.0), ptr(sc, 0), CH)
-        else:
-            for j0 in range(0, nk, bs):
-                # while this block's keys are used, ask for the next block's keys and this one's values
-                bi = (c0 + j0) // bs
-                if bi + 1 < n_blocks:
-                    _prefetch_block(key_cache, block_tables[s, bi + 1])
-                _prefetch_block(value_cache, block_tables[s, bi])
-                _scores_loop(qs, Rh, key_cache, block_tables[s, bi], h0, h1, min(bs, nk - j0), sc, j0)
-        _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc)
-        if tiles:
-            sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, _F32(1.0), ptr(sc, 0), CH, vmat, ld, _F32(1.0), ptr(acc, 0),
-                  D)
-        else:
-            for j0 in range(0, nk, bs):
-                _values_loop(sc, Rh, value_cache, block_tables[s, (c0 + j0) // bs], h0, h1, min(bs, nk - j0), acc,
-                             j0)
+                l[r] += total
+        for o in range(o0, n):
+            for r in range(R):
+                h = h0 + r // Rh
+                p = sc[r, o]
+                for d in range(D):
+                    acc[r, d] += p * value_cache[b, o, h, d]
     for r in range(R):
+        if part >= 0:
+            pm[part, r] = m[r]
+            pl[part, r] = l[r]
+            for d in range(D):
+                pacc[part, r, d] = acc[r, d]
+            continue
         hq = (h0 + r // Rh) * group + r % group
         t = t0 + (r % Rh) // group
         inv = _F32(1.0) / l[r]
@@ -228,28 +188,118 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
             out[t, hq, d] = acc[r, d] * inv
 
 
-@njit(cache=True)
-def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens, split_heads):
-    """Work items ``[n, 5]`` int64 ``(sequence, first kv head, end kv head, first token, end
-    token)``, largest first, and their total multiply-adds (QK^T and PV alike, causal).
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _merge_partitions(items, group, pm, pl, pacc, out):
+    # FlashDecoding's reduction: rows split over key partitions get
+    # sum_p acc_p 2^(m_p - M) / sum_p l_p 2^(m_p - M), M = max_p m_p (out rows start at zero)
+    T, H, D = out.shape
+    gm = np.full((T, H), _NEG, np.float32)
+    gl = np.zeros((T, H), np.float32)
+    for pass_ in range(2):
+        for i in range(items.shape[0]):
+            part = items[i, 7]
+            if part < 0:
+                continue
+            h0, h1, t0, t1 = items[i, 1], items[i, 2], items[i, 3], items[i, 4]
+            Rh = (t1 - t0) * group
+            for r in range(Rh * (h1 - h0)):
+                hq = (h0 + r // Rh) * group + r % group
+                t = t0 + (r % Rh) // group
+                if pass_ == 0:
+                    gm[t, hq] = max(gm[t, hq], pm[part, r])
+                else:
+                    w = exp2(pm[part, r] - gm[t, hq])
+                    gl[t, hq] += pl[part, r] * w
+                    for d in range(D):
+                        out[t, hq, d] += pacc[part, r, d] * w
+    for t in range(T):
+        for hq in range(H):
+            if gl[t, hq] > 0:
+                inv = _F32(1.0) / gl[t, hq]
+                for d in range(D):
+                    out[t, hq, d] *= inv
 
-    A sequence with fewer than ``TILE_MIN_ROWS`` query rows per KV head (a decode) is one loop
-    item over every KV head, so that its blocks are read once, in memory order, or with
-    ``split_heads`` (too few decodes to feed the threads) one item per KV head. Longer ones are
-    tile items of ``tile_tokens`` tokens and one KV head."""
+
+@njit(cache=True, fastmath=True)
+def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
+                 s, h0, t0, t1, qs, kb, vb, sc, acc, m, l):
+    # Tokens t0..t1 (a prefill tile: at least TILE_MIN_ROWS rows) of sequence s, KV head h0. Row
+    # r = (t - t0) * group + g: query head h0 * group + g of token t.
+    H, D = q.shape[1], q.shape[2]
+    bs, Hkv = key_cache.shape[1], key_cache.shape[2]
+    group = H // Hkv
+    q_start = query_start_loc[s]
+    first_pos = seq_lens[s] - (query_start_loc[s + 1] - q_start) + (t0 - q_start)
+    R = (t1 - t0) * group
+    for r in range(R):
+        hq = h0 * group + r % group
+        t = t0 + r // group
+        for d in range(D):
+            qs[r, d] = q[t, hq, d] * qscale
+            acc[r, d] = 0.0
+        m[r] = _NEG
+        l[r] = 0.0
+    n_keys = first_pos + (t1 - t0)             # the last token sees keys 0 .. n_keys - 1
+    CH = kb.shape[0]                            # whole blocks
+    for c0 in range(0, n_keys, CH):
+        nk = min(CH, n_keys - c0)
+        # the chunk's keys and values as [nk, D] matrices: in place when its blocks are
+        # consecutive in the cache (row stride Hkv * D), else gathered into kb / vb
+        b0 = block_tables[s, c0 // bs]
+        in_place = True
+        for bi in range(c0 // bs + 1, (c0 + nk + bs - 1) // bs):
+            if block_tables[s, bi] != b0 + bi - c0 // bs:
+                in_place = False
+        if in_place:
+            off = (b0 * bs * Hkv + h0) * D
+            kmat, vmat, ld = ptr(key_cache, off), ptr(value_cache, off), Hkv * D
+        else:
+            for j in range(nk):
+                b = block_tables[s, (c0 + j) // bs]
+                o = (c0 + j) % bs
+                for d in range(D):
+                    kb[j, d] = key_cache[b, o, h0, d]
+                    vb[j, d] = value_cache[b, o, h0, d]
+            kmat, vmat, ld = ptr(kb, 0), ptr(vb, 0), D
+        sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, kmat, ld, _F32(0.0), ptr(sc, 0), CH)
+        _softmax_step(sc, R, R, nk, c0, first_pos, group, m, l, acc)
+        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, _F32(1.0), ptr(sc, 0), CH, vmat, ld, _F32(1.0), ptr(acc, 0), D)
+    for r in range(R):
+        hq = h0 * group + r % group
+        t = t0 + r // group
+        inv = _F32(1.0) / l[r]
+        for d in range(D):
+            out[t, hq, d] = acc[r, d] * inv
+
+
+@njit(cache=True)
+def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens, split_heads, key_parts,
+                    bs, min_keys):
+    """Work items ``[n, 8]`` int64 ``(sequence, first kv head, end kv head, first token, end token,
+    first key, end key, partition)``, largest first, and their total multiply-adds (QK^T and PV
+    alike, causal).
+
+    A sequence with fewer than ``TILE_MIN_ROWS`` query rows per KV head (a decode) is one item
+    over every KV head, so that its blocks are read once, in memory order; with ``split_heads``
+    (too few decodes to feed the threads) one item per KV head, and its context cut into up to
+    ``key_parts`` key ranges of whole blocks (``bs`` keys), at least ``min_keys`` keys each
+    (FlashDecoding), whose items carry partition numbers ``0, 1, ...`` (else -1). Longer ones are
+    tile items of ``tile_tokens`` tokens and one KV head over the whole context."""
     S = seq_lens.shape[0]
     n = 0
     for s in range(S):
         ql = query_start_loc[s + 1] - query_start_loc[s]
         if ql > 0:
             if ql * group < TILE_MIN_ROWS:
-                n += num_kv_heads if split_heads else 1
+                parts = min(key_parts, max(1, seq_lens[s] // min_keys)) if split_heads else 1
+                n += num_kv_heads * parts if split_heads else 1
             else:
                 n += num_kv_heads * ((ql + tile_tokens - 1) // tile_tokens)
-    items = np.empty((n, 5), np.int64)
+    items = np.empty((n, 8), np.int64)
     cost = np.empty(n, np.int64)
     i = 0
     work = 0
+    n_part = 0
     for s in range(S):
         q0, q1 = query_start_loc[s], query_start_loc[s + 1]
         ql = q1 - q0
@@ -258,44 +308,118 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
         loop = ql * group < TILE_MIN_ROWS
         step = ql if loop else tile_tokens
         heads = num_kv_heads if loop and not split_heads else 1
+        n_keys = seq_lens[s]
+        parts = min(key_parts, max(1, n_keys // min_keys)) if loop and split_heads else 1
+        n_blocks = (n_keys + bs - 1) // bs
         for t0 in range(q0, q1, step):
             t1 = min(q1, t0 + step)
             last_keys = seq_lens[s] - (q1 - t1)          # keys seen by the item's last token
-            c = (t1 - t0) * group * heads * (last_keys - (t1 - t0) // 2)
-            for h in range(0, num_kv_heads, heads):
-                items[i, 0] = s
-                items[i, 1] = h
-                items[i, 2] = h + heads
-                items[i, 3] = t0
-                items[i, 4] = t1
-                cost[i] = c
-                work += c
-                i += 1
+            for j in range(parts):
+                k0 = (n_blocks * j // parts) * bs
+                k1 = min(n_keys, (n_blocks * (j + 1) // parts) * bs)
+                span = min(k1, last_keys) - k0
+                c = (t1 - t0) * group * heads * (span - ((t1 - t0) // 2 if j == parts - 1 else 0))
+                for h in range(0, num_kv_heads, heads):
+                    items[i, 0] = s
+                    items[i, 1] = h
+                    items[i, 2] = h + heads
+                    items[i, 3] = t0
+                    items[i, 4] = t1
+                    items[i, 5] = k0
+                    items[i, 6] = k1
+                    items[i, 7] = -1
+                    if parts > 1:
+                        items[i, 7] = n_part
+                        n_part += 1
+                    cost[i] = c
+                    work += c
+                    i += 1
     order = np.argsort(-cost)
     return items[order], work
 
 
 @njit(cache=True)
-def _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items,
-                      qs, kb, vb, sc, acc, m, l):
-    for i in range(items.shape[0]):
+def _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
+              qs, kb, vb, sc, acc, m, l, pm, pl, pacc):
+    group = q.shape[1] // key_cache.shape[2]
+    if (items[i, 4] - items[i, 3]) * group >= TILE_MIN_ROWS:
         _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                     items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], qs[0], kb[0], vb[0], sc[0],
-                     acc[0], m[0], l[0])
+                     items[i, 0], items[i, 1], items[i, 3], items[i, 4], qs, kb, vb, sc, acc, m, l)
+    else:
+        _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
+                     items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], items[i, 5], items[i, 6],
+                     items[i, 7], qs, sc, acc, m, l, pm, pl, pacc)
+
+
+@njit(cache=True)
+def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, threads, min_work, min_keys):
+    """``(items, partitions, tasks)`` of one call: the work items (``attention_items``), how many
+    carry a key partition, and 1 (the calling thread) or ``threads`` tasks."""
+    group = num_heads // num_kv_heads
+    work = 0                                    # multiply-adds of QK^T (PV the same again)
+    n_decode = 0
+    for s in range(seq_lens.shape[0]):
+        ql = query_start_loc[s + 1] - query_start_loc[s]
+        work += ql * (seq_lens[s] - (ql - 1) // 2)
+        if 0 < ql and ql * group < TILE_MIN_ROWS:
+            n_decode += 1
+    parallel = threads > 1 and work * num_heads * head_dim >= min_work
+    # fewer decoding sequences than 2 per thread: split them by KV head and by key range, for
+    # about 4 items per thread
+    split = parallel and n_decode < 2 * threads
+    key_parts = (4 * threads + max(1, n_decode * num_kv_heads) - 1) // max(1, n_decode * num_kv_heads) if split else 1
+    items, _ = attention_items(seq_lens, query_start_loc, num_kv_heads, group, max(1, TILE_ROWS // group), split,
+                               key_parts, bs, min_keys)
+    n_parts = 0
+    for i in range(items.shape[0]):
+        if items[i, 7] >= 0:
+            n_parts += 1
+    return items, n_parts, threads if parallel and items.shape[0] > 1 else 1
+
+
+@njit(cache=True)
+def _scratch(tasks, num_heads, num_kv_heads, head_dim, bs, n_parts):
+    # per-task buffers (indexed by task, allocated before any parallel region) and the partial
+    # results of partitioned decodes
+    group = num_heads // num_kv_heads
+    rows = max(max(1, TILE_ROWS // group) * group, TILE_MIN_ROWS * num_kv_heads)
+    chunk = max(1, CHUNK_KEYS // bs) * bs
+    D = head_dim
+    return (np.empty((tasks, rows, D), _F32), np.empty((tasks, chunk, D), _F32), np.empty((tasks, chunk, D), _F32),
+            np.empty((tasks, rows, chunk), _F32), np.empty((tasks, rows, D), _F32), np.empty((tasks, rows), _F32),
+            np.empty((tasks, rows), _F32), np.empty((n_parts, TILE_MIN_ROWS), _F32),
+            np.empty((n_parts, TILE_MIN_ROWS), _F32), np.empty((n_parts, TILE_MIN_ROWS, D), _F32))
+
+
+@njit(cache=True)
+def _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items,
+                      n_parts):
+    H, D = q.shape[1], q.shape[2]
+    bs, Hkv = key_cache.shape[1], key_cache.shape[2]
+    qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(1, H, Hkv, D, bs, n_parts)
+    for i in range(items.shape[0]):
+        _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
+                  qs[0], kb[0], vb[0], sc[0], acc[0], m[0], l[0], pm, pl, pacc)
+    if n_parts:
+        _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
 
 
 @njit(parallel=True, cache=True)
 def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items,
-                        qs, kb, vb, sc, acc, m, l, counter):
-    n_tasks = qs.shape[0]
+                        n_parts, n_tasks):
+    H, D = q.shape[1], q.shape[2]
+    bs, Hkv = key_cache.shape[1], key_cache.shape[2]
+    qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
+    counter = np.zeros(1, np.int64)
     for w in prange(n_tasks):
         while True:
             i = fetch_add(counter, 1)
             if i >= items.shape[0]:
                 break
-            _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                         items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], qs[w], kb[w], vb[w],
-                         sc[w], acc[w], m[w], l[w])
+            _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
+                      qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], pm, pl, pacc)
+    if n_parts:
+        _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -319,7 +443,6 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     q = np.ascontiguousarray(q, dtype=_F32)
     T, H, D = q.shape
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
-    group = H // Hkv
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
     block_tables = np.asarray(block_tables, dtype=np.int64)
@@ -330,30 +453,17 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         out = np.zeros((T, H, D), dtype=_F32)
     else:
         out[int(query_start_loc[-1]):] = 0  # padding rows; every other row is written by its item
-    tile_tokens = max(1, TILE_ROWS // group)
-    q_lens = np.diff(query_start_loc)
-    # multiply-adds of QK^T (the same again for PV): every new token against its context
-    work = int(np.dot(q_lens, seq_lens - (q_lens - 1) // 2)) * H * D
-    parallel = num_threads() > 1 and work >= _PARALLEL_MIN_WORK
-    # fewer decoding sequences than 2 per thread: split them by KV head
-    split = parallel and int(np.count_nonzero((q_lens > 0) & (q_lens * group < TILE_MIN_ROWS))) < 2 * num_threads()
-    items, _ = attention_items(seq_lens, query_start_loc, Hkv, group, tile_tokens, split)
+    threads = num_threads()
+    items, n_parts, tasks = _plan(seq_lens, query_start_loc, H, Hkv, D, bs, threads, _PARALLEL_MIN_WORK,
+                                  SPLIT_MIN_KEYS)
     if items.shape[0] == 0:
         return out
-    rows = max(tile_tokens * group, TILE_MIN_ROWS * Hkv)
-    chunk = max(1, CHUNK_KEYS // bs) * bs
-    tasks = num_threads() if parallel and items.shape[0] > 1 else 1
-    qs = np.empty((tasks, rows, D), _F32)
-    acc = np.empty((tasks, rows, D), _F32)
-    sc = np.empty((tasks, rows, chunk), _F32)
-    kb = np.empty((tasks, chunk, D), _F32)
-    vb = np.empty((tasks, chunk, D), _F32)
-    m = np.empty((tasks, rows), _F32)
-    l = np.empty((tasks, rows), _F32)
+    if n_parts:
+        out[items[items[:, 7] >= 0, 3].min():int(query_start_loc[-1])] = 0  # partitioned rows accumulate
     args = (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _F32(scale * LOG2E), out, items,
-            qs, kb, vb, sc, acc, m, l)
+            n_parts)
     if tasks == 1:
         _attention_serial(*args)
     else:
-        _attention_parallel(*args, np.zeros(1, np.int64))
+        _attention_parallel(*args, tasks)
     return out

@@ -186,11 +186,20 @@ def default_num_threads() -> int:
 _threads: int | None = None  # set by numba_threads(): the count for every thread of the process
 
 
+@numba.njit  # not cache=True: Numba does not cache functions that read the threading layer's globals
+def _calling_thread_count():
+    return numba.get_num_threads()
+
+
 def num_threads() -> int:
     """Threads the CPU kernels' parallel regions use. Numba's own setting is per calling thread
     (a forward pass may run on an engine's background thread); a count set with
-    ``numba_threads`` holds for every thread, and is applied to the calling thread here."""
-    n = numba.get_num_threads()
+    ``numba_threads`` holds for every thread, and is applied to the calling thread here.
+
+    Every kernel call asks, so it is read in compiled code: ``numba.get_num_threads()`` from
+    Python takes two locks per call, which cost ~20 us each time the caches are cold (a decode
+    step streams megabytes of weights between two kernel calls)."""
+    n = _calling_thread_count()
     if _threads is not None and n != _threads:
         numba.set_num_threads(_threads)
         n = _threads

@@ -179,6 +179,9 @@ CASES: dict[str, list] = {
         ("mixed_batch_gqa1", _pa(46, [(200, 1), (17, 17), (16, 3), (1, 1)], num_heads=3,
                                  num_kv_heads=3, num_pad_tokens=2)),
         ("mixed_with_empty_seq", _pa(47, [(20, 1), (9, 0), (18, 2)])),
+        # several tokens under TILE_MIN_ROWS rows (the decode path, causal within the step), long
+        # enough to be cut into key ranges when the parallel drivers are forced
+        ("multi_token_decodes_gqa1", _pa(50, [(250, 2), (90, 5), (33, 7)], num_heads=4, num_kv_heads=4)),
         ("contiguous_blocks", _pa(48, [(40, 4), (33, 1)], shuffle_blocks=False)),
         ("block_size_8", _pa(49, [(29, 3), (8, 8), (9, 1)], block_size=8)),
     ],

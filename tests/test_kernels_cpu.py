@@ -21,6 +21,7 @@ def drivers(request, monkeypatch):
         monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
         monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)  # several work items per call
         monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_KEYS", 16)  # decodes of 32+ keys split into key ranges
         monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
     return request.param
 
