@@ -2,12 +2,12 @@
 
 The work of one step is cut into items ``(sequence, kv head, query tile)``. An item's rows are
 every query row that reads that KV head: ``tile tokens x group`` (the GQA group, ``num_heads //
-num_kv_heads`` query heads per KV head), so each key and value row is read once per item for
-the whole group. The item walks the sequence's context in whole KV blocks (a chunk of
-``CHUNK_KEYS`` keys at a time for tiles, one block for decodes) and keeps, per row, the running maximum ``m``, the running sum ``l`` and
-the unnormalised output ``acc`` of the online softmax (rescaled by ``2^(m_old - m_new)`` when the
-maximum grows), then writes ``acc / l``. Rows stop at their causal limit (key positions
-``<= their own``); chunks past the last row's limit are never read.
+num_kv_heads`` query heads per KV head), so each key and value row is read once per item for the
+whole group. The item walks the sequence's context in whole KV blocks (a chunk of ``CHUNK_KEYS``
+keys at a time for tiles, one block for decodes) and keeps, per row, the running maximum ``m``,
+the running sum ``l`` and the unnormalised output ``acc`` of the online softmax (rescaled by
+``2^(m_old - m_new)`` when the maximum grows), then writes ``acc / l``. Rows stop at their causal
+limit (key positions ``<= their own``); chunks past the last row's limit are never read.
 
 Two ways to compute an item, chosen by its number of rows:
 
@@ -29,11 +29,11 @@ Two ways to compute an item, chosen by its number of rows:
   after the region.
 
 Scores are kept in base 2 (``q * scale * log2(e)``) and exponentiated with the vectorised
-``cpu_math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items
-are taken largest first from a shared counter by one task per thread (``kernels.cpu_threads``); every buffer is per task and
-allocated before the parallel region. Planning is one compiled call and buffers plus region another:
-each Python-level call costs tens of microseconds when a decode step's weight stream has just
-evicted the interpreter's data from the caches.
+``cpu_math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items are
+taken largest first from a shared counter by one task per thread (``kernels.cpu_threads``); every
+buffer is per task and allocated before the parallel region. Planning is one compiled call and
+buffers plus region another: each Python-level call costs tens of microseconds when a decode
+step's weight stream has just evicted the interpreter's data from the caches.
 
 Sources: PagedAttention (Kwon et al., SOSP 2023); online softmax (Milakov & Gimelshein 2018) as
 used by FlashAttention (Dao et al., 2022); FlashDecoding's key partitions and GQA grouping
