@@ -103,7 +103,7 @@ def test_section3_runs_at_every_thread_count_and_kernel_rates(report):
     k = report[1]["sections"]["3"]["kernel_rates"]
     assert [r["threads"] for r in k["runs"]] == sorted({1, all_cores()})
     for r in k["runs"]:
-        assert r["copy_gbs"] > 0 and all(d["gflops"] > 0 for d in r["batched_products"] + r["attention"])
+        assert r["copy_gbs"] > 0 and r["read_gbs"] > 0 and all(d["gflops"] > 0 for d in r["batched_products"] + r["attention"])
     md = (report[0] / "REPORT.md").read_text()
     assert "CPU kernel rates against this machine's limits" in md
 

@@ -479,26 +479,34 @@ def _kernel_rates_markdown(k: dict) -> list:
          "Decode-sized products stream the default model's per-layer weights (GB/s of weights read); batched "
          "products and prefill attention against BLAS sgemm on its own threads, same shapes (attention: "
          "`[ctx, 576] x [576, 3072]`); decode attention = 16 sequences of one token, GB/s of K/V read; "
-         "single-sequence decode against weights bytes per step / copy bandwidth.", "",
-         "| threads | load | copy GB/s | product T=1 GB/s (% copy) | T=8 | batched products % of sgemm (min..max) "
-         "| decode attention GB/s (% copy), by context | prefill attention % of sgemm, by context "
-         "| 1-sequence decode tok/s (% of DRAM bound) |", "|---|---|---|---|---|---|---|---|---|"]
+         "single-sequence decode against weights bytes per step / copy bandwidth. Read bandwidth: every thread "
+         "takes the BLAS `sdot` of slices of two 256 MiB arrays (bytes read), the limit of a stream that only "
+         "reads; the second figure in parentheses is the share of it.", "",
+         "| threads | load | copy GB/s | read GB/s | product T=1 GB/s (% copy, % read) | T=8 "
+         "| batched products % of sgemm (min..max) "
+         "| decode attention GB/s (% copy, % read), by context | prefill attention % of sgemm, by context "
+         "| 1-sequence decode tok/s (% of DRAM bound: copy, read) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in k["runs"]:
-        bw = run["copy_gbs"]
+        bw, rb = run["copy_gbs"], run.get("read_gbs")
+
+        def pc(g, bw=bw, rb=rb):
+            return f"{100 * g / bw:.0f}%" + (f", {100 * g / rb:.0f}%" if rb else "")
         dp = {d["rows"]: d for d in run["decode_products"]}
         bp = [d["gflops"] / d["sgemm_gflops"] for d in run["batched_products"]]
-        dec = ", ".join(f"{d['ctx']}: {d['gbs']:.1f} ({100 * d['gbs'] / bw:.0f}%)" for d in run["attention"]
+        dec = ", ".join(f"{d['ctx']}: {d['gbs']:.1f} ({pc(d['gbs'])})" for d in run["attention"]
                         if d["kind"] == "decode")
         pre = ", ".join(f"{d['ctx']}: {100 * d['gflops'] / d['sgemm_gflops']:.0f}%" for d in run["attention"]
                         if d["kind"] == "prefill")
         md = run.get("model_decode")
-        mds = (f"{md['decode_tokens_per_s']:.1f} ({100 * md['decode_tokens_per_s'] / md['bound_tokens_per_s']:.0f}%)"
-               if md else "-")
+        mds = (f"{md['decode_tokens_per_s']:.1f} ({100 * md['decode_tokens_per_s'] / md['bound_tokens_per_s']:.0f}%"
+               + (f", {100 * md['decode_tokens_per_s'] / md['read_bound_tokens_per_s']:.0f}%"
+                  if "read_bound_tokens_per_s" in md else "") + ")" if md else "-")
         t1 = dp.get(1)
         t8 = dp.get(8)
         L.append(f"| {run['threads']} | {run['load_start']:.1f} | {bw:.1f} | "
-                 + (f"{t1['gbs']:.1f} ({100 * t1['gbs'] / bw:.0f}%)" if t1 else "-") + " | "
-                 + (f"{t8['gbs']:.1f} ({100 * t8['gbs'] / bw:.0f}%)" if t8 else "-") + " | "
+                 + (f"{rb:.1f}" if rb else "-") + " | "
+                 + (f"{t1['gbs']:.1f} ({pc(t1['gbs'])})" if t1 else "-") + " | "
+                 + (f"{t8['gbs']:.1f} ({pc(t8['gbs'])})" if t8 else "-") + " | "
                  f"{100 * min(bp):.0f}%..{100 * max(bp):.0f}% | {dec} | {pre} | {mds} |")
     L.append("")
     return L
