@@ -145,15 +145,29 @@ def _gemm_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
 
 
 def gemm_tiles(T: int, N: int, threads: int) -> tuple[int, int]:
-    """``(tile_m, tile_n)`` of an ``[T, N]`` output for ``threads`` threads: whole rows up to 512
-    tokens (else 256-token tiles), and weight-row tiles (multiples of 16, 64..512) cut so that
-    there are about 4 tiles per thread when the output allows it (dynamic balance)."""
-    tile_m = T if T <= 512 else 256
-    n_m = -(-T // tile_m)
-    per_col = max(1, -(-4 * threads // n_m))
-    tile_n = -(-N // per_col)
-    tile_n = min(512, max(64, -(-tile_n // 16) * 16))
-    return tile_m, tile_n
+    """``(tile_m, tile_n)`` of an ``[T, N]`` output for ``threads`` threads.
+
+    Each tile is one single-threaded sgemm call, which packs its ``tile_m`` rows of ``x`` and its
+    ``tile_n`` weight rows (over the whole ``K``) before computing ``tile_m x tile_n`` outputs, so
+    the packing share of a tile goes as ``1 / tile_m + 1 / tile_n``: tiles as square as the
+    output allows. Among cuts into ``n_m`` row tiles (at least 64 tokens, at most 512) and
+    weight-row tiles (multiples of 16, 64..512) that give about 4 tiles per thread (dynamic
+    balance) where the output has room, the one with the least packing per output. Measured at
+    T = 512 with 2 threads (perf/RESULTS.md): down_proj 142 -> 160 GFLOP/s against the whole-row
+    tiles this replaced; o_proj ``[576, 576]`` stays at its 1-thread rate with every tiling tried,
+    which this rule does not explain.
+    """
+    target = 4 * threads
+    best = None
+    for n_m in range(max(1, -(-T // 512)), max(1, T // 64) + 1):
+        tile_m = -(-T // n_m)
+        tile_n = -(-N // max(1, -(-target // n_m)))
+        tile_n = min(512, max(64, -(-tile_n // 16) * 16))
+        tiles = n_m * -(-N // tile_n)
+        key = (tiles < target, 1 / tile_m + 1 / tile_n)
+        if best is None or key < best[0]:
+            best = (key, tile_m, tile_n)
+    return best[1], best[2]
 
 
 def linear(x, weight, out=None):

@@ -123,7 +123,10 @@ def test_linear_tiles_cover_the_output(monkeypatch):
             y = cpu.linear(x, w)
         assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w))
     tile_m, tile_n = cpu_linear.gemm_tiles(600, 200, 2)
-    assert tile_m == 256 and tile_n % 16 == 0 and -(-600 // tile_m) * -(-200 // tile_n) >= 4 * 2
+    assert 64 <= tile_m <= 512 and tile_n % 16 == 0 and -(-600 // tile_m) * -(-200 // tile_n) >= 4 * 2
+    # as square as the output allows: a 512-token batch against 576 weight rows is not cut into
+    # whole-row tiles of 80 weight rows (each sgemm call would pack all 512 rows of x)
+    assert cpu_linear.gemm_tiles(512, 576, 2) == (256, 144)
 
 
 def test_kernels_run_on_the_fallback_sgemm():
