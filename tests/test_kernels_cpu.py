@@ -7,12 +7,13 @@ machines, whose BLAS and vectorised loops add in different orders.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
 from numerics import U32, attention_bound, dot_bound, exp2_rel_bound
 
-from folio.kernels import cpu, cpu_attention, cpu_linear, get_kernels, reference
+from folio.kernels import cpu, cpu_attention, cpu_linear, cpu_threads, get_kernels, reference
 
 @pytest.fixture(autouse=True, params=["auto", "parallel"])
 def drivers(request, monkeypatch):
@@ -52,6 +53,43 @@ def test_paged_attention_unused_table_entries_ignored():
     bt[1, 1:] = case["key_cache"].shape[0] - 1
     b = cpu.paged_attention(**{**case, "block_tables": bt})
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, drivers):
+    # The forward pass hands the kernel its previous layer's output as ``out=`` and a cache whose
+    # unowned slots hold anything: every row must be written (partitioned decode rows are summed
+    # into ``out``, so they must be cleared first), padding rows zeroed, and nothing read from
+    # padding queries, slots past a context or block-table entries past it (here NaN and
+    # out-of-range ids, which would poison or crash the result if touched). Single long decodes
+    # (1 and 3 tokens, 2 threads: FlashDecoding key ranges) beside a short prefill chunk.
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"Numba's pool has {numba.config.NUMBA_NUM_THREADS} thread(s)")
+    case = paged_attention_case(11, [(700, 1), (200, 60), (333, 3)], num_heads=2, num_kv_heads=1, block_size=8,
+                                num_pad_tokens=2)
+    n_valid, bs = int(case["query_start_loc"][-1]), case["key_cache"].shape[1]
+    want, bound = reference.paged_attention(**case), attention_bound(case)
+    owned = np.zeros(case["key_cache"].shape[:2], bool)
+    bt = case["block_tables"].astype(np.int64)
+    for s, ctx in enumerate(case["seq_lens"]):
+        for pos in range(ctx):
+            owned[bt[s, pos // bs], pos % bs] = True
+        bt[s, (ctx + bs - 1) // bs:] = [-1, 10**9][s % 2]
+    case["key_cache"][~owned] = np.nan
+    case["value_cache"][~owned] = np.nan
+    case["q"][n_valid:] = np.nan
+    case["block_tables"] = bt.astype(index_dtype)  # 10**9 fits int32 too
+    out = np.full(case["q"].shape, np.nan, np.float32)
+    with cpu_threads.numba_threads(threads):
+        got = cpu.paged_attention(**case, out=out)
+        _, n_parts, _ = cpu_attention._plan(case["seq_lens"].astype(np.int64), case["query_start_loc"].astype(np.int64),
+                                            2, 1, 32, bs, threads, cpu_attention._PARALLEL_MIN_WORK,
+                                            cpu_attention.SPLIT_MIN_KEYS)
+    assert (n_parts > 0) == (threads > 1), n_parts  # the key-range path is the one under test
+    assert got is out
+    assert np.all(np.abs(got[:n_valid].astype(np.float64) - want[:n_valid]) <= bound[:n_valid])
+    assert np.all(got[n_valid:] == 0), "padding rows must be zero"
 
 
 @pytest.mark.parametrize("case_id,build", cases_for("reshape_and_cache"), ids=_ids(cases_for("reshape_and_cache")))
