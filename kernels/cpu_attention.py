@@ -61,42 +61,71 @@ _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastma
 
 
 @njit(cache=True, fastmath=True)
-def _exp2_row(sc, r, n, mx):
-    # sc[r, :n] = 2^(sc[r, :n] - mx) in place, returns their sum
+def _softmax_row(sc, r, j0, nv, n, m, l, acc):
+    # online-softmax update of row r with the scores sc[r, j0:nv] (keys nv..n are past the row's
+    # causal limit): weights 2^(s - max) in place (0 for masked keys), the running max m and sum
+    # l updated, acc rescaled by 2^(m_old - m_new) when the max grows
+    if nv <= j0:
+        for j in range(j0, n):
+            sc[r, j] = 0.0
+        return
+    mx = m[r]
+    for j in range(j0, nv):
+        mx = max(mx, sc[r, j])
     total = _F32(0.0)
-    for j in range(n):
+    for j in range(j0, nv):
         v = exp2(sc[r, j] - mx)
         sc[r, j] = v
         total += v
-    return total
+    for j in range(nv, n):
+        sc[r, j] = 0.0
+    if mx > m[r]:
+        corr = _F32(2.0 ** (m[r] - mx))
+        l[r] = l[r] * corr + total
+        for d in range(acc.shape[1]):
+            acc[r, d] *= corr
+        m[r] = mx
+    else:
+        l[r] += total
 
 
 @njit(cache=True, fastmath=True)
 def _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc):
     # one chunk of keys c0..c0+nk for rows 0..R of an item, whose row r is query token
-    # (r % Rh) // group of the item: scores sc[r, :nk] -> weights (causal: the row sees keys
-    # <= its position), update the running max m, sum l, and rescale acc when m grows
-    D = acc.shape[1]
+    # (r % Rh) // group of the item (causal: the row sees keys <= its position)
     for r in range(R):
-        nv = min(nk, first_pos + (r % Rh) // group + 1 - c0)
-        if nv <= 0:
-            for j in range(nk):
-                sc[r, j] = 0.0
-            continue
-        mx = m[r]
-        for j in range(nv):
-            mx = max(mx, sc[r, j])
-        s = _exp2_row(sc, r, nv, mx)
-        for j in range(nv, nk):
-            sc[r, j] = 0.0
-        if mx > m[r]:
-            corr = _F32(2.0 ** (m[r] - mx))
-            l[r] = l[r] * corr + s
-            for d in range(D):
-                acc[r, d] *= corr
-            m[r] = mx
-        else:
-            l[r] += s
+        _softmax_row(sc, r, 0, min(nk, first_pos + (r % Rh) // group + 1 - c0), nk, m, l, acc)
+
+
+@njit(cache=True, fastmath=True)
+def _init_rows(q, qscale, seq_lens, query_start_loc, s, h0, h1, t0, t1, group, qs, acc, m, l):
+    # the item's query rows r = (h - h0) * Rh + (t - t0) * group + g, Rh = (t1 - t0) * group
+    # (query head h * group + g of token t), scaled; empty accumulators. Returns the position of
+    # token t0 in sequence s (it sees keys 0 .. that position).
+    D = q.shape[2]
+    Rh = (t1 - t0) * group
+    for r in range(Rh * (h1 - h0)):
+        hq = (h0 + r // Rh) * group + r % group
+        t = t0 + (r % Rh) // group
+        for d in range(D):
+            qs[r, d] = q[t, hq, d] * qscale
+            acc[r, d] = 0.0
+        m[r] = _NEG
+        l[r] = 0.0
+    return seq_lens[s] - (query_start_loc[s + 1] - query_start_loc[s]) + (t0 - query_start_loc[s])
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _write_rows(h0, h1, t0, t1, group, acc, l, out):
+    # out = acc / l for the rows of _init_rows
+    D = out.shape[2]
+    Rh = (t1 - t0) * group
+    for r in range(Rh * (h1 - h0)):
+        hq = (h0 + r // Rh) * group + r % group
+        t = t0 + (r % Rh) // group
+        inv = _F32(1.0) / l[r]
+        for d in range(D):
+            out[t, hq, d] = acc[r, d] * inv
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")
@@ -111,18 +140,9 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
     group = H // Hkv
-    q_start = query_start_loc[s]
-    first_pos = seq_lens[s] - (query_start_loc[s + 1] - q_start) + (t0 - q_start)
     Rh = (t1 - t0) * group
     R = Rh * (h1 - h0)
-    for r in range(R):
-        hq = (h0 + r // Rh) * group + r % group
-        t = t0 + (r % Rh) // group
-        for d in range(D):
-            qs[r, d] = q[t, hq, d] * qscale
-            acc[r, d] = 0.0
-        m[r] = _NEG
-        l[r] = 0.0
+    first_pos = _init_rows(q, qscale, seq_lens, query_start_loc, s, h0, h1, t0, t1, group, qs, acc, m, l)
     k1 = min(k1, first_pos + (t1 - t0))         # the last token sees keys 0 .. first_pos + t1 - t0 - 1
     row = Hkv * D
     b_end = (k1 + bs - 1) // bs
@@ -145,47 +165,21 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 sc[r, o] = a
         for r in range(R):
             # keys of this block that row r sees (causal): o0 .. nv
-            nv = min(n, first_pos + (r % Rh) // group + 1 - bi * bs)
-            if nv <= o0:
-                for o in range(o0, n):
-                    sc[r, o] = 0.0
-                continue
-            mx = m[r]
-            for o in range(o0, nv):
-                mx = max(mx, sc[r, o])
-            total = _F32(0.0)
-            for o in range(o0, nv):
-                v = exp2(sc[r, o] - mx)
-                sc[r, o] = v
-                total += v
-            for o in range(nv, n):
-                sc[r, o] = 0.0
-            if mx > m[r]:
-                corr = exp2(m[r] - mx)
-                l[r] = l[r] * corr + total
-                for d in range(D):
-                    acc[r, d] *= corr
-                m[r] = mx
-            else:
-                l[r] += total
+            _softmax_row(sc, r, o0, min(n, first_pos + (r % Rh) // group + 1 - bi * bs), n, m, l, acc)
         for o in range(o0, n):
             for r in range(R):
                 h = h0 + r // Rh
                 p = sc[r, o]
                 for d in range(D):
                     acc[r, d] += p * value_cache[b, o, h, d]
+    if part < 0:
+        _write_rows(h0, h1, t0, t1, group, acc, l, out)
+        return
     for r in range(R):
-        if part >= 0:
-            pm[part, r] = m[r]
-            pl[part, r] = l[r]
-            for d in range(D):
-                pacc[part, r, d] = acc[r, d]
-            continue
-        hq = (h0 + r // Rh) * group + r % group
-        t = t0 + (r % Rh) // group
-        inv = _F32(1.0) / l[r]
+        pm[part, r] = m[r]
+        pl[part, r] = l[r]
         for d in range(D):
-            out[t, hq, d] = acc[r, d] * inv
+            pacc[part, r, d] = acc[r, d]
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")
@@ -228,17 +222,8 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
     group = H // Hkv
-    q_start = query_start_loc[s]
-    first_pos = seq_lens[s] - (query_start_loc[s + 1] - q_start) + (t0 - q_start)
     R = (t1 - t0) * group
-    for r in range(R):
-        hq = h0 * group + r % group
-        t = t0 + r // group
-        for d in range(D):
-            qs[r, d] = q[t, hq, d] * qscale
-            acc[r, d] = 0.0
-        m[r] = _NEG
-        l[r] = 0.0
+    first_pos = _init_rows(q, qscale, seq_lens, query_start_loc, s, h0, h0 + 1, t0, t1, group, qs, acc, m, l)
     n_keys = first_pos + (t1 - t0)             # the last token sees keys 0 .. n_keys - 1
     CH = kb.shape[0]                            # whole blocks
     for c0 in range(0, n_keys, CH):
@@ -264,12 +249,7 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, kmat, ld, _F32(0.0), ptr(sc, 0), CH)
         _softmax_step(sc, R, R, nk, c0, first_pos, group, m, l, acc)
         sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, _F32(1.0), ptr(sc, 0), CH, vmat, ld, _F32(1.0), ptr(acc, 0), D)
-    for r in range(R):
-        hq = h0 * group + r % group
-        t = t0 + r // group
-        inv = _F32(1.0) / l[r]
-        for d in range(D):
-            out[t, hq, d] = acc[r, d] * inv
+    _write_rows(h0, h0 + 1, t0, t1, group, acc, l, out)
 
 
 @njit(cache=True)

@@ -186,9 +186,20 @@ def default_num_threads() -> int:
 _threads: int | None = None  # set by numba_threads(): the count for every thread of the process
 
 
-@numba.njit  # not cache=True: Numba does not cache functions that read the threading layer's globals
-def _calling_thread_count():
-    return numba.get_num_threads()
+_count_getter = None   # the threading layer's C function for Numba's per-thread count
+
+
+def _calling_thread_count() -> int:
+    # numba.get_num_threads() once (it starts the pool), then the C function it calls after its
+    # locks (numba.np.ufunc.parallel internals, checked against it; else the public call)
+    global _count_getter
+    if _count_getter is None:
+        n = numba.get_num_threads()
+        from numba.np.ufunc import parallel
+        getter = getattr(parallel, "_get_num_threads", None)
+        _count_getter = getter if getter is not None and getter() == n else numba.get_num_threads
+        return n
+    return _count_getter()
 
 
 def num_threads() -> int:
@@ -196,9 +207,9 @@ def num_threads() -> int:
     (a forward pass may run on an engine's background thread); a count set with
     ``numba_threads`` holds for every thread, and is applied to the calling thread here.
 
-    Every kernel call asks, so it is read in compiled code: ``numba.get_num_threads()`` from
-    Python takes two locks per call, which cost ~20 us each time the caches are cold (a decode
-    step streams megabytes of weights between two kernel calls)."""
+    Every kernel call asks, so it is read straight from the threading layer:
+    ``numba.get_num_threads()`` takes two locks per call, which cost ~20 us each time the caches
+    are cold (a decode step streams megabytes of weights between two kernel calls)."""
     n = _calling_thread_count()
     if _threads is not None and n != _threads:
         numba.set_num_threads(_threads)

@@ -44,6 +44,19 @@ def test_paged_attention(case_id, build):
     assert not got[n_valid:].any(), "padding rows must be zero"
 
 
+@pytest.mark.parametrize("case_id", ["mixed_batch_gqa3", "multi_token_decodes_gqa1", "decode_ctx203_gqa1"])
+def test_paged_attention_into_a_dirty_out_buffer(case_id):
+    # the result written into a caller's buffer full of NaN (the forward's workspace): every row
+    # is written (or merged from zeroed key-partition rows, with the parallel drivers forced),
+    # padding rows zeroed
+    case = dict(cases_for("paged_attention"))[case_id]()
+    want = cpu.paged_attention(**case)
+    out = np.full(want.shape, np.nan, np.float32)
+    got = cpu.paged_attention(**case, out=out)
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+
+
 def test_paged_attention_unused_table_entries_ignored():
     # same case, but garbage in block-table entries past each sequence's last block
     case = paged_attention_case(5, [(17, 3), (5, 1)])
