@@ -9,7 +9,7 @@ process runs the model; an HTTP front-end process (FastAPI + uvicorn, ``folio/ap
 OpenAI-compatible API, Prometheus ``/metrics`` and a chat page on ``http://HOST:PORT``, talking to
 this process through folio's ``AsyncClient`` like any other client.
 
-It prints progress while the model loads and warms up (one request of two tokens, so that the
+It prints progress while the model loads and warms up (a few requests of two tokens, so that the
 first client does not pay for compiling the kernels), then one line, ``folio serve: ready on
 ADDRESS and http://HOST:PORT ...``. Loopback only unless ``--allow-remote`` (the ZeroMQ door has no
 authentication; ``--api-key`` guards the HTTP one).
@@ -129,16 +129,32 @@ def _say(text: str) -> None:
 
 
 def _warm_up(engine) -> None:
-    """Run one two-token request through the engine so the kernels are compiled (Numba) or loaded
-    before the first client: a prefill of several tokens (the multi-token attention path), then a
-    decode step. Its prompt is shorter than a block, so the prefix cache keeps nothing."""
+    """Run requests through the engine so that the kernels are compiled (Numba) or loaded before
+    the first client, in each shape a first batch of clients meets: one prompt shorter than a
+    block (the serial kernels), ten short prompts at once (the parallel prefill kernels, then a
+    decode of ten sequences: batched products), and one long prompt (a decode cut into key
+    ranges, the single-sequence products). Each makes two tokens. The prompts fit the model's
+    length and the KV cache (larger ones are left out), and the prefix cache is emptied after.
+    Before, a single short prompt compiled only the serial kernels: the first client of a fresh
+    install waited ~18 s per token while the parallel ones compiled."""
+    from .runtime.kv_cache_manager import cdiv
     from .runtime.sampling_params import SamplingParams
-    text = "Warming up: one short prompt runs through prefill and decode before any client comes."
-    ids = engine.tokenizer.encode(text)[: max(1, engine.config.block_size - 1)] or [0]
-    engine.add_request("folio-warm-up", None, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0),
-                       prompt_token_ids=ids)
+    text = "Warming up: requests run through prefill and decode before any client comes."
+    base = engine.tokenizer.encode(text) or [0]
+    bs = engine.config.block_size
+    longest = engine.max_model_len - 2
+    lengths = [min(bs - 1, longest)] + [min(40, longest)] * 10 + [min(600, longest)]
+    room = int(engine.get_metrics()["num_total_blocks"])
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    for i, n in enumerate(lengths):
+        if n < 1 or cdiv(n + 2, bs) > room:
+            continue
+        room -= cdiv(n + 2, bs)
+        ids = (base * (n // len(base) + 1))[:n]
+        engine.add_request(f"folio-warm-up-{i}", None, params, prompt_token_ids=ids)
     while engine.has_unfinished_requests():
         engine.step()
+    engine.scheduler.kv_cache_manager.pool.reset_prefix_cache()
 
 
 def run(a: argparse.Namespace) -> int:

@@ -349,7 +349,7 @@ def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, thre
     split = parallel and n_decode < 2 * threads
     key_parts = (4 * threads + max(1, n_decode * num_kv_heads) - 1) // max(1, n_decode * num_kv_heads) if split else 1
     items, _ = attention_items(seq_lens, query_start_loc, num_kv_heads, group, max(1, TILE_ROWS // group), split,
-                               key_parts, bs, min_keys)
+                               key_parts, bs, max(1, min_keys))
     n_parts = 0
     for i in range(items.shape[0]):
         if items[i, 7] >= 0:
