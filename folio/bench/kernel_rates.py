@@ -7,9 +7,10 @@ Limits, measured here with the same thread counts as the kernels:
 * **read bandwidth**: ``threads`` threads each take the BLAS ``sdot`` of slices of two 256 MiB
   float32 arrays (single-threaded BLAS), bytes read per second: the limit of a stream that only
   reads (weights in a decode step, the KV cache in decode attention). On the 2-vCPU EPYC this
-  project measures on, one thread reads at ~19 GB/s and two at ~22-27 GB/s while a copy moves
-  23 / 30 GB/s counting both directions: one thread already takes most of what the VM's memory
-  gives a reader;
+  project measures on, one thread reads at ~15-19 GB/s and two at ~22-27 GB/s while a copy
+  moves 19-23 / 30 GB/s counting both directions. It is a two-stream reader, not a ceiling:
+  folio's decode product at T = 1 keeps 4 weight rows in flight and has read faster than it
+  with one thread (up to 117% of it in one run), so a share above 100% means the limit lies higher;
 * **sgemm**: NumPy's BLAS on its own thread pool (``threadpoolctl`` set to ``threads`` for the
   measurement), ``[T, K] x [K, N]`` float32.
 
