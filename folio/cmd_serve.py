@@ -143,17 +143,19 @@ def _warm_up(engine) -> None:
     base = engine.tokenizer.encode(text) or [0]
     bs = engine.config.block_size
     longest = engine.max_model_len - 2
-    lengths = [min(bs - 1, longest)] + [min(40, longest)] * 10 + [min(600, longest)]
+    # one after the other: run together they would make one batch, and the shapes of a single
+    # sequence (serial kernels, one-row products, key ranges) would never run
+    phases = [[min(bs - 1, longest)], [min(40, longest)] * 10, [min(600, longest)]]
     room = int(engine.get_metrics()["num_total_blocks"])
     params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
-    for i, n in enumerate(lengths):
-        if n < 1 or cdiv(n + 2, bs) > room:
+    for p, lengths in enumerate(phases):
+        if any(n < 1 for n in lengths) or sum(cdiv(n + 2, bs) for n in lengths) > room:
             continue
-        room -= cdiv(n + 2, bs)
-        ids = (base * (n // len(base) + 1))[:n]
-        engine.add_request(f"folio-warm-up-{i}", None, params, prompt_token_ids=ids)
-    while engine.has_unfinished_requests():
-        engine.step()
+        for i, n in enumerate(lengths):
+            ids = (base * (n // len(base) + 1))[:n]
+            engine.add_request(f"folio-warm-up-{p}-{i}", None, params, prompt_token_ids=ids)
+        while engine.has_unfinished_requests():
+            engine.step()
     engine.scheduler.kv_cache_manager.pool.reset_prefix_cache()
 
 
