@@ -24,8 +24,8 @@ Two ways to compute an item, chosen by its number of rows:
   block's cache lines are requested while one block is used (the blocks of a sequence lie
   anywhere in the cache, so the hardware prefetcher cannot guess them). A decode item is bound
   by reading its K/V. When there are fewer decoding sequences than two per thread (a single
-  long conversation), each is cut by KV head and into key ranges of at least ``SPLIT_MIN_KEYS``
-  keys (FlashDecoding): each range keeps its own running max, sum and unnormalised rows, merged
+  long conversation) and at least ``SPLIT_MIN_THREADS`` threads, each is cut by KV head and into
+  key ranges of at least ``SPLIT_MIN_KEYS`` keys (FlashDecoding): each range keeps its own running max, sum and unnormalised rows, merged
   after the region.
 
 Scores are kept in base 2 (``q * scale * log2(e)``) and exponentiated with the vectorised
@@ -57,6 +57,12 @@ TILE_MIN_ROWS = 8      # fewer rows: the loop path (decode)
 CHUNK_KEYS = 128       # keys per online-softmax step (rounded down to whole blocks)
 _PARALLEL_MIN_WORK = 1 << 18   # multiply-adds below which a step runs on the calling thread
 SPLIT_MIN_KEYS = 256  # shortest key range of a partitioned decode (FlashDecoding)
+# Fewest threads at which few decodes are split by KV head and key range. On the 2-vCPU EPYC
+# this project measures on, one sequence's attention ran slower on 2 threads than on 1 at every
+# context tried (512-16000 keys: e.g. 237-278 against 112-127 us at 512, 2631-2986 against
+# 2114-2587 us at 8192; perf/RESULTS.md): one thread already takes most of the memory a reader
+# gets there, and the region's wake-up and the partial sums are pure cost. More cores split.
+SPLIT_MIN_THREADS = 3
 _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastmath assumes no inf)
 
 
@@ -332,7 +338,8 @@ def _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc
 
 
 @njit(cache=True)
-def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, threads, min_work, min_keys):
+def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, threads, min_work, min_keys,
+          min_split_threads):
     """``(items, partitions, tasks)`` of one call: the work items (``attention_items``), how many
     carry a key partition, and 1 (the calling thread) or ``threads`` tasks."""
     group = num_heads // num_kv_heads
@@ -344,9 +351,9 @@ def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, thre
         if 0 < ql and ql * group < TILE_MIN_ROWS:
             n_decode += 1
     parallel = threads > 1 and work * num_heads * head_dim >= min_work
-    # fewer decoding sequences than 2 per thread: split them by KV head and by key range, for
-    # about 4 items per thread
-    split = parallel and n_decode < 2 * threads
+    # fewer decoding sequences than 2 per thread (and enough threads, SPLIT_MIN_THREADS): split
+    # them by KV head and by key range, for about 4 items per thread
+    split = parallel and n_decode < 2 * threads and threads >= min_split_threads
     key_parts = (4 * threads + max(1, n_decode * num_kv_heads) - 1) // max(1, n_decode * num_kv_heads) if split else 1
     items, _ = attention_items(seq_lens, query_start_loc, num_kv_heads, group, max(1, TILE_ROWS // group), split,
                                key_parts, bs, max(1, min_keys))
@@ -435,7 +442,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         out[int(query_start_loc[-1]):] = 0  # padding rows; every other row is written by its item
     threads = num_threads()
     items, n_parts, tasks = _plan(seq_lens, query_start_loc, H, Hkv, D, bs, threads, _PARALLEL_MIN_WORK,
-                                  SPLIT_MIN_KEYS)
+                                  SPLIT_MIN_KEYS, SPLIT_MIN_THREADS)
     if items.shape[0] == 0:
         return out
     if n_parts:

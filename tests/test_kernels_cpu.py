@@ -23,6 +23,7 @@ def drivers(request, monkeypatch):
         monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)  # several work items per call
         monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
         monkeypatch.setattr(cpu_attention, "SPLIT_MIN_KEYS", 16)  # decodes of 32+ keys split into key ranges
+        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_THREADS", 2)  # ... on 2 threads too
         monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
     return request.param
 
@@ -70,7 +71,7 @@ def test_paged_attention_unused_table_entries_ignored():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
-def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, drivers):
+def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, drivers, monkeypatch):
     # The forward pass hands the kernel its previous layer's output as ``out=`` and a cache whose
     # unowned slots hold anything: every row must be written (partitioned decode rows are summed
     # into ``out``, so they must be cleared first), padding rows zeroed, and nothing read from
@@ -79,6 +80,7 @@ def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, 
     # (1 and 3 tokens, 2 threads: FlashDecoding key ranges) beside a short prefill chunk.
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip(f"Numba's pool has {numba.config.NUMBA_NUM_THREADS} thread(s)")
+    monkeypatch.setattr(cpu_attention, "SPLIT_MIN_THREADS", 2)  # the key-range path on 2 threads
     case = paged_attention_case(11, [(700, 1), (200, 60), (333, 3)], num_heads=2, num_kv_heads=1, block_size=8,
                                 num_pad_tokens=2)
     n_valid, bs = int(case["query_start_loc"][-1]), case["key_cache"].shape[1]
@@ -98,7 +100,7 @@ def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, 
         got = cpu.paged_attention(**case, out=out)
         _, n_parts, _ = cpu_attention._plan(case["seq_lens"].astype(np.int64), case["query_start_loc"].astype(np.int64),
                                             2, 1, 32, bs, threads, cpu_attention._PARALLEL_MIN_WORK,
-                                            cpu_attention.SPLIT_MIN_KEYS)
+                                            cpu_attention.SPLIT_MIN_KEYS, cpu_attention.SPLIT_MIN_THREADS)
     assert (n_parts > 0) == (threads > 1), n_parts  # the key-range path is the one under test
     assert got is out
     assert np.all(np.abs(got[:n_valid].astype(np.float64) - want[:n_valid]) <= bound[:n_valid])
