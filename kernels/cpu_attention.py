@@ -103,6 +103,12 @@ def _softmax_step(sc, R, Rh, nk, c0, first_pos, group, m, l, acc):
         _softmax_row(sc, r, 0, min(nk, first_pos + (r % Rh) // group + 1 - c0), nk, m, l, acc)
 
 
+@njit(inline="always")
+def _row_head_token(r, h0, t0, Rh, group):
+    # (query head, token) of row r of an item: r = (h - h0) * Rh + (t - t0) * group + g
+    return (h0 + r // Rh) * group + r % group, t0 + (r % Rh) // group
+
+
 @njit(cache=True, fastmath=True)
 def _init_rows(q, qscale, seq_lens, query_start_loc, s, h0, h1, t0, t1, group, qs, acc, m, l):
     # the item's query rows r = (h - h0) * Rh + (t - t0) * group + g, Rh = (t1 - t0) * group
@@ -111,8 +117,7 @@ def _init_rows(q, qscale, seq_lens, query_start_loc, s, h0, h1, t0, t1, group, q
     D = q.shape[2]
     Rh = (t1 - t0) * group
     for r in range(Rh * (h1 - h0)):
-        hq = (h0 + r // Rh) * group + r % group
-        t = t0 + (r % Rh) // group
+        hq, t = _row_head_token(r, h0, t0, Rh, group)
         for d in range(D):
             qs[r, d] = q[t, hq, d] * qscale
             acc[r, d] = 0.0
@@ -127,8 +132,7 @@ def _write_rows(h0, h1, t0, t1, group, acc, l, out):
     D = out.shape[2]
     Rh = (t1 - t0) * group
     for r in range(Rh * (h1 - h0)):
-        hq = (h0 + r // Rh) * group + r % group
-        t = t0 + (r % Rh) // group
+        hq, t = _row_head_token(r, h0, t0, Rh, group)
         inv = _F32(1.0) / l[r]
         for d in range(D):
             out[t, hq, d] = acc[r, d] * inv
@@ -190,28 +194,32 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
 
 @njit(cache=True, fastmath=True, error_model="numpy")
 def _merge_partitions(items, group, pm, pl, pacc, out):
-    # FlashDecoding's reduction: rows split over key partitions get
-    # sum_p acc_p 2^(m_p - M) / sum_p l_p 2^(m_p - M), M = max_p m_p (out rows start at zero)
+    # FlashDecoding's reduction, online over the partitions: rows split over key ranges get
+    # sum_p acc_p 2^(m_p - M) / sum_p l_p 2^(m_p - M), M = max_p m_p, into those rows of out
+    # (which start from zero here: no item writes them)
     T, H, D = out.shape
     gm = np.full((T, H), _NEG, np.float32)
-    gl = np.zeros((T, H), np.float32)
-    for pass_ in range(2):
-        for i in range(items.shape[0]):
-            part = items[i, 7]
-            if part < 0:
-                continue
-            h0, h1, t0, t1 = items[i, 1], items[i, 2], items[i, 3], items[i, 4]
-            Rh = (t1 - t0) * group
-            for r in range(Rh * (h1 - h0)):
-                hq = (h0 + r // Rh) * group + r % group
-                t = t0 + (r % Rh) // group
-                if pass_ == 0:
-                    gm[t, hq] = max(gm[t, hq], pm[part, r])
-                else:
-                    w = exp2(pm[part, r] - gm[t, hq])
-                    gl[t, hq] += pl[part, r] * w
-                    for d in range(D):
-                        out[t, hq, d] += pacc[part, r, d] * w
+    gl = np.full((T, H), -1.0, np.float32)      # -1: row not seen yet
+    for i in range(items.shape[0]):
+        part = items[i, 7]
+        if part < 0:
+            continue
+        Rh = (items[i, 4] - items[i, 3]) * group
+        for r in range(Rh * (items[i, 2] - items[i, 1])):
+            hq, t = _row_head_token(r, items[i, 1], items[i, 3], Rh, group)
+            if gl[t, hq] < 0:
+                gl[t, hq] = 0.0
+                out[t, hq, :] = 0.0
+            if pm[part, r] > gm[t, hq]:         # a larger max: rescale what is summed so far
+                corr = exp2(gm[t, hq] - pm[part, r])
+                gl[t, hq] *= corr
+                for d in range(D):
+                    out[t, hq, d] *= corr
+                gm[t, hq] = pm[part, r]
+            w = exp2(pm[part, r] - gm[t, hq])
+            gl[t, hq] += pl[part, r] * w
+            for d in range(D):
+                out[t, hq, d] += pacc[part, r, d] * w
     for t in range(T):
         for hq in range(H):
             if gl[t, hq] > 0:
@@ -445,8 +453,6 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                                   SPLIT_MIN_KEYS, SPLIT_MIN_THREADS)
     if items.shape[0] == 0:
         return out
-    if n_parts:
-        out[items[items[:, 7] >= 0, 3].min():int(query_start_loc[-1])] = 0  # partitioned rows accumulate
     args = (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _F32(scale * LOG2E), out, items,
             n_parts)
     if tasks == 1:

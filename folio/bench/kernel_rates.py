@@ -69,16 +69,22 @@ def last_level_cache_bytes() -> int:
     return best or (32 << 20)
 
 
+def _sliced_best_s(threads: int, a, b, op, repeat: int) -> float:
+    """Best wall seconds of ``threads`` threads each applying ``op(a_slice, b_slice)`` to their
+    share of the two equal-sized arrays (one call per thread, all at once)."""
+    cuts = np.linspace(0, a.size, threads + 1).astype(np.int64)
+    with ThreadPoolExecutor(threads) as pool:
+        def run():
+            list(pool.map(lambda i: op(a[cuts[i]:cuts[i + 1]], b[cuts[i]:cuts[i + 1]]), range(threads)))
+        best, _ = _timeit(run, repeat)
+    return best
+
+
 def copy_bandwidth_gbs(threads: int, n_bytes: int = 512 << 20, repeat: int = 5) -> float:
     """Best ``(read + write bytes) / s`` in GB/s (1e9) of ``threads`` threads copying slices."""
     a = np.ones(n_bytes // 4, dtype=np.float32)
     b = np.empty_like(a)
-    cuts = np.linspace(0, a.size, threads + 1).astype(np.int64)
-    with ThreadPoolExecutor(threads) as pool:
-        def copy():
-            list(pool.map(lambda i: np.copyto(b[cuts[i]:cuts[i + 1]], a[cuts[i]:cuts[i + 1]]), range(threads)))
-        best, _ = _timeit(copy, repeat)
-    return 2 * a.nbytes / best / 1e9
+    return 2 * a.nbytes / _sliced_best_s(threads, b, a, np.copyto, repeat) / 1e9
 
 
 def read_bandwidth_gbs(threads: int, n_bytes: int = 512 << 20, repeat: int = 5) -> float:
@@ -87,12 +93,8 @@ def read_bandwidth_gbs(threads: int, n_bytes: int = 512 << 20, repeat: int = 5) 
     from threadpoolctl import threadpool_limits
     a = np.ones(n_bytes // 8, dtype=np.float32)
     b = np.ones_like(a)
-    cuts = np.linspace(0, a.size, threads + 1).astype(np.int64)
-    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
-        def read():
-            list(pool.map(lambda i: np.dot(a[cuts[i]:cuts[i + 1]], b[cuts[i]:cuts[i + 1]]), range(threads)))
-        best, _ = _timeit(read, repeat)
-    return 2 * a.nbytes / best / 1e9
+    with threadpool_limits(limits=1, user_api="blas"):
+        return 2 * a.nbytes / _sliced_best_s(threads, a, b, np.dot, repeat) / 1e9
 
 
 def sgemm_gflops(T: int, K: int, N: int, threads: int, repeat: int = 5) -> float:
