@@ -19,6 +19,8 @@ Matrix Multiplication") for why tiles of the output are independent units of wor
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
@@ -144,6 +146,7 @@ def _gemm_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
                        min(N, (jn + 1) * tile_n))
 
 
+@functools.lru_cache(maxsize=4096)  # called per product; the answer depends on these three only
 def gemm_tiles(T: int, N: int, threads: int) -> tuple[int, int]:
     """``(tile_m, tile_n)`` of an ``[T, N]`` output for ``threads`` threads.
 
