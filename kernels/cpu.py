@@ -161,12 +161,35 @@ def _fused_add_rms_norm_parallel(x, residual, weight, eps, out, new_residual, ro
             _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, i * rows, min(T, (i + 1) * rows))
 
 
-def _tasks(n_elements: int, n_rows: int) -> int:
-    """1 (run on the calling thread) for small work, else one task per thread."""
-    threads = num_threads()
+@njit(cache=True)
+def rms_norm_into(x, weight, eps, out, tasks, rows_per_item):
+    """``rms_norm`` from compiled code: on the calling thread (``tasks == 1``) or ``tasks``
+    threads taking ``rows_per_item`` rows at a time (``row_tasks`` plans both)."""
+    if tasks == 1:
+        _rms_norm_rows(x, weight, eps, out, 0, x.shape[0])
+    else:
+        _rms_norm_parallel(x, weight, eps, out, rows_per_item, tasks, np.zeros(1, np.int64))
+
+
+@njit(cache=True)
+def fused_add_rms_norm_into(x, residual, weight, eps, out, new_residual, tasks, rows_per_item):
+    """``fused_add_rms_norm`` (all rows) from compiled code; ``tasks`` as in ``rms_norm_into``."""
+    if tasks == 1:
+        _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, 0, x.shape[0])
+    else:
+        _fused_add_rms_norm_parallel(x, residual, weight, eps, out, new_residual, rows_per_item, tasks,
+                                     np.zeros(1, np.int64))
+
+
+def row_tasks(n_elements: int, n_rows: int, threads: int) -> int:
+    """Tasks of a row kernel's call: 1 (the calling thread) for small work, else ``threads``."""
     if n_elements < _PARALLEL_MIN_ELEMENTS or n_rows < 2 or threads < 2:
         return 1
     return threads
+
+
+def _tasks(n_elements: int, n_rows: int) -> int:
+    return row_tasks(n_elements, n_rows, num_threads())
 
 
 def _counter():
@@ -180,11 +203,7 @@ def rms_norm(x, weight, eps, out=None):
     ``out`` when given).
     """
     out = np.empty(x.shape, dtype=_F32) if out is None else out
-    n = _tasks(x.size, x.shape[0])
-    if n == 1:
-        _rms_norm_rows(x, weight, float(eps), out, 0, x.shape[0])
-    else:
-        _rms_norm_parallel(x, weight, float(eps), out, _ROWS_PER_ITEM, n, _counter())
+    rms_norm_into(x, weight, float(eps), out, _tasks(x.size, x.shape[0]), _ROWS_PER_ITEM)
     return out
 
 
@@ -202,12 +221,8 @@ def fused_add_rms_norm(x, residual, weight, eps, out=None, residual_out=None, ro
         return normed, None
     out = np.empty(x.shape, dtype=_F32) if out is None else out
     new_residual = np.empty(x.shape, dtype=_F32) if residual_out is None else residual_out
-    n = _tasks(x.size, x.shape[0])
-    if n == 1:
-        _fused_add_rms_norm_rows(x, residual, weight, float(eps), out, new_residual, 0, x.shape[0])
-    else:
-        _fused_add_rms_norm_parallel(x, residual, weight, float(eps), out, new_residual, _ROWS_PER_ITEM, n,
-                                     _counter())
+    fused_add_rms_norm_into(x, residual, weight, float(eps), out, new_residual, _tasks(x.size, x.shape[0]),
+                            _ROWS_PER_ITEM)
     return out, new_residual
 
 
@@ -280,16 +295,21 @@ def _silu_and_mul_parallel(x, out, rows, n_tasks, counter):
             _silu_and_mul_rows(x, out, i * rows, min(T, (i + 1) * rows))
 
 
+@njit(cache=True)
+def silu_and_mul_into(x, out, tasks, rows_per_item):
+    """``silu_and_mul`` from compiled code; ``tasks`` as in ``rms_norm_into``."""
+    if tasks == 1:
+        _silu_and_mul_rows(x, out, 0, x.shape[0])
+    else:
+        _silu_and_mul_parallel(x, out, rows_per_item, tasks, np.zeros(1, np.int64))
+
+
 def silu_and_mul(x, out=None):
     """SwiGLU activation (Shazeer 2020): ``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32
     (into ``out`` when given)."""
     T = x.shape[0]
     out = np.empty((T, x.shape[1] // 2), dtype=_F32) if out is None else out
-    n = _tasks(x.size, T)
-    if n == 1:
-        _silu_and_mul_rows(x, out, 0, T)
-    else:
-        _silu_and_mul_parallel(x, out, _ROWS_PER_ITEM, n, _counter())
+    silu_and_mul_into(x, out, _tasks(x.size, T), _ROWS_PER_ITEM)
     return out
 
 
@@ -364,6 +384,19 @@ def _rope_and_cache_parallel(positions, qkv, cos_sin_cache, key_cache, value_cac
                                  i * rows, min(T, (i + 1) * rows))
 
 
+@njit(cache=True)
+def rope_and_cache_into(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, tasks,
+                        rows_per_item):
+    """``rope_and_cache`` from compiled code (int64 ``positions`` and ``slot_mapping``);
+    ``tasks`` as in ``rms_norm_into``."""
+    if tasks == 1:
+        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, 0,
+                             qkv.shape[0])
+    else:
+        _rope_and_cache_parallel(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out,
+                                 rows_per_item, tasks, np.zeros(1, np.int64))
+
+
 def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
                    num_kv_heads, out=None):
     """``reference.rope_and_cache`` in one pass: RoPE on the q / k slices of the fused projection
@@ -375,13 +408,12 @@ def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_m
     out = np.empty((T, num_heads, D), dtype=_F32) if out is None else out
     args = (np.asarray(positions, dtype=np.int64), qkv, cos_sin_cache, key_cache, value_cache,
             np.asarray(slot_mapping, dtype=np.int64), num_heads, num_kv_heads, out)
-    n = _tasks(qkv.size, T)
-    if n == 1:
-        _rope_and_cache_rows(*args, 0, T)
-    else:
-        _rope_and_cache_parallel(*args, _ROWS_PER_ITEM, n, _counter())
+    rope_and_cache_into(*args, _tasks(qkv.size, T), _ROWS_PER_ITEM)
     return out
 
+
+# every decoder layer of a step in one compiled call, built from the kernels above
+from .cpu_forward import decoder_layers  # noqa: E402
 
 CPU_KERNELS = SimpleNamespace(
     xp=np,
@@ -402,5 +434,6 @@ CPU_KERNELS = SimpleNamespace(
     linear=linear,
     embedding=embedding,
     prepare_weight=prepare_weight,
+    decoder_layers=decoder_layers,
 )
 """The CPU kernel table (see kernels/__init__.py ``get_kernels``)."""

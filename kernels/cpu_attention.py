@@ -49,7 +49,7 @@ from numba import njit, prange
 from .cpu_math import LOG2E, exp2
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, sgemm
 
-__all__ = ["paged_attention", "attention_items"]
+__all__ = ["paged_attention", "attention_items", "attention_into", "plan"]
 
 _F32 = np.float32
 TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
@@ -417,6 +417,30 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
         _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
 
 
+@njit(cache=True)
+def attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, n_parts,
+                   tasks):
+    """``paged_attention`` from compiled code, as planned by ``plan`` (``items``, ``n_parts``,
+    ``tasks``): int64 ``block_tables``, ``seq_lens``, ``query_start_loc``; ``qscale`` the softmax
+    scale times log2(e); ``out`` C-contiguous, its rows past ``query_start_loc[-1]`` zeroed here."""
+    out[query_start_loc[-1]:] = 0  # padding rows; every other row is written by its item
+    if items.shape[0] == 0:
+        return
+    if tasks == 1:
+        _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items,
+                          n_parts)
+    else:
+        _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items,
+                            n_parts, tasks)
+
+
+def plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, block_size, threads):
+    """``(items, n_parts, tasks)`` of ``attention_into`` for one step's int64 ``seq_lens [S]`` and
+    ``query_start_loc [S+1]`` (the same for every layer of the step) on ``threads`` threads."""
+    return _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, block_size, threads,
+                 _PARALLEL_MIN_WORK, SPLIT_MIN_KEYS, SPLIT_MIN_THREADS)
+
+
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                     max_query_len=None, max_seq_len=None, out=None):
     """Causal attention of a flattened varlen batch over a paged KV cache (GQA aware).
@@ -446,17 +470,6 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
             out[...] = paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
             return out
         out = np.zeros((T, H, D), dtype=_F32)
-    else:
-        out[int(query_start_loc[-1]):] = 0  # padding rows; every other row is written by its item
-    threads = num_threads()
-    items, n_parts, tasks = _plan(seq_lens, query_start_loc, H, Hkv, D, bs, threads, _PARALLEL_MIN_WORK,
-                                  SPLIT_MIN_KEYS, SPLIT_MIN_THREADS)
-    if items.shape[0] == 0:
-        return out
-    args = (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _F32(scale * LOG2E), out, items,
-            n_parts)
-    if tasks == 1:
-        _attention_serial(*args)
-    else:
-        _attention_parallel(*args, tasks)
+    attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _F32(scale * LOG2E), out,
+                   *plan(seq_lens, query_start_loc, H, Hkv, D, bs, num_threads()))
     return out

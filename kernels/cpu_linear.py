@@ -26,7 +26,7 @@ from numba import njit, prange
 
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, sgemm
 
-__all__ = ["linear", "GEMV_MAX_ROWS"]
+__all__ = ["linear", "linear_into", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"]
 
 _F32 = np.float32
 GEMV_MAX_ROWS = 8          # up to this many tokens: the streaming kernel, else sgemm tiles
@@ -146,6 +146,39 @@ def _gemm_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
                        min(N, (jn + 1) * tile_n))
 
 
+@njit(cache=True)
+def linear_into(x, weight, out, tasks, tile_m, tile_n):
+    """``out[:] = x @ weight.T`` from compiled code (``linear`` and the fused forward of
+    ``cpu_forward``), as planned by ``linear_plan``: C-contiguous float32 ``x [T, in]``,
+    ``weight [out, in]``, ``out [T, out]``; ``tasks`` 1 (the calling thread) or the threads of
+    the region; ``(tile_m, tile_n)`` the sgemm tiles of a parallel product of more than
+    ``GEMV_MAX_ROWS`` rows."""
+    T, N = x.shape[0], weight.shape[0]
+    if T == 0:
+        return
+    if T <= GEMV_MAX_ROWS:
+        if tasks > 1:
+            _gemv_parallel(x, weight, out, tasks, np.zeros(1, np.int64))
+        else:
+            _gemv_rows(x, weight, out, 0, N)
+    elif tasks > 1:
+        _gemm_parallel(x, weight, out, tile_m, tile_n, tasks, np.zeros(1, np.int64))
+    else:
+        _gemm_tile(x, weight, out, 0, T, 0, N)
+
+
+def linear_plan(T: int, weight_shape: tuple, threads: int) -> tuple[int, int, int]:
+    """``(tasks, tile_m, tile_n)`` of ``linear_into`` for ``T`` rows against a weight of
+    ``weight_shape`` on ``threads`` threads: one task (the calling thread) for weights under
+    ``_PARALLEL_MIN_WEIGHTS`` elements, sgemm tiles from ``gemm_tiles`` above ``GEMV_MAX_ROWS``."""
+    N, K = weight_shape
+    if threads < 2 or N * K < _PARALLEL_MIN_WEIGHTS:
+        return 1, 0, 0
+    if T <= GEMV_MAX_ROWS:
+        return threads, 0, 0
+    return (threads,) + gemm_tiles(T, N, threads)
+
+
 @functools.lru_cache(maxsize=4096)  # called per product; the answer depends on these three only
 def gemm_tiles(T: int, N: int, threads: int) -> tuple[int, int]:
     """``(tile_m, tile_n)`` of an ``[T, N]`` output for ``threads`` threads.
@@ -190,16 +223,5 @@ def linear(x, weight, out=None):
     out = np.empty((T, N), dtype=_F32) if out is None else out
     if T == 0:
         return out
-    threads = num_threads()
-    parallel = threads > 1 and weight.size >= _PARALLEL_MIN_WEIGHTS
-    if T <= GEMV_MAX_ROWS:
-        if parallel:
-            _gemv_parallel(x, weight, out, threads, np.zeros(1, np.int64))
-        else:
-            _gemv_rows(x, weight, out, 0, N)
-    elif parallel:
-        tile_m, tile_n = gemm_tiles(T, N, threads)
-        _gemm_parallel(x, weight, out, tile_m, tile_n, threads, np.zeros(1, np.int64))
-    else:
-        _gemm_tile(x, weight, out, 0, T, 0, N)
+    linear_into(x, weight, out, *linear_plan(T, weight.shape, num_threads()))
     return out

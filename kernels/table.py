@@ -8,8 +8,9 @@ semantics of every operation are the NumPy specifications in ``reference.py``; s
 arguments name preallocated results (the forward pass allocates nothing per layer).
 
 A table may also have ``random_weight(shape, seed, std, mean)`` (the CUDA one does), used by
-``model/loader.py`` to make dummy weights on the device; it is optional and not part of the
-protocol.
+``model/loader.py`` to make dummy weights on the device, and ``decoder_layers`` (the CPU one
+does, ``cpu_forward.py``), which runs every decoder layer of a step in one call over weights
+stacked per kind; both are optional and not part of the protocol.
 """
 
 from __future__ import annotations

@@ -112,6 +112,9 @@ class LlamaForCausalLM:
             self._check(weights, "lm_head.weight", (c.vocab_size, hid)))
         self.norm = prep(self._check(weights, "model.norm.weight", (hid,)))
         self.layers = []
+        # A table that runs all layers in one call (``decoder_layers``, the CPU's) takes each kind
+        # of layer weight stacked [num_layers, ...]; the layers are then views of the stacks.
+        self.layer_stacks: dict | None = {} if getattr(kernels, "decoder_layers", None) is not None else None
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             q = self._check(weights, p + "self_attn.q_proj.weight", (H * D, hid))
@@ -119,14 +122,21 @@ class LlamaForCausalLM:
             v = self._check(weights, p + "self_attn.v_proj.weight", (Hkv * D, hid))
             gate = self._check(weights, p + "mlp.gate_proj.weight", (inter, hid))
             up = self._check(weights, p + "mlp.up_proj.weight", (inter, hid))
-            self.layers.append(_Layer(
+            layer = dict(
                 input_layernorm=prep(self._check(weights, p + "input_layernorm.weight", (hid,))),
                 qkv_proj=xp.concatenate([prep(q), prep(k), prep(v)], axis=0),
                 o_proj=prep(self._check(weights, p + "self_attn.o_proj.weight", (hid, H * D))),
                 post_attention_layernorm=prep(self._check(weights, p + "post_attention_layernorm.weight", (hid,))),
                 gate_up_proj=xp.concatenate([prep(gate), prep(up)], axis=0),
                 down_proj=prep(self._check(weights, p + "mlp.down_proj.weight", (hid, inter))),
-            ))
+            )
+            if self.layer_stacks is not None:
+                for name, w in layer.items():
+                    if i == 0:
+                        self.layer_stacks[name] = xp.empty((c.num_hidden_layers,) + tuple(w.shape), dtype=w.dtype)
+                    self.layer_stacks[name][i] = w
+                    layer[name] = self.layer_stacks[name][i]
+            self.layers.append(_Layer(**layer))
         # RoPE table built once on the host (float64 math, float32 result) and moved to the device
         inv_freq = reference.rope_inv_freq(D, c.rope_theta, c.rope_scaling)
         self.cos_sin_cache = self.xp.asarray(reference.rope_cos_sin_cache(inv_freq, c.max_position_embeddings))
@@ -175,6 +185,11 @@ class LlamaForCausalLM:
         ws = self.workspace_for(T, R).view(T, R)
         residual = k.embedding(input_ids, self.embed_tokens, out=ws["residual"])
         hidden = None
+        if self.layer_stacks is not None:
+            # the same layers in one compiled call (kernels/cpu_forward.py)
+            hidden, residual = k.decoder_layers(self.layer_stacks, ws, positions, md, kv_caches, self.cos_sin_cache,
+                                                self.scale, H, Hkv, eps)
+            return self._logits(hidden, residual, logits_indices, ws, out)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             # attention
             if hidden is None:
@@ -194,8 +209,12 @@ class LlamaForCausalLM:
                                                out=ws["x"], residual_out=residual)
             act = k.silu_and_mul(k.linear(x, layer.gate_up_proj, out=ws["gate_up"]), out=ws["act"])
             hidden = k.linear(act, layer.down_proj, out=ws["hidden"])
+        return self._logits(hidden, residual, logits_indices, ws, out)
+
+    def _logits(self, hidden, residual, logits_indices, ws, out):
         # final norm and lm_head on the sampled rows only (RMSNorm is per row)
-        x, _ = k.fused_add_rms_norm(hidden, residual, self.norm, eps, rows=logits_indices, out=ws["final"])
-        return k.linear(x, self.lm_head, out=out)
+        x, _ = self.kernels.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps,
+                                               rows=logits_indices, out=ws["final"])
+        return self.kernels.linear(x, self.lm_head, out=out)
 
     __call__ = forward

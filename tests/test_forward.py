@@ -186,6 +186,64 @@ def test_tiny_model_mixed_batch_equals_separate_runs(tiny):
     np.testing.assert_allclose(out[2], want_b[8], rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("forced", [False, True], ids=["auto", "parallel"])
+def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, forced, monkeypatch):
+    # The CPU table runs all layers in one compiled call (kernels/cpu_forward.py); a table without
+    # it runs the per-kernel loop of LlamaForCausalLM.forward. Same kernels, same order, same
+    # work plan: the logits and the KV caches must be bit-identical, for prefill chunks (sgemm
+    # tiles) and decode steps (streaming products), with padding rows and a shuffled table.
+    from types import SimpleNamespace
+
+    from folio.kernels import cpu, cpu_attention, cpu_linear
+    from folio.kernels.cpu_threads import numba_threads
+    if forced:  # every kernel on its parallel driver, attention split into key ranges
+        monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)
+        monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_KEYS", 16)
+        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_THREADS", 2)
+        monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
+    config, w, fused = tiny
+    assert fused.layer_stacks is not None
+    table = SimpleNamespace(**{k: v for k, v in vars(get_kernels("cpu")).items() if k != "decoder_layers"})
+    loop = LlamaForCausalLM(config, w, table)
+    assert loop.layer_stacks is None
+    rng = np.random.default_rng(11)
+    lens = [40, 23, 9]
+    seqs = [rng.integers(0, config.vocab_size, size=n) for n in lens]
+    tables = rng.permutation(16)[:9].reshape(3, 3).astype(np.int32)
+
+    def step(model, caches, starts, ends, pad):
+        ids, pos, slots, qsl = [], [], [], [0]
+        for s, (a, b) in enumerate(zip(starts, ends)):
+            p = np.arange(a, b)
+            ids.append(seqs[s][a:b])
+            pos.append(p)
+            slots.append(tables[s, p // BLOCK_SIZE].astype(np.int64) * BLOCK_SIZE + p % BLOCK_SIZE)
+            qsl.append(qsl[-1] + b - a)
+        ids, pos, slots = (np.concatenate(x + [np.zeros(pad, np.int64)]) for x in (ids, pos, slots))
+        slots[qsl[-1]:] = -1
+        md = AttentionMetadata(slots, np.array(qsl, np.int32), np.array(ends, np.int32), tables[:len(ends)],
+                               max(b - a for a, b in zip(starts, ends)), max(ends))
+        return model.forward(ids.astype(np.int64), pos.astype(np.int64), md, caches,
+                             np.array(qsl[1:]) - 1)
+
+    # prefill chunks (19 + 12 + 9 rows, 2 padding rows), a second chunk with decodes, then decodes
+    schedule = [([0, 0, 0], [19, 12, 8], 2), ([19, 12, 8], [39, 22, 9], 0), ([39, 22], [40, 23], 1)]
+    with numba_threads(threads):
+        results = []
+        for model in (fused, loop):
+            caches = allocate_kv_caches(config, 16, BLOCK_SIZE, model.kernels)
+            logits = [step(model, caches, *st) for st in schedule]
+            results.append((logits, caches))
+    for got, want in zip(results[0][0], results[1][0]):
+        np.testing.assert_array_equal(got, want)
+    for (gk, gv), (wk, wv) in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(gk, wk)
+        np.testing.assert_array_equal(gv, wv)
+
+
 def test_missing_tensor_is_named(tiny):
     config, w, _ = tiny
     broken = dict(w)
