@@ -161,7 +161,7 @@ def _fused_add_rms_norm_parallel(x, residual, weight, eps, out, new_residual, ro
             _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, i * rows, min(T, (i + 1) * rows))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rms_norm_into(x, weight, eps, out, tasks, rows_per_item):
     """``rms_norm`` from compiled code: on the calling thread (``tasks == 1``) or ``tasks``
     threads taking ``rows_per_item`` rows at a time (``row_tasks`` plans both)."""
@@ -171,7 +171,7 @@ def rms_norm_into(x, weight, eps, out, tasks, rows_per_item):
         _rms_norm_parallel(x, weight, eps, out, rows_per_item, tasks, np.zeros(1, np.int64))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def fused_add_rms_norm_into(x, residual, weight, eps, out, new_residual, tasks, rows_per_item):
     """``fused_add_rms_norm`` (all rows) from compiled code; ``tasks`` as in ``rms_norm_into``."""
     if tasks == 1:
@@ -274,9 +274,11 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return outs[0], outs[1]
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def _silu_and_mul_rows(x, out, t0, t1):
-    # silu(g) = g / (1 + e^-g), e^-g = 2^(-g log2 e) (vectorised, see cpu_math)
+    # silu(g) = g / (1 + e^-g), e^-g = 2^(-g log2 e) (vectorised, see cpu_math). error_model
+    # "numpy": Python's model checks each division for a zero divisor, a branch that kept LLVM
+    # from vectorising the loop (3.5 ns per element, 1.0 without the check)
     inter = out.shape[1]
     for t in range(t0, t1):
         for i in range(inter):
@@ -295,7 +297,7 @@ def _silu_and_mul_parallel(x, out, rows, n_tasks, counter):
             _silu_and_mul_rows(x, out, i * rows, min(T, (i + 1) * rows))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def silu_and_mul_into(x, out, tasks, rows_per_item):
     """``silu_and_mul`` from compiled code; ``tasks`` as in ``rms_norm_into``."""
     if tasks == 1:
@@ -384,7 +386,7 @@ def _rope_and_cache_parallel(positions, qkv, cos_sin_cache, key_cache, value_cac
                                  i * rows, min(T, (i + 1) * rows))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rope_and_cache_into(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, tasks,
                         rows_per_item):
     """``rope_and_cache`` from compiled code (int64 ``positions`` and ``slot_mapping``);

@@ -417,7 +417,7 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
         _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, n_parts,
                    tasks):
     """``paged_attention`` from compiled code, as planned by ``plan`` (``items``, ``n_parts``,

@@ -18,7 +18,9 @@ kind (``[num_layers, ...]``, see ``stack_layers``) and the KV caches passed as t
 compiled loop can index them by layer.
 
 This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
-one per kernel.
+one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward
+on a background thread (``ThreadedExecutor``) while the calling thread schedules the next step,
+which a GIL held through the whole forward would stall until the forward returned.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import cpu
-from .cpu import fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into
 from .cpu_attention import attention_into, plan
 from .cpu_linear import linear_into, linear_plan
 from .cpu_math import LOG2E
@@ -39,7 +39,7 @@ LAYER_WEIGHTS = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layern
 """The per-layer weights ``decoder_layers`` takes, each stacked ``[num_layers, ...]``."""
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _layers(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_caches,
             value_caches, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H, Hkv,
             eps, qscale, lin, norm_tasks, rope_tasks, silu_tasks, rows_per_item, items, n_parts, attn_tasks):
@@ -108,3 +108,9 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
             row_tasks(b["gate_up"].size, T, threads), cpu._ROWS_PER_ITEM, items, n_parts, attn_tasks)
     return b["hidden"], residual
+
+
+# Last: cpu.py imports this module for its kernel table, and this one takes the row kernels from
+# cpu.py (defined before that import; whichever of the two is imported first, both complete).
+from . import cpu  # noqa: E402
+from .cpu import fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into  # noqa: E402

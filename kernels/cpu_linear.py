@@ -29,7 +29,11 @@ from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr
 __all__ = ["linear", "linear_into", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"]
 
 _F32 = np.float32
-GEMV_MAX_ROWS = 8          # up to this many tokens: the streaming kernel, else sgemm tiles
+# up to this many tokens the streaming kernel, else sgemm tiles. Measured on the 2-vCPU EPYC with
+# cold weights (perf/RESULTS.md): streaming 1.1-1.6x the tiles' GFLOP/s at T = 8..24 on the
+# default model's five shapes, even at T = 32 (1 and 2 threads); OpenBLAS packs and computes
+# a thin output poorly
+GEMV_MAX_ROWS = 24
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 
@@ -146,7 +150,7 @@ def _gemm_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
                        min(N, (jn + 1) * tile_n))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def linear_into(x, weight, out, tasks, tile_m, tile_n):
     """``out[:] = x @ weight.T`` from compiled code (``linear`` and the fused forward of
     ``cpu_forward``), as planned by ``linear_plan``: C-contiguous float32 ``x [T, in]``,

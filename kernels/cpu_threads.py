@@ -51,6 +51,8 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
+
+from . import cpu_cache  # noqa: F401  (before any kernel is defined: one cache stamp for all of them)
 from llvmlite import ir
 from numba import cfunc, types
 from numba.core import cgutils

@@ -229,8 +229,9 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, forced, monkeypat
         return model.forward(ids.astype(np.int64), pos.astype(np.int64), md, caches,
                              np.array(qsl[1:]) - 1)
 
-    # prefill chunks (19 + 12 + 9 rows, 2 padding rows), a second chunk with decodes, then decodes
-    schedule = [([0, 0, 0], [19, 12, 8], 2), ([19, 12, 8], [39, 22, 9], 0), ([39, 22], [40, 23], 1)]
+    # (starts, ends, padding rows): 41 rows (sgemm tiles), 22 and 10 rows of chunks and decodes
+    # (the streaming kernel with several tokens), one decode (the single-token kernel)
+    schedule = [([0, 0, 0], [19, 12, 8], 2), ([19, 12, 8], [30, 22, 9], 0), ([30, 22], [39, 23], 1), ([39], [40], 0)]
     with numba_threads(threads):
         results = []
         for model in (fused, loop):

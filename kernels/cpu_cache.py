@@ -1,0 +1,82 @@
+"""Numba's on-disk cache of the CPU kernels, keyed on the source of every kernel module.
+
+``@njit(cache=True)`` stores machine code beside each module (``__pycache__``) and reuses it
+while the function's *own* source file is unchanged: Numba does not look at the files of the
+functions it calls. The CPU kernels call across files (``cpu_forward``'s layer loop links the
+products of ``cpu_linear``, the attention of ``cpu_attention``, the row kernels of ``cpu``, all
+of them ``cpu_math``'s ``exp2`` and ``cpu_threads``' atomics), so a change to one of them (an
+upgrade, a checkout) would leave its callers running machine code built from the old source:
+this was seen when ``GEMV_MAX_ROWS`` changed in ``cpu_linear`` and the cached layer loop kept
+the old threshold. Here every CPU kernel module's cache entries carry one stamp, the SHA-256 of
+all those modules' source, so a change to any of them recompiles all of them.
+
+How: Numba picks a cache locator per function from ``CacheImpl._locator_classes`` (its own
+classes: ``NUMBA_CACHE_DIR``, beside the source, the user-wide cache, ...); ``install`` puts in
+front of them a subclass of each that answers only for this folder's modules and returns the
+shared stamp from ``get_source_stamp``, so where the cache lives stays Numba's choice. A user's
+own ``NUMBA_CACHE_LOCATOR_CLASSES`` replaces the list and this with it. Imported (and installed)
+by ``cpu_threads``, which every CPU kernel module imports before defining a kernel.
+
+Source: Numba's documentation, "Cache invalidation" (numba.readthedocs.io, notes on caching:
+changes in other files are not tracked) and ``numba/core/caching.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from numba.core import caching
+
+__all__ = ["install", "sources_digest", "KERNEL_MODULES"]
+
+_DIR = os.path.dirname(os.path.abspath(__file__))
+KERNEL_MODULES = tuple(sorted(n for n in os.listdir(_DIR) if n.startswith("cpu") and n.endswith(".py")))
+"""The files whose compiled functions share one cache stamp: this folder's ``cpu*.py``, the
+modules that define Numba functions (a new one is included by its name)."""
+
+
+def sources_digest() -> str:
+    """SHA-256 (hex) of the names and contents of ``KERNEL_MODULES``."""
+    h = hashlib.sha256()
+    for name in KERNEL_MODULES:
+        with open(os.path.join(_DIR, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()
+
+
+_STAMP = ("folio-cpu-kernels", sources_digest())
+
+
+def _for_kernels(locator_cls):
+    """``locator_cls`` narrowed to this folder's modules, with the shared stamp."""
+
+    class KernelsLocator(locator_cls):
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if os.path.dirname(os.path.abspath(py_file)) != _DIR:
+                return None
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            return _STAMP
+
+    KernelsLocator.__name__ = KernelsLocator.__qualname__ = "FolioKernels" + locator_cls.__name__
+    return KernelsLocator
+
+
+def install() -> None:
+    """Put the kernel-folder locators in front of Numba's own (idempotent)."""
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
+    classes = list(impl._locator_classes)
+    if any(getattr(c, "_folio_kernels", False) for c in classes):
+        return
+    ours = []
+    for c in classes:
+        k = _for_kernels(c)
+        k._folio_kernels = True
+        ours.append(k)
+    impl._locator_classes = ours + classes
+
+
+install()

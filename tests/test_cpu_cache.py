@@ -1,0 +1,60 @@
+"""Numba's on-disk cache of the CPU kernels is keyed on the source of every kernel module
+(kernels/cpu_cache.py): a caller compiled against an old callee must not survive a change to it."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+from folio.kernels import cpu_attention, cpu_cache, cpu_forward, cpu_linear, cpu_threads
+
+
+def test_every_cached_kernel_carries_the_shared_stamp():
+    stamp = ("folio-cpu-kernels", cpu_cache.sources_digest())
+    # the layer loop (which links kernels of four other files) and kernels of three other modules
+    for fn in (cpu_forward._layers, cpu_linear.linear_into, cpu_attention._decode_item, cpu_threads._sgemm_fallback):
+        assert fn._cache._impl.locator.get_source_stamp() == stamp, fn
+
+
+def test_functions_outside_the_kernels_keep_numba_locators(tmp_path):
+    src = tmp_path / "other_module.py"
+    src.write_text("from numba import njit\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    spec = importlib.util.spec_from_file_location("other_module", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    locator = mod.f._cache._impl.locator
+    assert not getattr(type(locator), "_folio_kernels", False)
+    assert locator.get_source_stamp() != cpu_forward._layers._cache._impl.locator.get_source_stamp()
+    assert mod.f(1) == 2
+
+
+def test_a_change_to_any_kernel_module_changes_the_stamp(tmp_path, monkeypatch):
+    src = cpu_cache._DIR
+    for name in cpu_cache.KERNEL_MODULES:
+        shutil.copy(f"{src}/{name}", tmp_path / name)
+    monkeypatch.setattr(cpu_cache, "_DIR", str(tmp_path))
+    base = cpu_cache.sources_digest()
+    assert base == cpu_cache._STAMP[1]  # the copies are the sources
+    for name in cpu_cache.KERNEL_MODULES:
+        original = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(original + b"# one more line\n")
+        assert cpu_cache.sources_digest() != base, name
+        (tmp_path / name).write_bytes(original)
+    assert cpu_cache.sources_digest() == base
+
+
+def test_install_is_idempotent():
+    from numba.core import caching
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
+    before = list(impl._locator_classes)
+    cpu_cache.install()
+    assert impl._locator_classes == before
+    assert sum(getattr(c, "_folio_kernels", False) for c in before) == len(before) // 2
+
+
+def test_the_stamp_covers_every_module_that_compiles_with_numba():
+    import os
+    folder = cpu_cache._DIR
+    numba_modules = {n for n in os.listdir(folder) if n.endswith(".py")
+                     and ("@njit" in open(os.path.join(folder, n)).read() or "@cfunc" in open(os.path.join(folder, n)).read())}
+    assert numba_modules and numba_modules <= set(cpu_cache.KERNEL_MODULES)
