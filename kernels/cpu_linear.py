@@ -2,8 +2,9 @@
 
 Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads``' policy:
 
-* **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): the product is bound by reading the
-  weights from memory (2 T flops per 4-byte weight). A Numba kernel streams each weight row once
+* **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading
+  the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens, reading
+  each weight once still beat sgemm's packed tiles here. A Numba kernel streams each weight row once
   (several rows at a time, from separate places of the item, so that more reads are in flight)
   and takes its dot product with every token: float32, vectorised by LLVM into 8-lane partial
   sums added at the end, a blocked summation whose rounding error grows with ``K / 8`` terms,
