@@ -32,8 +32,8 @@ __all__ = ["linear", "linear_into", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"
 _F32 = np.float32
 # up to this many tokens the streaming kernel, else sgemm tiles. Measured on the 2-vCPU EPYC with
 # cold weights (perf/RESULTS.md): streaming 1.1-1.6x the tiles' GFLOP/s at T = 8..24 on the
-# default model's five shapes, even at T = 32 (1 and 2 threads); OpenBLAS packs and computes
-# a thin output poorly
+# default model's five shapes (1 and 2 threads), about even at T = 32; OpenBLAS packs and
+# computes a thin output poorly
 GEMV_MAX_ROWS = 24
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
