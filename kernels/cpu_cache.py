@@ -13,7 +13,10 @@ all those modules' source, so a change to any of them recompiles all of them.
 How: Numba picks a cache locator per function from ``CacheImpl._locator_classes`` (its own
 classes: ``NUMBA_CACHE_DIR``, beside the source, the user-wide cache, ...); ``install`` puts in
 front of them a subclass of each that answers only for this folder's modules and returns the
-shared stamp from ``get_source_stamp``, so where the cache lives stays Numba's choice. A user's
+shared stamp from ``get_source_stamp``, so where the cache lives stays Numba's choice. Behind
+Numba's own comes a last resort for the kernels, a private temporary folder of the process
+(``_ProcessCacheLocator``): where nothing else is writable (a read-only install whose user has no
+writable home) Numba would raise when a kernel is defined. A user's
 own ``NUMBA_CACHE_LOCATOR_CLASSES`` replaces the list and this with it. Imported (and installed)
 by ``cpu_threads``, which every CPU kernel module imports before defining a kernel.
 
@@ -23,8 +26,11 @@ changes in other files are not tracked) and ``numba/core/caching.py``.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
+import tempfile
 
 from numba.core import caching
 
@@ -65,6 +71,32 @@ def _for_kernels(locator_cls):
     return KernelsLocator
 
 
+_UserProvided = getattr(caching, "UserProvidedCacheLocator", None) or getattr(caching, "_UserProvidedCacheLocator")
+
+
+class _ProcessCacheLocator(_UserProvided):
+    """Numba's ``NUMBA_CACHE_DIR`` locator on a folder of this process (``mkdtemp``: private,
+    removed at exit): the kernels then compile once per process instead of failing to import."""
+    folder = None
+
+    def __init__(self, py_func, py_file):
+        if _ProcessCacheLocator.folder is None:
+            _ProcessCacheLocator.folder = tempfile.mkdtemp(prefix="numba-folio-")
+            atexit.register(shutil.rmtree, _ProcessCacheLocator.folder, True)
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = os.path.join(_ProcessCacheLocator.folder, self.get_suitable_cache_subpath(py_file))
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        try:
+            self = cls(py_func, py_file)
+            self.ensure_cache_path()
+        except OSError:
+            return None
+        return self
+
+
 def install() -> None:
     """Put the kernel-folder locators in front of Numba's own (idempotent)."""
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
@@ -76,7 +108,7 @@ def install() -> None:
         k = _for_kernels(c)
         k._folio_kernels = True
         ours.append(k)
-    impl._locator_classes = ours + classes
+    impl._locator_classes = ours + classes + [_for_kernels(_ProcessCacheLocator)]
 
 
 install()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 
 from folio.kernels import cpu_attention, cpu_cache, cpu_forward, cpu_linear, cpu_threads
@@ -53,8 +54,35 @@ def test_install_is_idempotent():
 
 
 def test_the_stamp_covers_every_module_that_compiles_with_numba():
-    import os
     folder = cpu_cache._DIR
     numba_modules = {n for n in os.listdir(folder) if n.endswith(".py")
                      and ("@njit" in open(os.path.join(folder, n)).read() or "@cfunc" in open(os.path.join(folder, n)).read())}
     assert numba_modules and numba_modules <= set(cpu_cache.KERNEL_MODULES)
+
+
+def test_kernels_import_where_no_cache_folder_is_writable():
+    # A read-only install (the kernels' __pycache__ not writable) whose user has no writable home
+    # (a hardened container: HOME=/nonexistent): every Numba locator refuses, and Numba raises
+    # "cannot cache function ...: no locator available" when the kernels are defined, so folio
+    # could not even import its CPU table. The kernels then cache in a private folder of the
+    # process (compiled once per process) and run.
+    import subprocess
+    import sys
+    code = """
+from numba.core import caching
+def read_only(self):
+    raise PermissionError("read-only (test)")
+for name in ("InTreeCacheLocator", "UserWideCacheLocator"):   # the kernels' __pycache__, ~/.cache/numba
+    cls = getattr(caching, name, None) or getattr(caching, "_" + name)
+    cls.ensure_cache_path = read_only
+import numpy as np
+from folio.kernels import cpu, cpu_forward
+x = np.ones((3, 8), np.float32)
+assert np.array_equal(cpu.linear(x, np.eye(8, dtype=np.float32)), x)
+print(cpu_forward._layers._cache._cache_path)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    path = r.stdout.strip()
+    assert path and not path.startswith(cpu_cache._DIR) and not os.path.exists(path)  # removed at exit
