@@ -29,7 +29,7 @@ from . import reference
 from .cpu_attention import paged_attention
 from .cpu_linear import linear
 from .cpu_math import LOG2E, exp2
-from .cpu_threads import fetch_add, num_threads
+from .cpu_threads import fetch_add, num_threads, region_guard
 
 __all__ = [
     "paged_attention",
@@ -203,7 +203,8 @@ def rms_norm(x, weight, eps, out=None):
     ``out`` when given).
     """
     out = np.empty(x.shape, dtype=_F32) if out is None else out
-    rms_norm_into(x, weight, float(eps), out, _tasks(x.size, x.shape[0]), _ROWS_PER_ITEM)
+    with region_guard():
+        rms_norm_into(x, weight, float(eps), out, _tasks(x.size, x.shape[0]), _ROWS_PER_ITEM)
     return out
 
 
@@ -221,8 +222,9 @@ def fused_add_rms_norm(x, residual, weight, eps, out=None, residual_out=None, ro
         return normed, None
     out = np.empty(x.shape, dtype=_F32) if out is None else out
     new_residual = np.empty(x.shape, dtype=_F32) if residual_out is None else residual_out
-    fused_add_rms_norm_into(x, residual, weight, float(eps), out, new_residual, _tasks(x.size, x.shape[0]),
-                            _ROWS_PER_ITEM)
+    with region_guard():
+        fused_add_rms_norm_into(x, residual, weight, float(eps), out, new_residual, _tasks(x.size, x.shape[0]),
+                                _ROWS_PER_ITEM)
     return out, new_residual
 
 
@@ -269,7 +271,8 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
         if n == 1:
             _rotary_rows(pos, x, cos_sin_cache, out, 0, T)
         else:
-            _rotary_parallel(pos, x, cos_sin_cache, out, _ROWS_PER_ITEM, n, _counter())
+            with region_guard():
+                _rotary_parallel(pos, x, cos_sin_cache, out, _ROWS_PER_ITEM, n, _counter())
         outs.append(out)
     return outs[0], outs[1]
 
@@ -311,7 +314,8 @@ def silu_and_mul(x, out=None):
     (into ``out`` when given)."""
     T = x.shape[0]
     out = np.empty((T, x.shape[1] // 2), dtype=_F32) if out is None else out
-    silu_and_mul_into(x, out, _tasks(x.size, T), _ROWS_PER_ITEM)
+    with region_guard():
+        silu_and_mul_into(x, out, _tasks(x.size, T), _ROWS_PER_ITEM)
     return out
 
 
@@ -410,7 +414,8 @@ def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_m
     out = np.empty((T, num_heads, D), dtype=_F32) if out is None else out
     args = (np.asarray(positions, dtype=np.int64), qkv, cos_sin_cache, key_cache, value_cache,
             np.asarray(slot_mapping, dtype=np.int64), num_heads, num_kv_heads, out)
-    rope_and_cache_into(*args, _tasks(qkv.size, T), _ROWS_PER_ITEM)
+    with region_guard():
+        rope_and_cache_into(*args, _tasks(qkv.size, T), _ROWS_PER_ITEM)
     return out
 
 

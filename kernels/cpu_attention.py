@@ -47,7 +47,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_math import LOG2E, exp2
-from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, sgemm
+from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, region_guard, sgemm
 
 __all__ = ["paged_attention", "attention_items", "attention_into", "plan"]
 
@@ -470,6 +470,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
             out[...] = paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
             return out
         out = np.zeros((T, H, D), dtype=_F32)
-    attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _F32(scale * LOG2E), out,
-                   *plan(seq_lens, query_start_loc, H, Hkv, D, bs, num_threads()))
+    with region_guard():
+        attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _F32(scale * LOG2E), out,
+                       *plan(seq_lens, query_start_loc, H, Hkv, D, bs, num_threads()))
     return out

@@ -31,7 +31,7 @@ from numba import njit
 from .cpu_attention import attention_into, plan
 from .cpu_linear import linear_into, linear_plan
 from .cpu_math import LOG2E
-from .cpu_threads import num_threads
+from .cpu_threads import num_threads, region_guard
 
 __all__ = ["decoder_layers", "LAYER_WEIGHTS"]
 
@@ -101,12 +101,13 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     key_cache = kv_caches[0][0]
     items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
                                       threads)
-    _layers(residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
-            *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches), tuple(v for _, v in kv_caches),
-            _int64(positions), cos_sin_cache, _int64(md.slot_mapping), _int64(md.block_tables), seq_lens,
-            query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin,
-            row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
-            row_tasks(b["gate_up"].size, T, threads), cpu._ROWS_PER_ITEM, items, n_parts, attn_tasks)
+    with region_guard():   # the layers run without the GIL: see region_guard
+        _layers(residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
+                *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches),
+                tuple(v for _, v in kv_caches), _int64(positions), cos_sin_cache, _int64(md.slot_mapping),
+                _int64(md.block_tables), seq_lens, query_start_loc, num_heads, num_kv_heads, float(eps),
+                np.float32(scale * LOG2E), lin, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
+                row_tasks(b["gate_up"].size, T, threads), cpu._ROWS_PER_ITEM, items, n_parts, attn_tasks)
     return b["hidden"], residual
 
 

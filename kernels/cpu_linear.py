@@ -25,7 +25,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, sgemm
+from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["linear", "linear_into", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"]
 
@@ -228,5 +228,6 @@ def linear(x, weight, out=None):
     out = np.empty((T, N), dtype=_F32) if out is None else out
     if T == 0:
         return out
-    linear_into(x, weight, out, *linear_plan(T, weight.shape, num_threads()))
+    with region_guard():
+        linear_into(x, weight, out, *linear_plan(T, weight.shape, num_threads()))
     return out

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 
 # Before Numba starts its OpenMP pool (at the first parallel call): threads that finish a region
 # sleep at once instead of spinning (GNU OpenMP spins up to GOMP_SPINCOUNT = 300000 pauses by
@@ -58,8 +59,8 @@ from numba import cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "numba_threads", "blas_name", "sgemm", "ptr",
-           "prefetch", "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]
+__all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "numba_threads", "region_guard", "blas_name",
+           "sgemm", "ptr", "prefetch", "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enum values
 
@@ -217,6 +218,23 @@ def num_threads() -> int:
         numba.set_num_threads(_threads)
         n = _threads
     return n
+
+
+_guard = None   # region_guard's answer, once the pool (and so the layer) is known
+
+
+def region_guard():
+    """The context every call into the kernels' compiled entry points runs in: a process-wide
+    lock where Numba's threading layer is ``workqueue``, else nothing. The entry points release
+    the GIL (``nogil``), so two Python threads (two in-process engines) can launch parallel
+    regions at once; OpenMP and TBB take that, but workqueue (Numba's choice where libgomp is
+    missing) aborts the whole process ("Concurrent access has been detected"). Source: Numba's
+    documentation, "The Threading Layers" (thread safety of each layer)."""
+    global _guard
+    if _guard is None:
+        num_threads()   # starts the pool: the layer is known from then on
+        _guard = threading.RLock() if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
+    return _guard
 
 
 @contextlib.contextmanager

@@ -149,3 +149,51 @@ print("ok")
     env = dict(os.environ, FOLIO_CPU_SGEMM="fallback", PYTHONPATH=os.path.dirname(__file__))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_concurrent_forwards_on_the_workqueue_layer():
+    # The compiled entry points release the GIL (nogil), so two Python threads (two in-process
+    # engines, each forwarding on its own thread) can launch parallel regions at once. Numba's
+    # workqueue layer, the one it falls back to where libgomp is missing, aborts the whole
+    # process on concurrent launches; OpenMP and TBB take them. On workqueue the kernels must
+    # serialise their regions: results equal to one thread's, exit code 0.
+    code = """
+import threading
+import numpy as np
+from types import SimpleNamespace
+from folio.kernels import cpu, get_kernels
+from folio.kernels.cpu_threads import numba_threads
+from folio.model.attention import AttentionMetadata
+from folio.model.config import ModelConfig
+from folio.model.llama import LlamaForCausalLM
+from folio.model.loader import allocate_kv_caches
+from folio.model.weights import dummy_weights
+import numba
+c = ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=True)
+w = dummy_weights(c, seed=1)
+fused = LlamaForCausalLM(c, w, get_kernels("cpu"))   # decoder_layers
+loop = LlamaForCausalLM(c, w, SimpleNamespace(**{k: v for k, v in vars(get_kernels("cpu")).items()
+                                                 if k != "decoder_layers"}))   # the kernels one by one
+T = 200
+ids, pos = np.arange(T, dtype=np.int64) % 97, np.arange(T, dtype=np.int64)
+md = AttentionMetadata(pos.copy(), np.array([0, T], np.int32), np.array([T], np.int32),
+                       np.arange(13, dtype=np.int32)[None], T, T)
+def forward(m):
+    return m.forward(ids, pos, md, allocate_kv_caches(c, 13, 16, m.kernels), np.arange(T))
+with numba_threads(2):
+    want = forward(fused)
+    got = {0: [], 1: []}
+    ths = [threading.Thread(target=lambda i=i, m=m: got[i].extend(forward(m) for _ in range(15)))
+           for i, m in enumerate((fused, loop))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+assert numba.threading_layer() == "workqueue", numba.threading_layer()
+assert all(np.array_equal(g, want) for g in got[0] + got[1]) and len(got[0]) == len(got[1]) == 15
+print("ok")
+"""
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
