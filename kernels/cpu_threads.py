@@ -225,10 +225,11 @@ _guard = None   # region_guard's answer, once the pool (and so the layer) is kno
 
 def region_guard():
     """The context every call into the kernels' compiled entry points runs in: a process-wide
-    lock where Numba's threading layer is ``workqueue``, else nothing. The entry points release
-    the GIL (``nogil``), so two Python threads (two in-process engines) can launch parallel
-    regions at once; OpenMP and TBB take that, but workqueue (Numba's choice where libgomp is
-    missing) aborts the whole process ("Concurrent access has been detected"). Source: Numba's
+    lock where Numba's threading layer is ``workqueue``, else nothing. Numba's parallel regions
+    run without the GIL (and the entry points release it, ``nogil``), so two Python threads (two
+    in-process engines) can launch parallel regions at once; OpenMP and TBB take that, but
+    workqueue (Numba's choice where libgomp is missing) aborts the whole process ("Concurrent
+    access has been detected"; main before ``nogil`` aborted the same way). Source: Numba's
     documentation, "The Threading Layers" (thread safety of each layer)."""
     global _guard
     if _guard is None:

@@ -152,8 +152,9 @@ print("ok")
 
 
 def test_concurrent_forwards_on_the_workqueue_layer():
-    # The compiled entry points release the GIL (nogil), so two Python threads (two in-process
-    # engines, each forwarding on its own thread) can launch parallel regions at once. Numba's
+    # Numba's parallel regions run without the GIL (the compiled entry points release it too), so
+    # two Python threads (two in-process engines, each forwarding on its own thread) can launch
+    # parallel regions at once (main at cdc362a, before nogil, aborted here as well). Numba's
     # workqueue layer, the one it falls back to where libgomp is missing, aborts the whole
     # process on concurrent launches; OpenMP and TBB take them. On workqueue the kernels must
     # serialise their regions: results equal to one thread's, exit code 0.
