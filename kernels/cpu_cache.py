@@ -98,7 +98,8 @@ class _ProcessCacheLocator(_UserProvided):
 
 
 def install() -> None:
-    """Put the kernel-folder locators in front of Numba's own (idempotent)."""
+    """Put the kernel-folder locators in front of Numba's own and the process folder behind them
+    (idempotent)."""
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
     classes = list(impl._locator_classes)
     if any(getattr(c, "_folio_kernels", False) for c in classes):

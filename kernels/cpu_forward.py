@@ -14,8 +14,8 @@ layers. Everything that depends only on the step's shapes is planned once per st
 the tasks and sgemm tiles of the four matrix products, the tasks of the row kernels, and the
 attention work items (the same for every layer: the same sequences and lengths), so the
 thresholds stay the module constants the kernel tests set. The layers' weights are stacked per
-kind (``[num_layers, ...]``, see ``stack_layers``) and the KV caches passed as tuples, so the
-compiled loop can index them by layer.
+kind (``[num_layers, ...]``, ``LlamaForCausalLM.layer_stacks``) and the KV caches passed as
+tuples, so the compiled loop can index them by layer.
 
 This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
 one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward

@@ -52,12 +52,12 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
-
-from . import cpu_cache  # noqa: F401  (before any kernel is defined: one cache stamp for all of them)
 from llvmlite import ir
 from numba import cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from . import cpu_cache  # noqa: F401  (before any kernel is defined: one cache stamp for all of them)
 
 __all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "numba_threads", "region_guard", "blas_name",
            "sgemm", "ptr", "prefetch", "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]

@@ -195,15 +195,10 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, forced, monkeypat
     # tiles) and decode steps (streaming products), with padding rows and a shuffled table.
     from types import SimpleNamespace
 
-    from folio.kernels import cpu, cpu_attention, cpu_linear
+    from conftest import force_parallel_kernels
     from folio.kernels.cpu_threads import numba_threads
     if forced:  # every kernel on its parallel driver, attention split into key ranges
-        monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)
-        monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
-        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_KEYS", 16)
-        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_THREADS", 2)
-        monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
+        force_parallel_kernels(monkeypatch)
     config, w, fused = tiny
     assert fused.layer_stacks is not None
     table = SimpleNamespace(**{k: v for k, v in vars(get_kernels("cpu")).items() if k != "decoder_layers"})

@@ -10,21 +10,17 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
+from conftest import force_parallel_kernels
 from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
 from numerics import U32, attention_bound, dot_bound, exp2_rel_bound
 
-from folio.kernels import cpu, cpu_attention, cpu_linear, cpu_threads, get_kernels, reference
+from folio.kernels import cpu, cpu_attention, cpu_threads, get_kernels, reference
 
 @pytest.fixture(autouse=True, params=["auto", "parallel"])
 def drivers(request, monkeypatch):
     """Run every test with the size-based choice of driver, and again with the parallel drivers forced."""
     if request.param == "parallel":
-        monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)  # several work items per call
-        monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
-        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_KEYS", 16)  # decodes of 32+ keys split into key ranges
-        monkeypatch.setattr(cpu_attention, "SPLIT_MIN_THREADS", 2)  # ... on 2 threads too
-        monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
+        force_parallel_kernels(monkeypatch)
     return request.param
 
 
@@ -98,9 +94,8 @@ def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, 
     out = np.full(case["q"].shape, np.nan, np.float32)
     with cpu_threads.numba_threads(threads):
         got = cpu.paged_attention(**case, out=out)
-        _, n_parts, _ = cpu_attention._plan(case["seq_lens"].astype(np.int64), case["query_start_loc"].astype(np.int64),
-                                            2, 1, 32, bs, threads, cpu_attention._PARALLEL_MIN_WORK,
-                                            cpu_attention.SPLIT_MIN_KEYS, cpu_attention.SPLIT_MIN_THREADS)
+        _, n_parts, _ = cpu_attention.plan(case["seq_lens"].astype(np.int64), case["query_start_loc"].astype(np.int64),
+                                           2, 1, 32, bs, threads)
     assert (n_parts > 0) == (threads > 1), n_parts  # the key-range path is the one under test
     assert got is out
     assert np.all(np.abs(got[:n_valid].astype(np.float64) - want[:n_valid]) <= bound[:n_valid])
