@@ -24,9 +24,11 @@ Two ways to compute an item, chosen by its number of rows:
   block's cache lines are requested while one block is used (the blocks of a sequence lie
   anywhere in the cache, so the hardware prefetcher cannot guess them). A decode item is bound
   by reading its K/V. When there are fewer decoding sequences than two per thread (a single
-  long conversation) and at least ``SPLIT_MIN_THREADS`` threads, each is cut by KV head and into
-  key ranges of at least ``SPLIT_MIN_KEYS`` keys (FlashDecoding): each range keeps its own running max, sum and unnormalised rows, merged
-  after the region.
+  long conversation) and at least ``SPLIT_MIN_THREADS`` threads, each is cut into key ranges of
+  whole blocks, at least ``SPLIT_MIN_KEYS`` keys each (FlashDecoding): each range keeps its own
+  running max, sum and unnormalised rows, merged after the region. A range still covers every KV
+  head, so each thread reads whole key rows of its own blocks in memory order (a cut by KV head
+  read every third 256-byte slice of the rows, and two threads were slower than one).
 
 Scores are kept in base 2 (``q * scale * log2(e)``) and exponentiated with the vectorised
 ``cpu_math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items are
@@ -56,13 +58,12 @@ TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
 TILE_MIN_ROWS = 8      # fewer rows: the loop path (decode)
 CHUNK_KEYS = 128       # keys per online-softmax step (rounded down to whole blocks)
 _PARALLEL_MIN_WORK = 1 << 18   # multiply-adds below which a step runs on the calling thread
-SPLIT_MIN_KEYS = 256  # shortest key range of a partitioned decode (FlashDecoding)
-# Fewest threads at which few decodes are split by KV head and key range. On the 2-vCPU EPYC
-# this project measures on, one sequence's attention ran slower on 2 threads than on 1 at every
-# context tried (512-16000 keys: e.g. 237-278 against 112-127 us at 512, 2631-2986 against
-# 2114-2587 us at 8192; perf/RESULTS.md): one thread already takes most of the memory a reader
-# gets there, and the region's wake-up and the partial sums are pure cost. More cores split.
-SPLIT_MIN_THREADS = 3
+SPLIT_MIN_KEYS = 128  # shortest key range of a partitioned decode (FlashDecoding)
+# Fewest threads at which few decodes are split into key ranges. On the 2-vCPU EPYC this
+# project measures on (perf/RESULTS.md, fourth pass), one sequence's decode attention on 2
+# threads against 1 item: ~1.0x at 330 keys (the region's wake-up eats the gain), 1.3-1.5x at
+# 600-1000, 1.8x at 4000 (default model); Llama-3 shapes 1.2-1.7x.
+SPLIT_MIN_THREADS = 2
 _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastmath assumes no inf)
 
 
@@ -267,26 +268,27 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
 
 
 @njit(cache=True)
-def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens, split_heads, key_parts,
+def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens, split, key_parts,
                     bs, min_keys):
     """Work items ``[n, 8]`` int64 ``(sequence, first kv head, end kv head, first token, end token,
     first key, end key, partition)``, largest first, and their total multiply-adds (QK^T and PV
     alike, causal).
 
     A sequence with fewer than ``TILE_MIN_ROWS`` query rows per KV head (a decode) is one item
-    over every KV head, so that its blocks are read once, in memory order; with ``split_heads``
-    (too few decodes to feed the threads) one item per KV head, and its context cut into up to
-    ``key_parts`` key ranges of whole blocks (``bs`` keys), at least ``min_keys`` keys each
-    (FlashDecoding), whose items carry partition numbers ``0, 1, ...`` (else -1). Longer ones are
-    tile items of ``tile_tokens`` tokens and one KV head over the whole context."""
+    over every KV head, so that its blocks are read once, in memory order; with ``split``
+    (too few decodes to feed the threads) its context is cut into up to ``key_parts`` key ranges
+    of whole blocks (``bs`` keys), at least ``min_keys`` keys each (FlashDecoding), one item per
+    range over every KV head, whose items carry partition numbers ``0, 1, ...`` (else -1).
+    Longer ones are tile items of ``tile_tokens`` tokens and one KV head over the whole
+    context."""
     S = seq_lens.shape[0]
     n = 0
     for s in range(S):
         ql = query_start_loc[s + 1] - query_start_loc[s]
         if ql > 0:
             if ql * group < TILE_MIN_ROWS:
-                parts = min(key_parts, max(1, seq_lens[s] // min_keys)) if split_heads else 1
-                n += num_kv_heads * parts if split_heads else 1
+                parts = min(key_parts, max(1, seq_lens[s] // min_keys)) if split else 1
+                n += parts
             else:
                 n += num_kv_heads * ((ql + tile_tokens - 1) // tile_tokens)
     items = np.empty((n, 8), np.int64)
@@ -301,9 +303,9 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
             continue
         loop = ql * group < TILE_MIN_ROWS
         step = ql if loop else tile_tokens
-        heads = num_kv_heads if loop and not split_heads else 1
+        heads = num_kv_heads if loop else 1
         n_keys = seq_lens[s]
-        parts = min(key_parts, max(1, n_keys // min_keys)) if loop and split_heads else 1
+        parts = min(key_parts, max(1, n_keys // min_keys)) if loop and split else 1
         n_blocks = (n_keys + bs - 1) // bs
         for t0 in range(q0, q1, step):
             t1 = min(q1, t0 + step)
@@ -360,9 +362,9 @@ def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, thre
             n_decode += 1
     parallel = threads > 1 and work * num_heads * head_dim >= min_work
     # fewer decoding sequences than 2 per thread (and enough threads, SPLIT_MIN_THREADS): split
-    # them by KV head and by key range, for about 4 items per thread
+    # them into key ranges, for about 4 items per thread
     split = parallel and n_decode < 2 * threads and threads >= min_split_threads
-    key_parts = (4 * threads + max(1, n_decode * num_kv_heads) - 1) // max(1, n_decode * num_kv_heads) if split else 1
+    key_parts = (4 * threads + max(1, n_decode) - 1) // max(1, n_decode) if split else 1
     items, _ = attention_items(seq_lens, query_start_loc, num_kv_heads, group, max(1, TILE_ROWS // group), split,
                                key_parts, bs, max(1, min_keys))
     n_parts = 0
@@ -375,15 +377,16 @@ def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, thre
 @njit(cache=True)
 def _scratch(tasks, num_heads, num_kv_heads, head_dim, bs, n_parts):
     # per-task buffers (indexed by task, allocated before any parallel region) and the partial
-    # results of partitioned decodes
+    # results of partitioned decodes (fewer than TILE_MIN_ROWS rows per KV head, every KV head)
     group = num_heads // num_kv_heads
     rows = max(max(1, TILE_ROWS // group) * group, TILE_MIN_ROWS * num_kv_heads)
     chunk = max(1, CHUNK_KEYS // bs) * bs
     D = head_dim
     return (np.empty((tasks, rows, D), _F32), np.empty((tasks, chunk, D), _F32), np.empty((tasks, chunk, D), _F32),
             np.empty((tasks, rows, chunk), _F32), np.empty((tasks, rows, D), _F32), np.empty((tasks, rows), _F32),
-            np.empty((tasks, rows), _F32), np.empty((n_parts, TILE_MIN_ROWS), _F32),
-            np.empty((n_parts, TILE_MIN_ROWS), _F32), np.empty((n_parts, TILE_MIN_ROWS, D), _F32))
+            np.empty((tasks, rows), _F32), np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads), _F32),
+            np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads), _F32),
+            np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads, D), _F32))
 
 
 @njit(cache=True)

@@ -182,6 +182,7 @@ CASES: dict[str, list] = {
         # several tokens under TILE_MIN_ROWS rows (the decode path, causal within the step), long
         # enough to be cut into key ranges when the parallel drivers are forced
         ("multi_token_decodes_gqa1", _pa(50, [(250, 2), (90, 5), (33, 7)], num_heads=4, num_kv_heads=4)),
+        ("multi_token_decodes_gqa3", _pa(51, [(260, 2), (70, 1)], num_heads=6, num_kv_heads=2)),
         ("contiguous_blocks", _pa(48, [(40, 4), (33, 1)], shuffle_blocks=False)),
         ("block_size_8", _pa(49, [(29, 3), (8, 8), (9, 1)], block_size=8)),
     ],
