@@ -17,10 +17,30 @@ thresholds stay the module constants the kernel tests set. The layers' weights a
 kind (``[num_layers, ...]``, ``LlamaForCausalLM.layer_stacks``) and the KV caches passed as
 tuples, so the compiled loop can index them by layer.
 
+**One parallel region per step** (``ONE_REGION``, with two threads or more). A region per
+kernel call is ~120 regions per decode step, each waking the pool's sleeping threads (OpenMP's
+passive wait, ``kernels/cpu_threads``). ``_layers_region`` instead opens one ``prange`` region
+whose tasks all walk the same phases of every layer (norm, QKV product, RoPE and cache append,
+attention items, their merge, o_proj, norm, gate/up product, SwiGLU, down product). A phase's
+work items (weight-row blocks or sgemm tiles exactly as ``linear_into`` cuts them, row blocks of
+``_ROWS_PER_ITEM``, attention items) are claimed from the phase's counter; each finished item
+is counted (``atomic_add``, acquire-release), and a task that finds no item left waits until
+the phase's count is complete before it starts the next phase (``atomic_load``, acquire). It
+never waits for an item nobody has claimed, so the region cannot deadlock when its tasks run
+one after another (a pool smaller than the plan, a nested call); the wait spins a little, then
+gives the core away each turn (``sched_yield``), so a busy machine's other work and the
+engine's scheduling thread still run. Same items, same arithmetic: bit-identical to the
+per-call path and the per-kernel loop (tests/test_forward.py). Measured (perf/RESULTS.md,
+fourth pass): 64 requests, 2 threads, +2-4% output tokens/s on a quiet machine, +18% with a
+busy process on one core; single-sequence decode +3-7%.
+
 This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
 one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward
 on a background thread (``ThreadedExecutor``) while the calling thread schedules the next step,
 which a GIL held through the whole forward would stall until the forward returned.
+
+Sources: llama.cpp's CPU thread pool (``ggml_graph_compute``: threads stay in one region for the
+whole graph and meet at a barrier after each node) for the shape; the counters are this module's.
 """
 
 from __future__ import annotations
@@ -28,10 +48,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .cpu_attention import attention_into, plan
-from .cpu_linear import linear_into, linear_plan
+from numba import prange
+
+from .cpu_attention import _merge_partitions, _run_item, _scratch, attention_into, plan
+from .cpu_linear import GEMV_BLOCK_ROWS, GEMV_MAX_ROWS, _gemm_tile, _gemv_rows, linear_into, linear_plan
 from .cpu_math import LOG2E
-from .cpu_threads import num_threads, region_guard
+from .cpu_threads import atomic_add, atomic_load, fetch_add, num_threads, region_guard, sched_yield
 
 __all__ = ["decoder_layers", "LAYER_WEIGHTS"]
 
@@ -62,6 +84,160 @@ def _layers(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln
         linear_into(x, gate_up_w[layer], gate_up, lin[2, 0], lin[2, 1], lin[2, 2])
         silu_and_mul_into(gate_up, act, silu_tasks, rows_per_item)
         linear_into(act, down_w[layer], hidden, lin[3, 0], lin[3, 1], lin[3, 2])
+
+
+# The phases of one layer in the one-region step (_layers_region), in order
+_P_NORM1, _P_QKV, _P_ROPE, _P_ATTN, _P_MERGE, _P_O, _P_NORM2, _P_GATE_UP, _P_SILU, _P_DOWN = range(10)
+_PHASES = 10
+_SPINS_BEFORE_YIELD = 200   # atomic reads of a phase's count before each further one yields the core
+ONE_REGION = True   # with 2+ threads, one region per step (_layers_region); False: a region per kernel call
+
+
+@njit(cache=True)
+def _wait_done(done, k, n):
+    # until phase k's n items are all finished (each was claimed by a running task); spinning,
+    # then giving the core away each turn when the partner is slow (a busy machine)
+    spins = 0
+    while atomic_load(done, k) < n:
+        spins += 1
+        if spins > _SPINS_BEFORE_YIELD:
+            sched_yield()
+
+
+@njit(cache=True)
+def _product_items(T, N, plan):
+    # work items of one product as linear_into would split it: (tasks, tile_m, tile_n) = plan
+    if T == 0:
+        return 0
+    if plan[0] == 1:
+        return 1
+    if T <= GEMV_MAX_ROWS:
+        return (N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS
+    return ((T + plan[1] - 1) // plan[1]) * ((N + plan[2] - 1) // plan[2])
+
+
+@njit(cache=True)
+def _product_item(x, weight, out, plan, i):
+    # item i of _product_items: the same rows or tile as linear_into's serial call or its region
+    T, N = x.shape[0], weight.shape[0]
+    if plan[0] == 1:
+        if T <= GEMV_MAX_ROWS:
+            _gemv_rows(x, weight, out, 0, N)
+        else:
+            _gemm_tile(x, weight, out, 0, T, 0, N)
+    elif T <= GEMV_MAX_ROWS:
+        _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(N, (i + 1) * GEMV_BLOCK_ROWS))
+    else:
+        n_m = (T + plan[1] - 1) // plan[1]
+        jn = i // n_m   # column-tile major, as _gemm_parallel
+        im = i - jn * n_m
+        _gemm_tile(x, weight, out, im * plan[1], min(T, (im + 1) * plan[1]), jn * plan[2],
+                   min(N, (jn + 1) * plan[2]))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w,
+                   key_caches, value_caches, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
+                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks):
+    # _layers in one parallel region: every task walks the same phases of every layer, takes
+    # the items of each phase from its claim counter, and waits at the phase's end until all of
+    # its items are done (never for an item nobody took: no deadlock if tasks run one by one)
+    T = residual.shape[0]
+    L = ln1.shape[0]
+    D = cos_sin_cache.shape[1]
+    attn2 = attn.reshape(T, attn.shape[1] * attn.shape[2])
+    n_row = (T + rows_per_item - 1) // rows_per_item
+    n_qkv = _product_items(T, qkv_w.shape[1], lin[0])
+    n_o = _product_items(T, o_w.shape[1], lin[1])
+    n_gu = _product_items(T, gate_up_w.shape[1], lin[2])
+    n_down = _product_items(T, down_w.shape[1], lin[3])
+    n_attn = items.shape[0]
+    claims = np.zeros(L * _PHASES, np.int64)
+    done = np.zeros(L * _PHASES, np.int64)
+    qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, key_caches[0].shape[1], n_parts)
+    end = query_start_loc[-1]
+    for w in prange(n_tasks):
+        for layer in range(L):
+            key_cache = key_caches[layer]
+            value_cache = value_caches[layer]
+            k = layer * _PHASES
+            if layer > 0:
+                _wait_done(done, k - _PHASES + _P_DOWN, n_down)
+            while True:
+                i = fetch_add(claims[k + _P_NORM1:], 1)
+                if i >= n_row:
+                    break
+                t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
+                if layer == 0:
+                    _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
+                else:
+                    _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
+                atomic_add(done, k + _P_NORM1, 1)
+            _wait_done(done, k + _P_NORM1, n_row)
+            while True:
+                i = fetch_add(claims[k + _P_QKV:], 1)
+                if i >= n_qkv:
+                    break
+                _product_item(x, qkv_w[layer], qkv, lin[0], i)
+                atomic_add(done, k + _P_QKV, 1)
+            _wait_done(done, k + _P_QKV, n_qkv)
+            while True:
+                i = fetch_add(claims[k + _P_ROPE:], 1)
+                if i >= n_row:
+                    break
+                _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q,
+                                     i * rows_per_item, min(T, (i + 1) * rows_per_item))
+                atomic_add(done, k + _P_ROPE, 1)
+            _wait_done(done, k + _P_ROPE, n_row)
+            while True:
+                i = fetch_add(claims[k + _P_ATTN:], 1)
+                if i >= n_attn:
+                    break
+                _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
+                          qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], pm, pl, pacc)
+                atomic_add(done, k + _P_ATTN, 1)
+            _wait_done(done, k + _P_ATTN, n_attn)
+            if fetch_add(claims[k + _P_MERGE:], 1) == 0:
+                attn[end:] = 0      # padding rows, as attention_into
+                if n_parts:
+                    _merge_partitions(items, H // Hkv, pm, pl, pacc, attn)
+                atomic_add(done, k + _P_MERGE, 1)
+            _wait_done(done, k + _P_MERGE, 1)
+            while True:
+                i = fetch_add(claims[k + _P_O:], 1)
+                if i >= n_o:
+                    break
+                _product_item(attn2, o_w[layer], hidden, lin[1], i)
+                atomic_add(done, k + _P_O, 1)
+            _wait_done(done, k + _P_O, n_o)
+            while True:
+                i = fetch_add(claims[k + _P_NORM2:], 1)
+                if i >= n_row:
+                    break
+                _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, i * rows_per_item,
+                                         min(T, (i + 1) * rows_per_item))
+                atomic_add(done, k + _P_NORM2, 1)
+            _wait_done(done, k + _P_NORM2, n_row)
+            while True:
+                i = fetch_add(claims[k + _P_GATE_UP:], 1)
+                if i >= n_gu:
+                    break
+                _product_item(x, gate_up_w[layer], gate_up, lin[2], i)
+                atomic_add(done, k + _P_GATE_UP, 1)
+            _wait_done(done, k + _P_GATE_UP, n_gu)
+            while True:
+                i = fetch_add(claims[k + _P_SILU:], 1)
+                if i >= n_row:
+                    break
+                _silu_and_mul_rows(gate_up, act, i * rows_per_item, min(T, (i + 1) * rows_per_item))
+                atomic_add(done, k + _P_SILU, 1)
+            _wait_done(done, k + _P_SILU, n_row)
+            while True:
+                i = fetch_add(claims[k + _P_DOWN:], 1)
+                if i >= n_down:
+                    break
+                _product_item(act, down_w[layer], hidden, lin[3], i)
+                atomic_add(done, k + _P_DOWN, 1)
 
 
 def _int64(a):
@@ -101,6 +277,14 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     key_cache = kv_caches[0][0]
     items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
                                       threads)
+    if ONE_REGION and threads > 1 and T > 0:
+        with region_guard():
+            _layers_region(residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
+                           *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches),
+                           tuple(v for _, v in kv_caches), _int64(positions), cos_sin_cache, _int64(md.slot_mapping),
+                           _int64(md.block_tables), seq_lens, query_start_loc, num_heads, num_kv_heads, float(eps),
+                           np.float32(scale * LOG2E), lin, cpu._ROWS_PER_ITEM, items, n_parts, threads)
+        return b["hidden"], residual
     with region_guard():   # the layers run without the GIL: see region_guard
         _layers(residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
                 *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches),
@@ -114,4 +298,5 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
 # Last: cpu.py imports this module for its kernel table, and this one takes the row kernels from
 # cpu.py (defined before that import; whichever of the two is imported first, both complete).
 from . import cpu  # noqa: E402
-from .cpu import fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into  # noqa: E402
+from .cpu import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,  # noqa: E402
+                  fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into)

@@ -60,7 +60,8 @@ from numba.extending import intrinsic
 from . import cpu_cache  # noqa: F401  (before any kernel is defined: one cache stamp for all of them)
 
 __all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "numba_threads", "region_guard", "blas_name",
-           "sgemm", "ptr", "prefetch", "fetch_add", "ROW_MAJOR", "NO_TRANS", "TRANS"]
+           "sgemm", "ptr", "prefetch", "fetch_add", "atomic_add", "atomic_load", "sched_yield", "ROW_MAJOR", "NO_TRANS",
+           "TRANS"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # CBLAS enum values
 
@@ -108,6 +109,44 @@ def fetch_add(typingctx, counter, value):
         a = context.make_array(sig.args[0])(context, builder, args[0])
         return builder.atomic_rmw("add", a.data, args[1], "monotonic")
     return types.int64(counter, types.int64), codegen
+
+
+@intrinsic
+def atomic_add(typingctx, arr, index, value):
+    """Atomically add ``value`` to ``arr[index]`` (flat, int64) and return the old value, with
+    acquire-release ordering: what this thread wrote before is visible to a thread that reads
+    the new value with ``atomic_load`` (a phase's "items done" count in ``cpu_forward``)."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", builder.gep(a.data, [args[1]]), args[2], "acq_rel")
+    return types.int64(arr, types.int64, types.int64), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, arr, index):
+    """``arr[index]`` (flat, int64) read atomically with acquire ordering (see ``atomic_add``)."""
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.load_atomic(builder.gep(a.data, [args[1]]), "acquire", 8)
+    return types.int64(arr, types.int64), codegen
+
+
+@cfunc(types.int32(), nopython=True, cache=True)
+def _no_yield():
+    return 0
+
+
+def _sched_yield_address() -> int:
+    try:
+        return ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
+    except (OSError, AttributeError):  # pragma: no cover - not POSIX: spin without yielding
+        return _no_yield.address
+
+
+_YIELD_SYMBOL = "folio_sched_yield"
+llvm_binding.add_symbol(_YIELD_SYMBOL, _sched_yield_address())
+sched_yield = types.ExternalFunction(_YIELD_SYMBOL, types.int32())
+"""POSIX ``sched_yield()`` callable from ``@njit`` code: give the core to another runnable thread."""
 
 
 @cfunc(_SGEMM_SIG, nopython=True, fastmath=True, cache=True)

@@ -186,19 +186,29 @@ def test_tiny_model_mixed_batch_equals_separate_runs(tiny):
     np.testing.assert_allclose(out[2], want_b[8], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads,driver", [(1, "per-call"), (1, "3 tasks on 1 thread"), (2, "one region"),
+                                            (2, "per-call")])
 @pytest.mark.parametrize("forced", [False, True], ids=["auto", "parallel"])
-def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, forced, monkeypatch):
-    # The CPU table runs all layers in one compiled call (kernels/cpu_forward.py); a table without
-    # it runs the per-kernel loop of LlamaForCausalLM.forward. Same kernels, same order, same
-    # work plan: the logits and the KV caches must be bit-identical, for prefill chunks (sgemm
-    # tiles) and decode steps (streaming products), with padding rows and a shuffled table.
+def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, monkeypatch):
+    # The CPU table runs all layers in one compiled call (kernels/cpu_forward.py): with several
+    # threads one parallel region per step whose tasks meet at each phase ("one region"), or a
+    # region per kernel call ("per-call"); a table without it runs the per-kernel loop of
+    # LlamaForCausalLM.forward. Same kernels, same order, same work plan: the logits and the KV
+    # caches must be bit-identical, for prefill chunks (sgemm tiles) and decode steps (streaming
+    # products), with padding rows and a shuffled table. "3 tasks on 1 thread": the region's
+    # tasks run one after another (a pool smaller than the plan, or a nested call); a task that
+    # waited for items nobody had taken would hang here.
     from types import SimpleNamespace
 
     from conftest import force_parallel_kernels
+    from folio.kernels import cpu, cpu_attention, cpu_forward, cpu_linear
     from folio.kernels.cpu_threads import numba_threads
     if forced:  # every kernel on its parallel driver, attention split into key ranges
         force_parallel_kernels(monkeypatch)
+    monkeypatch.setattr(cpu_forward, "ONE_REGION", driver != "per-call")
+    if driver == "3 tasks on 1 thread":  # both models plan for 3 threads; Numba's pool runs 1
+        for module in (cpu, cpu_attention, cpu_forward, cpu_linear):
+            monkeypatch.setattr(module, "num_threads", lambda: 3)
     config, w, fused = tiny
     assert fused.layer_stacks is not None
     table = SimpleNamespace(**{k: v for k, v in vars(get_kernels("cpu")).items() if k != "decoder_layers"})
