@@ -135,6 +135,42 @@ def _product_item(x, weight, out, plan, i):
                    min(N, (jn + 1) * plan[2]))
 
 
+@njit(cache=True)
+def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
+                gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
+                seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, sc,
+                acc, m, l, pm, pl, pacc):
+    # item i of one phase of one layer, on task w's scratch
+    T = residual.shape[0]
+    t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
+    if phase == _P_NORM1:
+        if layer == 0:
+            _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
+        else:
+            _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
+    elif phase == _P_QKV:
+        _product_item(x, qkv_w[layer], qkv, lin[0], i)
+    elif phase == _P_ROPE:
+        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
+    elif phase == _P_ATTN:
+        _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
+                  qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], pm, pl, pacc)
+    elif phase == _P_MERGE:
+        attn[query_start_loc[-1]:] = 0      # padding rows, as attention_into
+        if n_parts:
+            _merge_partitions(items, H // Hkv, pm, pl, pacc, attn)
+    elif phase == _P_O:
+        _product_item(attn2, o_w[layer], hidden, lin[1], i)
+    elif phase == _P_NORM2:
+        _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
+    elif phase == _P_GATE_UP:
+        _product_item(x, gate_up_w[layer], gate_up, lin[2], i)
+    elif phase == _P_SILU:
+        _silu_and_mul_rows(gate_up, act, t0, t1)
+    else:
+        _product_item(act, down_w[layer], hidden, lin[3], i)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w,
                    key_caches, value_caches, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
@@ -144,100 +180,35 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     # its items are done (never for an item nobody took: no deadlock if tasks run one by one)
     T = residual.shape[0]
     L = ln1.shape[0]
-    D = cos_sin_cache.shape[1]
     attn2 = attn.reshape(T, attn.shape[1] * attn.shape[2])
     n_row = (T + rows_per_item - 1) // rows_per_item
-    n_qkv = _product_items(T, qkv_w.shape[1], lin[0])
-    n_o = _product_items(T, o_w.shape[1], lin[1])
-    n_gu = _product_items(T, gate_up_w.shape[1], lin[2])
-    n_down = _product_items(T, down_w.shape[1], lin[3])
-    n_attn = items.shape[0]
+    n_items = np.empty(_PHASES, np.int64)   # items per phase, in _P_* order
+    n_items[:] = n_row
+    n_items[_P_QKV] = _product_items(T, qkv_w.shape[1], lin[0])
+    n_items[_P_ATTN] = items.shape[0]
+    n_items[_P_MERGE] = 1
+    n_items[_P_O] = _product_items(T, o_w.shape[1], lin[1])
+    n_items[_P_GATE_UP] = _product_items(T, gate_up_w.shape[1], lin[2])
+    n_items[_P_DOWN] = _product_items(T, down_w.shape[1], lin[3])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
-    qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, key_caches[0].shape[1], n_parts)
-    end = query_start_loc[-1]
+    qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
+                                                       key_caches[0].shape[1], n_parts)
     for w in prange(n_tasks):
         for layer in range(L):
-            key_cache = key_caches[layer]
-            value_cache = value_caches[layer]
-            k = layer * _PHASES
-            if layer > 0:
-                _wait_done(done, k - _PHASES + _P_DOWN, n_down)
-            while True:
-                i = fetch_add(claims[k + _P_NORM1:], 1)
-                if i >= n_row:
-                    break
-                t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
-                if layer == 0:
-                    _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
-                else:
-                    _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
-                atomic_add(done, k + _P_NORM1, 1)
-            _wait_done(done, k + _P_NORM1, n_row)
-            while True:
-                i = fetch_add(claims[k + _P_QKV:], 1)
-                if i >= n_qkv:
-                    break
-                _product_item(x, qkv_w[layer], qkv, lin[0], i)
-                atomic_add(done, k + _P_QKV, 1)
-            _wait_done(done, k + _P_QKV, n_qkv)
-            while True:
-                i = fetch_add(claims[k + _P_ROPE:], 1)
-                if i >= n_row:
-                    break
-                _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q,
-                                     i * rows_per_item, min(T, (i + 1) * rows_per_item))
-                atomic_add(done, k + _P_ROPE, 1)
-            _wait_done(done, k + _P_ROPE, n_row)
-            while True:
-                i = fetch_add(claims[k + _P_ATTN:], 1)
-                if i >= n_attn:
-                    break
-                _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
-                          qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], pm, pl, pacc)
-                atomic_add(done, k + _P_ATTN, 1)
-            _wait_done(done, k + _P_ATTN, n_attn)
-            if fetch_add(claims[k + _P_MERGE:], 1) == 0:
-                attn[end:] = 0      # padding rows, as attention_into
-                if n_parts:
-                    _merge_partitions(items, H // Hkv, pm, pl, pacc, attn)
-                atomic_add(done, k + _P_MERGE, 1)
-            _wait_done(done, k + _P_MERGE, 1)
-            while True:
-                i = fetch_add(claims[k + _P_O:], 1)
-                if i >= n_o:
-                    break
-                _product_item(attn2, o_w[layer], hidden, lin[1], i)
-                atomic_add(done, k + _P_O, 1)
-            _wait_done(done, k + _P_O, n_o)
-            while True:
-                i = fetch_add(claims[k + _P_NORM2:], 1)
-                if i >= n_row:
-                    break
-                _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, i * rows_per_item,
-                                         min(T, (i + 1) * rows_per_item))
-                atomic_add(done, k + _P_NORM2, 1)
-            _wait_done(done, k + _P_NORM2, n_row)
-            while True:
-                i = fetch_add(claims[k + _P_GATE_UP:], 1)
-                if i >= n_gu:
-                    break
-                _product_item(x, gate_up_w[layer], gate_up, lin[2], i)
-                atomic_add(done, k + _P_GATE_UP, 1)
-            _wait_done(done, k + _P_GATE_UP, n_gu)
-            while True:
-                i = fetch_add(claims[k + _P_SILU:], 1)
-                if i >= n_row:
-                    break
-                _silu_and_mul_rows(gate_up, act, i * rows_per_item, min(T, (i + 1) * rows_per_item))
-                atomic_add(done, k + _P_SILU, 1)
-            _wait_done(done, k + _P_SILU, n_row)
-            while True:
-                i = fetch_add(claims[k + _P_DOWN:], 1)
-                if i >= n_down:
-                    break
-                _product_item(act, down_w[layer], hidden, lin[3], i)
-                atomic_add(done, k + _P_DOWN, 1)
+            for phase in range(_PHASES):
+                k = layer * _PHASES + phase
+                while True:
+                    i = fetch_add(claims[k:], 1)
+                    if i >= n_items[phase]:
+                        break
+                    _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1,
+                                qkv_w, o_w, ln2, gate_up_w, down_w, key_caches[layer], value_caches[layer],
+                                positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H,
+                                Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, sc, acc, m, l, pm,
+                                pl, pacc)
+                    atomic_add(done, k, 1)
+                _wait_done(done, k, n_items[phase])
 
 
 def _int64(a):
