@@ -46,9 +46,7 @@ whole graph and meet at a barrier after each node) for the shape; the counters a
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-
-from numba import prange
+from numba import njit, prange
 
 from .cpu_attention import _merge_partitions, _run_item, _scratch, attention_into, plan
 from .cpu_linear import GEMV_BLOCK_ROWS, GEMV_MAX_ROWS, _gemm_tile, _gemv_rows, linear_into, linear_plan
