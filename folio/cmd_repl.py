@@ -15,7 +15,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("repl", help="interactive chat with streamed answers",
                               description=__doc__)
     p.add_argument("--address", default=None,
-                   help="server address (default tcp://127.0.0.1:5555 unless --model is given)")
+                   help="server address (None: tcp://127.0.0.1:5555 unless --model is given)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server message")
     p.add_argument("--params", nargs="*", default=[], metavar="K=V",
                    help="initial sampling parameters (on top of temperature=0.7 top_p=0.9 max_tokens=256)")
