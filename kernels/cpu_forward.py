@@ -31,8 +31,9 @@ one after another (a pool smaller than the plan, a nested call); the wait spins 
 gives the core away each turn (``sched_yield``), so a busy machine's other work and the
 engine's scheduling thread still run. Same items, same arithmetic: bit-identical to the
 per-call path and the per-kernel loop (tests/test_forward.py). Measured (perf/RESULTS.md,
-fourth pass): 64 requests, 2 threads, +2-4% output tokens/s on a quiet machine, +18% with a
-busy process on one core; single-sequence decode +3-7%.
+fourth pass): 64 requests, 2 threads, +1-8% output tokens/s on a quiet machine, +18% with a
+busy process on one core; single-sequence decode within noise (+2-5% in one sitting, -6% in
+another).
 
 This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
 one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward
