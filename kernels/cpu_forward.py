@@ -22,8 +22,8 @@ kernel call is ~120 regions per decode step, each waking the pool's sleeping thr
 passive wait, ``kernels/cpu_threads``). ``_layers_region`` instead opens one ``prange`` region
 whose tasks all walk the same phases of every layer (norm, QKV product, RoPE and cache append,
 attention items, their merge, o_proj, norm, gate/up product, SwiGLU, down product). A phase's
-work items (weight-row blocks or sgemm tiles exactly as ``linear_into`` cuts them, row blocks of
-``_ROWS_PER_ITEM``, attention items) are claimed from the phase's counter; each finished item
+work items (``cpu_linear.linear_items``: the weight-row blocks or sgemm tiles of ``linear_into``'s
+own region, row blocks of ``_ROWS_PER_ITEM``, attention items) are claimed from the phase's counter; each finished item
 is counted (``atomic_add``, acquire-release), and a task that finds no item left waits until
 the phase's count is complete before it starts the next phase (``atomic_load``, acquire). It
 never waits for an item nobody has claimed, so the region cannot deadlock when its tasks run
@@ -50,7 +50,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_attention import _merge_partitions, _run_item, _scratch, attention_into, plan
-from .cpu_linear import GEMV_BLOCK_ROWS, GEMV_MAX_ROWS, _gemm_tile, _gemv_rows, linear_into, linear_plan
+from .cpu_linear import linear_into, linear_item, linear_items, linear_plan
 from .cpu_math import LOG2E
 from .cpu_threads import atomic_add, atomic_load, fetch_add, num_threads, region_guard, sched_yield
 
@@ -104,37 +104,6 @@ def _wait_done(done, k, n):
 
 
 @njit(cache=True)
-def _product_items(T, N, plan):
-    # work items of one product as linear_into would split it: (tasks, tile_m, tile_n) = plan
-    if T == 0:
-        return 0
-    if plan[0] == 1:
-        return 1
-    if T <= GEMV_MAX_ROWS:
-        return (N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS
-    return ((T + plan[1] - 1) // plan[1]) * ((N + plan[2] - 1) // plan[2])
-
-
-@njit(cache=True)
-def _product_item(x, weight, out, plan, i):
-    # item i of _product_items: the same rows or tile as linear_into's serial call or its region
-    T, N = x.shape[0], weight.shape[0]
-    if plan[0] == 1:
-        if T <= GEMV_MAX_ROWS:
-            _gemv_rows(x, weight, out, 0, N)
-        else:
-            _gemm_tile(x, weight, out, 0, T, 0, N)
-    elif T <= GEMV_MAX_ROWS:
-        _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(N, (i + 1) * GEMV_BLOCK_ROWS))
-    else:
-        n_m = (T + plan[1] - 1) // plan[1]
-        jn = i // n_m   # column-tile major, as _gemm_parallel
-        im = i - jn * n_m
-        _gemm_tile(x, weight, out, im * plan[1], min(T, (im + 1) * plan[1]), jn * plan[2],
-                   min(N, (jn + 1) * plan[2]))
-
-
-@njit(cache=True)
 def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
                 gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
                 seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, sc,
@@ -148,7 +117,7 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
         else:
             _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
     elif phase == _P_QKV:
-        _product_item(x, qkv_w[layer], qkv, lin[0], i)
+        linear_item(x, qkv_w[layer], qkv, lin[0, 0], lin[0, 1], lin[0, 2], i)
     elif phase == _P_ROPE:
         _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
     elif phase == _P_ATTN:
@@ -159,15 +128,15 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
         if n_parts:
             _merge_partitions(items, H // Hkv, pm, pl, pacc, attn)
     elif phase == _P_O:
-        _product_item(attn2, o_w[layer], hidden, lin[1], i)
+        linear_item(attn2, o_w[layer], hidden, lin[1, 0], lin[1, 1], lin[1, 2], i)
     elif phase == _P_NORM2:
         _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
     elif phase == _P_GATE_UP:
-        _product_item(x, gate_up_w[layer], gate_up, lin[2], i)
+        linear_item(x, gate_up_w[layer], gate_up, lin[2, 0], lin[2, 1], lin[2, 2], i)
     elif phase == _P_SILU:
         _silu_and_mul_rows(gate_up, act, t0, t1)
     else:
-        _product_item(act, down_w[layer], hidden, lin[3], i)
+        linear_item(act, down_w[layer], hidden, lin[3, 0], lin[3, 1], lin[3, 2], i)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -183,12 +152,12 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     n_row = (T + rows_per_item - 1) // rows_per_item
     n_items = np.empty(_PHASES, np.int64)   # items per phase, in _P_* order
     n_items[:] = n_row
-    n_items[_P_QKV] = _product_items(T, qkv_w.shape[1], lin[0])
+    n_items[_P_QKV] = linear_items(T, qkv_w.shape[1], lin[0, 0], lin[0, 1], lin[0, 2])
     n_items[_P_ATTN] = items.shape[0]
     n_items[_P_MERGE] = 1
-    n_items[_P_O] = _product_items(T, o_w.shape[1], lin[1])
-    n_items[_P_GATE_UP] = _product_items(T, gate_up_w.shape[1], lin[2])
-    n_items[_P_DOWN] = _product_items(T, down_w.shape[1], lin[3])
+    n_items[_P_O] = linear_items(T, o_w.shape[1], lin[1, 0], lin[1, 1], lin[1, 2])
+    n_items[_P_GATE_UP] = linear_items(T, gate_up_w.shape[1], lin[2, 0], lin[2, 1], lin[2, 2])
+    n_items[_P_DOWN] = linear_items(T, down_w.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
     qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
@@ -247,21 +216,16 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     key_cache = kv_caches[0][0]
     items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
                                       threads)
-    if ONE_REGION and threads > 1 and T > 0:
-        with region_guard():
-            _layers_region(residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
-                           *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches),
-                           tuple(v for _, v in kv_caches), _int64(positions), cos_sin_cache, _int64(md.slot_mapping),
-                           _int64(md.block_tables), seq_lens, query_start_loc, num_heads, num_kv_heads, float(eps),
-                           np.float32(scale * LOG2E), lin, cpu._ROWS_PER_ITEM, items, n_parts, threads)
-        return b["hidden"], residual
+    step = (residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
+            *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches), tuple(v for _, v in kv_caches),
+            _int64(positions), cos_sin_cache, _int64(md.slot_mapping), _int64(md.block_tables), seq_lens,
+            query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
     with region_guard():   # the layers run without the GIL: see region_guard
-        _layers(residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
-                *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches),
-                tuple(v for _, v in kv_caches), _int64(positions), cos_sin_cache, _int64(md.slot_mapping),
-                _int64(md.block_tables), seq_lens, query_start_loc, num_heads, num_kv_heads, float(eps),
-                np.float32(scale * LOG2E), lin, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
-                row_tasks(b["gate_up"].size, T, threads), cpu._ROWS_PER_ITEM, items, n_parts, attn_tasks)
+        if ONE_REGION and threads > 1 and T > 0:
+            _layers_region(*step, cpu._ROWS_PER_ITEM, items, n_parts, threads)
+        else:
+            _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
+                    row_tasks(b["gate_up"].size, T, threads), cpu._ROWS_PER_ITEM, items, n_parts, attn_tasks)
     return b["hidden"], residual
 
 

@@ -27,7 +27,7 @@ from numba import njit, prange
 
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
-__all__ = ["linear", "linear_into", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"]
+__all__ = ["linear", "linear_into", "linear_items", "linear_item", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"]
 
 _F32 = np.float32
 # up to this many tokens the streaming kernel, else sgemm tiles. Measured on the 2-vCPU EPYC with
@@ -116,18 +116,6 @@ def _gemv_rows(x, weight, out, r0, r1):
             _dot1(x, t, weight, r1 - 1, out)
 
 
-@njit(parallel=True, cache=True)
-def _gemv_parallel(x, weight, out, n_tasks, counter):
-    R = weight.shape[0]
-    n_items = (R + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS
-    for _task in prange(n_tasks):
-        while True:
-            i = fetch_add(counter, 1)
-            if i >= n_items:
-                break
-            _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(R, (i + 1) * GEMV_BLOCK_ROWS))
-
-
 @njit(cache=True)
 def _gemm_tile(x, weight, out, m0, m1, n0, n1):
     K, N = x.shape[1], weight.shape[0]
@@ -135,20 +123,47 @@ def _gemm_tile(x, weight, out, m0, m1, n0, n1):
           _F32(0.0), ptr(out, m0 * N + n0), N)
 
 
-@njit(parallel=True, cache=True)
-def _gemm_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
+@njit(cache=True)
+def linear_items(T, N, tasks, tile_m, tile_n):
+    """Work items of ``out [T, N] = x @ weight.T`` as planned by ``linear_plan``: 1 on the calling
+    thread (``tasks == 1``), else blocks of ``GEMV_BLOCK_ROWS`` weight rows (up to
+    ``GEMV_MAX_ROWS`` tokens) or ``tile_m x tile_n`` sgemm tiles; 0 when ``T == 0``."""
+    if T == 0:
+        return 0
+    if tasks == 1:
+        return 1
+    if T <= GEMV_MAX_ROWS:
+        return (N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS
+    return ((T + tile_m - 1) // tile_m) * ((N + tile_n - 1) // tile_n)
+
+
+@njit(cache=True)
+def linear_item(x, weight, out, tasks, tile_m, tile_n, i):
+    """Item ``i`` of ``linear_items``, on the calling thread (any task of any region may run it)."""
     T, N = x.shape[0], weight.shape[0]
-    n_m = (T + tile_m - 1) // tile_m
-    n_items = n_m * ((N + tile_n - 1) // tile_n)
+    if tasks == 1:
+        if T <= GEMV_MAX_ROWS:
+            _gemv_rows(x, weight, out, 0, N)
+        else:
+            _gemm_tile(x, weight, out, 0, T, 0, N)
+    elif T <= GEMV_MAX_ROWS:
+        _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(N, (i + 1) * GEMV_BLOCK_ROWS))
+    else:
+        n_m = (T + tile_m - 1) // tile_m
+        jn = i // n_m   # column-tile major: consecutive items share one weight tile
+        im = i - jn * n_m
+        _gemm_tile(x, weight, out, im * tile_m, min(T, (im + 1) * tile_m), jn * tile_n, min(N, (jn + 1) * tile_n))
+
+
+@njit(parallel=True, cache=True)
+def _linear_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
+    n_items = linear_items(x.shape[0], weight.shape[0], n_tasks, tile_m, tile_n)
     for _task in prange(n_tasks):
         while True:
             i = fetch_add(counter, 1)
             if i >= n_items:
                 break
-            jn = i // n_m   # column-tile major: consecutive items share one weight tile
-            im = i - jn * n_m
-            _gemm_tile(x, weight, out, im * tile_m, min(T, (im + 1) * tile_m), jn * tile_n,
-                       min(N, (jn + 1) * tile_n))
+            linear_item(x, weight, out, n_tasks, tile_m, tile_n, i)
 
 
 @njit(cache=True, nogil=True)
@@ -158,18 +173,12 @@ def linear_into(x, weight, out, tasks, tile_m, tile_n):
     ``weight [out, in]``, ``out [T, out]``; ``tasks`` 1 (the calling thread) or the threads of
     the region; ``(tile_m, tile_n)`` the sgemm tiles of a parallel product of more than
     ``GEMV_MAX_ROWS`` rows."""
-    T, N = x.shape[0], weight.shape[0]
-    if T == 0:
+    if x.shape[0] == 0:
         return
-    if T <= GEMV_MAX_ROWS:
-        if tasks > 1:
-            _gemv_parallel(x, weight, out, tasks, np.zeros(1, np.int64))
-        else:
-            _gemv_rows(x, weight, out, 0, N)
-    elif tasks > 1:
-        _gemm_parallel(x, weight, out, tile_m, tile_n, tasks, np.zeros(1, np.int64))
+    if tasks > 1:
+        _linear_parallel(x, weight, out, tile_m, tile_n, tasks, np.zeros(1, np.int64))
     else:
-        _gemm_tile(x, weight, out, 0, T, 0, N)
+        linear_item(x, weight, out, 1, 0, 0, 0)
 
 
 def linear_plan(T: int, weight_shape: tuple, threads: int) -> tuple[int, int, int]:
