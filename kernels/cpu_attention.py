@@ -20,10 +20,13 @@ Two ways to compute an item, chosen by its number of rows:
   softmax between them is a vectorised loop per row.
 * **Decodes** (fewer rows: one token, or a few, times the ``group``): one KV block at a time,
   the scores of every row against the block's keys (Numba loops over the cache rows in place,
-  vectorised over ``head_dim``), the online-softmax update, then the block's values; the next
-  block's cache lines are requested while one block is used (the blocks of a sequence lie
-  anywhere in the cache, so the hardware prefetcher cannot guess them). A decode item is bound
-  by reading its K/V. When there are fewer decoding sequences than two per thread (a single
+  vectorised over ``head_dim``, each row's largest score kept on the way), the online-softmax
+  update, then the block's values. The block's values are requested while its scores are
+  computed, and the next block's keys while its values are used (the blocks of a sequence lie
+  anywhere in the cache, so the hardware prefetcher cannot guess them; requesting a whole
+  block ahead overflowed the 32 KiB L1 and evicted the values before their use). A decode
+  item is meant to be bound by reading its K/V; on the 2-vCPU EPYC it is still about half
+  compute (perf/RESULTS.md). When there are fewer decoding sequences than two per thread (a single
   long conversation) and at least ``SPLIT_MIN_THREADS`` threads, each is cut into key ranges of
   whole blocks, at least ``SPLIT_MIN_KEYS`` keys each (FlashDecoding): each range keeps its own
   running max, sum and unnormalised rows, merged after the region. A range still covers every KV
@@ -79,21 +82,28 @@ def _softmax_row(sc, r, j0, nv, n, m, l, acc):
     mx = m[r]
     for j in range(j0, nv):
         mx = max(mx, sc[r, j])
+    for j in range(nv, n):
+        sc[r, j] = 0.0
+    _softmax_update(sc, r, j0, nv, mx, m, l, acc)
+
+
+@njit(inline="always", fastmath=True)
+def _softmax_update(sc, r, j0, nv, mx, m, l, acc):
+    # row r's running max m grows to mx (at least the max of its scores sc[r, j0:nv]): its sum l
+    # and unnormalised row acc are rescaled by 2^(m_old - mx), then the weights 2^(s - mx)
+    # replace the scores in place and are added to l
+    if mx > m[r]:
+        corr = _F32(2.0 ** (m[r] - mx))
+        l[r] *= corr
+        for d in range(acc.shape[1]):
+            acc[r, d] *= corr
+        m[r] = mx
     total = _F32(0.0)
     for j in range(j0, nv):
         v = exp2(sc[r, j] - mx)
         sc[r, j] = v
         total += v
-    for j in range(nv, n):
-        sc[r, j] = 0.0
-    if mx > m[r]:
-        corr = _F32(2.0 ** (m[r] - mx))
-        l[r] = l[r] * corr + total
-        for d in range(acc.shape[1]):
-            acc[r, d] *= corr
-        m[r] = mx
-    else:
-        l[r] += total
+    l[r] += total
 
 
 @njit(cache=True, fastmath=True)
@@ -141,11 +151,14 @@ def _write_rows(h0, h1, t0, t1, group, acc, l, out):
 
 @njit(cache=True, fastmath=True, error_model="numpy")
 def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                 s, h0, h1, t0, t1, k0, k1, part, qs, sc, acc, m, l, pm, pl, pacc):
+                 s, h0, h1, t0, t1, k0, k1, part, qs, sc, acc, m, l, bm, pm, pl, pacc):
     # Tokens t0..t1 (fewer than TILE_MIN_ROWS rows per KV head: a decode) of sequence s, KV heads
     # h0..h1, keys k0..k1 of the context. Rows r = (h - h0) * Rh + (t - t0) * group + g. One KV
-    # block at a time: scores of every row against the block's keys, the online-softmax update,
-    # then the block's values; the next block's cache lines are requested while this one is used.
+    # block at a time: scores of every row against the block's keys (bm: each row's largest),
+    # the online-softmax update, then the block's values. The block's values are requested while
+    # its scores are computed and the next block's keys while its values are used: at most two
+    # half blocks in flight besides the one in use (requesting the whole next block during the
+    # scores evicted this block's values from L1 before they were used, and was 1.2-1.4x slower).
     # part < 0: the normalised rows go to out; else (a key partition, FlashDecoding) the running
     # max, sum and unnormalised rows go to pm / pl / pacc[part] for _merge_partitions.
     H, D = q.shape[1], q.shape[2]
@@ -161,28 +174,36 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         b = block_tables[s, bi]
         o0 = max(0, k0 - bi * bs)
         n = min(bs, k1 - bi * bs)
-        nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
         for o in range(o0, n):
-            # one cache line of the next block's keys and values per 16 floats of this key row
-            base = (nxt * bs + o) * row + h0 * D
+            base = (b * bs + o) * row + h0 * D  # one cache line of this key's values per 16 floats
             for x in range(0, (h1 - h0) * D, 16):
-                prefetch(key_cache, base + x)
                 prefetch(value_cache, base + x)
-            for r in range(R):
-                h = h0 + r // Rh
-                a = _F32(0.0)
-                for d in range(D):
-                    a += qs[r, d] * key_cache[b, o, h, d]
-                sc[r, o] = a
+            for hh in range(h1 - h0):
+                for rr in range(Rh):
+                    r = hh * Rh + rr
+                    a = _F32(0.0)
+                    for d in range(D):
+                        a += qs[r, d] * key_cache[b, o, h0 + hh, d]
+                    sc[r, o] = a
+                    bm[r] = max(bm[r], a) if o > o0 else a
         for r in range(R):
             # keys of this block that row r sees (causal): o0 .. nv
-            _softmax_row(sc, r, o0, min(n, first_pos + (r % Rh) // group + 1 - bi * bs), n, m, l, acc)
+            nv = min(n, first_pos + (r % Rh) // group + 1 - bi * bs)
+            if nv < n:
+                _softmax_row(sc, r, o0, nv, n, m, l, acc)
+            else:
+                _softmax_update(sc, r, o0, n, max(m[r], bm[r]), m, l, acc)
+        nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
         for o in range(o0, n):
-            for r in range(R):
-                h = h0 + r // Rh
-                p = sc[r, o]
-                for d in range(D):
-                    acc[r, d] += p * value_cache[b, o, h, d]
+            base = (nxt * bs + o) * row + h0 * D  # the next block's keys
+            for x in range(0, (h1 - h0) * D, 16):
+                prefetch(key_cache, base + x)
+            for hh in range(h1 - h0):
+                for rr in range(Rh):
+                    r = hh * Rh + rr
+                    p = sc[r, o]
+                    for d in range(D):
+                        acc[r, d] += p * value_cache[b, o, h0 + hh, d]
     if part < 0:
         _write_rows(h0, h1, t0, t1, group, acc, l, out)
         return
@@ -336,7 +357,7 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
 
 @njit(cache=True)
 def _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
-              qs, kb, vb, sc, acc, m, l, pm, pl, pacc):
+              qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc):
     group = q.shape[1] // key_cache.shape[2]
     if (items[i, 4] - items[i, 3]) * group >= TILE_MIN_ROWS:
         _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
@@ -344,7 +365,7 @@ def _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc
     else:
         _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
                      items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], items[i, 5], items[i, 6],
-                     items[i, 7], qs, sc, acc, m, l, pm, pl, pacc)
+                     items[i, 7], qs, sc, acc, m, l, bm, pm, pl, pacc)
 
 
 @njit(cache=True)
@@ -384,7 +405,8 @@ def _scratch(tasks, num_heads, num_kv_heads, head_dim, bs, n_parts):
     D = head_dim
     return (np.empty((tasks, rows, D), _F32), np.empty((tasks, chunk, D), _F32), np.empty((tasks, chunk, D), _F32),
             np.empty((tasks, rows, chunk), _F32), np.empty((tasks, rows, D), _F32), np.empty((tasks, rows), _F32),
-            np.empty((tasks, rows), _F32), np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads), _F32),
+            np.empty((tasks, rows), _F32), np.empty((tasks, rows), _F32),
+            np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads), _F32),
             np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads), _F32),
             np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads, D), _F32))
 
@@ -394,10 +416,10 @@ def _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_s
                       n_parts):
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
-    qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(1, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc = _scratch(1, H, Hkv, D, bs, n_parts)
     for i in range(items.shape[0]):
         _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
-                  qs[0], kb[0], vb[0], sc[0], acc[0], m[0], l[0], pm, pl, pacc)
+                  qs[0], kb[0], vb[0], sc[0], acc[0], m[0], l[0], bm[0], pm, pl, pacc)
     if n_parts:
         _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
 
@@ -407,7 +429,7 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
                         n_parts, n_tasks):
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
-    qs, kb, vb, sc, acc, m, l, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
     counter = np.zeros(1, np.int64)
     for w in prange(n_tasks):
         while True:
@@ -415,7 +437,7 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
             if i >= items.shape[0]:
                 break
             _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
-                      qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], pm, pl, pacc)
+                      qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
     if n_parts:
         _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
 
