@@ -60,6 +60,8 @@ def test_every_flag_has_help_and_shows_its_default():
         # the help line of this flag, up to the next flag
         start = text.index(action.option_strings[-1] + (" " if action.nargs != 0 else ""), text.index("options:"))
         assert "(default:" in text[start:start + 600], f"{where} {action.option_strings[0]} shows no default"
+        shown = parser._get_formatter()._expand_help(action)   # the help text with the added default
+        assert shown.count("(default") == 1, f"{where} {action.option_strings[0]} names its default twice: {shown!r}"
     assert seen > 40
 
 

@@ -17,7 +17,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     from .common import all_cores
     p.add_argument("--threads", type=positive, default=all_cores(),
                    help="threads for folio (Numba), torch and llama.cpp alike (default: every core this process "
-                        "may use); the command restarts itself once to apply it")
+                        "may use: %(default)s here); the command restarts itself once to apply it")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

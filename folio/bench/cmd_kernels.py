@@ -17,7 +17,7 @@ def add_parser(bench_subparsers) -> None:
                     "shapes), paged attention for decode and prefill at contexts 128/512/2048, and "
                     "single-sequence decode of the model against its DRAM bound. See folio/bench/kernel_rates.py.")
     p.add_argument("--threads", type=positive, nargs="+", default=sorted({1, all_cores()}),
-                   help="thread counts to measure, each in turn (default: 1 and every core this process may use)")
+                   help="thread counts to measure, each in turn (default: 1 and every core this process may use)%(default).0s")
     p.add_argument("--repeat", type=positive, default=5, help="timed calls per figure (best and median printed)")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="model for the single-sequence decode figure ('' to skip)")

@@ -23,8 +23,8 @@ def add_parser(bench_subparsers) -> None:
         description="Measures the claims of PagedAttention, Orca, prefix caching and chunked prefill on folio "
                     "(sections 1-7 of issue 6) and writes OUT/REPORT.md, OUT/report.json and OUT/fig*.png.")
     add_common(p)
-    p.add_argument("--out", default="perf", help="output folder (default perf/)")
-    p.add_argument("--sections", type=_sections, default=list(range(1, 8)), help="e.g. 1,3,7 (default all)")
+    p.add_argument("--out", default="perf", help="output folder")
+    p.add_argument("--sections", type=_sections, default=list(range(1, 8)), help="e.g. 1,3,7 (default: all)%(default).0s")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (seconds; what the tests run)")
     p.add_argument("--no-peers", action="store_true", help="section 3 without transformers / llama.cpp")
     p.add_argument("--update", action="store_true",

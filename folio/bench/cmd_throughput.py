@@ -25,7 +25,7 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--max-num-seqs", type=positive, default=256, help="folio: most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=positive, default=2048, help="folio: token budget of one step")
     p.add_argument("--num-blocks", type=positive, default=None,
-                   help="KV blocks (default: enough for every request at once)")
+                   help="KV blocks (default: enough for every request at once)%(default).0s")
     p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama-cpp", "llama-cpp-server"],
                    help="also run the workload through this peer in the same run (repeatable): transformers "
                         "(static batches), llama-cpp (llama-cpp-python, one request at a time), llama-cpp-server "
