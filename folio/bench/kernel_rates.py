@@ -24,9 +24,15 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
 * **paged attention**, the default model's geometry (9 query heads, 3 KV heads, head_dim 64,
   blocks of 16, shuffled block tables): *decode* = 16 sequences of one new token each after
   ``ctx`` cached tokens, caches of enough layers to exceed four times the last-level cache,
-  reported as GB/s of K/V read and as GFLOP/s; *prefill* = one sequence's whole ``ctx``-token
+  reported as GB/s of K/V read and as GFLOP/s, beside the *gather read* of the same caches: a
+  Numba loop that only sums every K and V block of the same block tables in the same order on
+  the same threads (what this access pattern alone gets from memory: blocks of 12 KiB
+  scattered over the cache, not one stream); *prefill* = one sequence's whole ``ctx``-token
   prompt, GFLOP/s of the causal QK^T and PV (4 head_dim flops per (query row, key) pair)
-  against sgemm on ``[ctx, 576] x [576, 3072]``.
+  against sgemm on ``[ctx, 576] x [576, 3072]`` and against *sgemm at the tile's shapes*: each
+  thread's own single-threaded BLAS calls ``[126, 64] x [64, 128]`` and ``[126, 128] x [128,
+  64]`` (a tile's two products per chunk of keys; K = 64 and 128 are short inner dimensions for
+  a packed GEMM), the rate the tile path's building block reaches here.
 
 Every figure is the best of ``repeat`` timed calls after a warm-up (the machine's capability;
 on a shared machine the median is printed too), with the load average beside it.
@@ -39,6 +45,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from numba import njit, prange
+
+from ..kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, ptr, sgemm
 
 _MODEL = dict(hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
 
@@ -214,6 +223,56 @@ def _attention_case(rng, seqs, block_size=16, layers=1):
         np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
 
 
+@njit(parallel=True, cache=True, fastmath=True)
+def _gather_read(key_cache, value_cache, block_tables, seq_lens, n_tasks):
+    # sum of every K and V float of each sequence's blocks, block by block (keys, then values),
+    # sequences taken in turn by n_tasks tasks: the reads of the decode attention, no arithmetic
+    nb, row = key_cache.shape[0], key_cache.shape[1] * key_cache.shape[2] * key_cache.shape[3]
+    kc, vc = key_cache.reshape(nb, row), value_cache.reshape(nb, row)
+    bs = key_cache.shape[1]
+    sums = np.zeros(n_tasks, np.float32)
+    S = seq_lens.shape[0]
+    for w in prange(n_tasks):
+        a = np.float32(0.0)
+        for s in range(w, S, n_tasks):
+            for bi in range((seq_lens[s] + bs - 1) // bs):
+                b = block_tables[s, bi]
+                for x in range(row):
+                    a += kc[b, x]
+                for x in range(row):
+                    a += vc[b, x]
+        sums[w] = a
+    return sums.sum()
+
+
+@njit(cache=True, nogil=True)
+def _tile_products(q, k, v, sc, acc, calls):
+    # a prefill tile's two sgemm calls per chunk of keys, as cpu_attention._attend_item makes
+    # them: S = Q K^T, then acc += P V (P: the scores buffer), ``calls`` times
+    R, D = q.shape
+    nk = k.shape[0]
+    for _ in range(calls):
+        sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, np.float32(1.0), ptr(q, 0), D, ptr(k, 0), D,
+              np.float32(0.0), ptr(sc, 0), nk)
+        sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, R, D, nk, np.float32(1.0), ptr(sc, 0), nk, ptr(v, 0), D,
+              np.float32(1.0), ptr(acc, 0), D)
+
+
+def sgemm_tile_gflops(threads: int, rows: int = 126, keys: int = 128, head_dim: int = 64, calls: int = 200,
+                      repeat: int = 5) -> float:
+    """GFLOP/s of ``threads`` Python threads each making ``calls`` pairs of the single-threaded
+    BLAS calls that a prefill tile makes per chunk of keys (``[rows, head_dim] x [head_dim,
+    keys]``, then ``[rows, keys] x [keys, head_dim]`` accumulated), on their own buffers."""
+    rng = np.random.default_rng(0)
+    bufs = [(rng.standard_normal((rows, head_dim), dtype=np.float32),
+             rng.standard_normal((keys, head_dim), dtype=np.float32),
+             rng.standard_normal((keys, head_dim), dtype=np.float32),
+             np.empty((rows, keys), np.float32), np.zeros((rows, head_dim), np.float32)) for _ in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        best, _ = _timeit(lambda: list(pool.map(lambda b: _tile_products(*b, calls), bufs)), repeat)
+    return threads * calls * 4 * rows * keys * head_dim / best / 1e9
+
+
 def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, repeat: int = 5) -> list[dict]:
     """Decode and prefill attention rates at each context (see the module docstring)."""
     from ..kernels.cpu import paged_attention
@@ -233,10 +292,12 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
             for kc, vc in caches:
                 paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5)
         best, med = _timeit(run_decode, repeat)
+        bt64, sl64 = bt.astype(np.int64), sl.astype(np.int64)
+        gather, _ = _timeit(lambda: [_gather_read(kc, vc, bt64, sl64, threads) for kc, vc in caches], repeat)
         flops = layers * decode_seqs * H * ctx * 4 * D
         out.append({"kind": "decode", "ctx": ctx, "seqs": decode_seqs, "layers": layers,
                     "gflops": flops / best / 1e9, "gbs": layers * kv_layer / best / 1e9,
-                    "gbs_median": layers * kv_layer / med / 1e9})
+                    "gbs_median": layers * kv_layer / med / 1e9, "gather_gbs": layers * kv_layer / gather / 1e9})
         # prefill: one whole prompt
         q, caches, bt, sl, qsl = _attention_case(rng, [(ctx, ctx)])
         kc, vc = caches[0]
@@ -244,7 +305,8 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
         flops = H * 4 * D * ctx * (ctx + 1) // 2
         ref = sgemm_gflops(ctx, m["hidden"], 2 * m["inter"], threads, repeat)
         out.append({"kind": "prefill", "ctx": ctx, "seqs": 1, "gflops": flops / best / 1e9,
-                    "gflops_median": flops / med / 1e9, "sgemm_gflops": ref})
+                    "gflops_median": flops / med / 1e9, "sgemm_gflops": ref,
+                    "sgemm_tile_gflops": sgemm_tile_gflops(threads, repeat=repeat)})
     return out
 
 
@@ -329,13 +391,17 @@ def format_kernel_rates(out: dict) -> str:
                  "prompt")
         for d in r["attention"]:
             if d["kind"] == "decode":
+                g = d.get("gather_gbs")
                 L.append(f"  decode  ctx {d['ctx']:<5d} {d['gflops']:6.1f} GFLOP/s  K/V read {d['gbs']:5.1f} / "
-                         f"{d['gbs_median']:5.1f} GB/s = {100 * d['gbs'] / bw:4.0f}% of copy{rd(d['gbs'])} "
-                         f"({d['layers']} layers)")
+                         f"{d['gbs_median']:5.1f} GB/s = {100 * d['gbs'] / bw:4.0f}% of copy{rd(d['gbs'])}"
+                         + (f", gather read {g:5.1f} GB/s ({100 * d['gbs'] / g:3.0f}% of it)" if g else "")
+                         + f" ({d['layers']} layers)")
             else:
+                t = d.get("sgemm_tile_gflops")
                 L.append(f"  prefill ctx {d['ctx']:<5d} {d['gflops']:6.1f} / {d['gflops_median']:5.1f} GFLOP/s  "
                          f"sgemm [{d['ctx']}x576]x[576x3072] {d['sgemm_gflops']:6.1f}  "
-                         f"{100 * d['gflops'] / d['sgemm_gflops']:4.0f}%")
+                         f"{100 * d['gflops'] / d['sgemm_gflops']:4.0f}%"
+                         + (f"; sgemm at the tile's shapes {t:6.1f}  {100 * d['gflops'] / t:4.0f}%" if t else ""))
         if "model_decode" in r:
             md = r["model_decode"]
             L.append(f"single-sequence decode of {md['model']} (context {md['prompt_len']}..+{md['tokens']}): "
