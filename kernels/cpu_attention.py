@@ -76,14 +76,13 @@ def _softmax_row(sc, r, j0, nv, n, m, l, acc):
     # causal limit): weights 2^(s - max) in place (0 for masked keys), the running max m and sum
     # l updated, acc rescaled by 2^(m_old - m_new) when the max grows
     if nv <= j0:
-        for j in range(j0, n):
-            sc[r, j] = 0.0
+        sc[r, j0:n] = 0.0
         return
+    w = sc[r, j0:nv]       # a view from index 0: vectorised (see _softmax_update)
     mx = m[r]
-    for j in range(j0, nv):
-        mx = max(mx, sc[r, j])
-    for j in range(nv, n):
-        sc[r, j] = 0.0
+    for j in range(w.shape[0]):
+        mx = max(mx, w[j])
+    sc[r, nv:n] = 0.0
     _softmax_update(sc, r, j0, nv, mx, m, l, acc)
 
 
@@ -98,10 +97,15 @@ def _softmax_update(sc, r, j0, nv, mx, m, l, acc):
         for d in range(acc.shape[1]):
             acc[r, d] *= corr
         m[r] = mx
+    # over a view that starts at index 0: with a loop index that may be negative (j0 is not
+    # known to be >= 0) Numba's negative-index wraparound makes every store a select of two
+    # addresses, and LLVM then left the exponentials scalar (9 per key, a third of a decode
+    # item's time)
+    w = sc[r, j0:nv]
     total = _F32(0.0)
-    for j in range(j0, nv):
-        v = exp2(sc[r, j] - mx)
-        sc[r, j] = v
+    for j in range(w.shape[0]):
+        v = exp2(w[j] - mx)
+        w[j] = v
         total += v
     l[r] += total
 
