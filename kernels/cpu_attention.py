@@ -26,10 +26,11 @@ Two ways to compute an item, chosen by its number of rows:
   anywhere in the cache, so the hardware prefetcher cannot guess them; requesting a whole
   block ahead overflowed the 32 KiB L1 and evicted the values before their use). A decode
   item is meant to be bound by reading its K/V; on the 2-vCPU EPYC it reads them at 60-70% of
-  what a loop that only reads the same scattered blocks gets (perf/RESULTS.md, fifth pass). When there are fewer decoding sequences than two per thread (a single
-  long conversation) and at least ``SPLIT_MIN_THREADS`` threads, each is cut into key ranges of
-  whole blocks, at least ``SPLIT_MIN_KEYS`` keys each (FlashDecoding): each range keeps its own
-  running max, sum and unnormalised rows, merged after the region. A range still covers every KV
+  what a loop that only reads the same scattered blocks gets (perf/RESULTS.md, fifth pass).
+  When there are fewer decoding sequences than two per thread (a single long conversation) and
+  at least ``SPLIT_MIN_THREADS`` threads, each is cut into key ranges of whole blocks, at least
+  ``SPLIT_MIN_KEYS`` keys each (FlashDecoding): each range keeps its own running max, sum and
+  unnormalised rows, merged after the region. A range still covers every KV
   head, so each thread reads whole key rows of its own blocks in memory order (a cut by KV head
   read every third 256-byte slice of the rows, and two threads were slower than one).
 
