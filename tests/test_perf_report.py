@@ -104,6 +104,7 @@ def test_section3_runs_at_every_thread_count_and_kernel_rates(report):
     assert [r["threads"] for r in k["runs"]] == sorted({1, all_cores()})
     for r in k["runs"]:
         assert r["copy_gbs"] > 0 and r["read_gbs"] > 0 and all(d["gflops"] > 0 for d in r["batched_products"] + r["attention"])
+        assert all(d["gather_gbs"] > 0 if d["kind"] == "decode" else d["sgemm_tile_gflops"] > 0 for d in r["attention"])
     md = (report[0] / "REPORT.md").read_text()
     assert "CPU kernel rates against this machine's limits" in md
 
@@ -224,3 +225,21 @@ def test_rerender_from_json_gives_the_same_report(report):
     (out / "REPORT.md").unlink()
     rerender(out)
     assert (out / "REPORT.md").read_text() == before
+
+
+def test_gather_read_sums_exactly_the_blocks_of_the_tables():
+    # the decode-attention limit of `folio bench kernels` must read every block of every
+    # sequence's table once (and no other): its sum equals NumPy's over those blocks (integers
+    # small enough that float32 sums are exact in any order)
+    import numpy as np
+
+    from folio.bench.kernel_rates import _gather_read
+    rng = np.random.default_rng(0)
+    kc = rng.integers(-3, 4, (20, 4, 2, 8)).astype(np.float32)
+    vc = rng.integers(-3, 4, (20, 4, 2, 8)).astype(np.float32)
+    tables = np.array([[5, 2, 17, 0], [9, 11, 0, 0], [3, 0, 0, 0]], np.int64)
+    seq_lens = np.array([13, 5, 4], np.int64)
+    blocks = [5, 2, 17, 0, 9, 11, 3]
+    want = kc[blocks].sum() + vc[blocks].sum()
+    for tasks in (1, 2, 3):
+        assert _gather_read(kc, vc, tables, seq_lens, tasks) == want
