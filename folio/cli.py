@@ -23,7 +23,9 @@ _COMMAND_MODULES = [
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the descriptions' layout and shows every flag's default."""
+    """Keeps the descriptions' layout and shows every flag's default. A help text that states
+    its default in words ends with ``%(default).0s`` (which prints nothing): argparse appends
+    ``(default: ...)`` only to a help text that does not mention ``%(default)``."""
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -41,6 +41,40 @@ def test_paged_attention(case_id, build):
     assert not got[n_valid:].any(), "padding rows must be zero"
 
 
+def _growing_keys(case):
+    # keys scaled up block by block (in table order), so every row's running max grows in every
+    # block: the online softmax rescales its sum and output at each step
+    kc = case["key_cache"].copy()
+    for s in range(len(case["seq_lens"])):
+        for bi in range(-(-int(case["seq_lens"][s]) // kc.shape[1])):
+            kc[case["block_tables"][s, bi]] = np.abs(kc[case["block_tables"][s, bi]]) * (1 + 0.5 * bi)
+    return {**case, "key_cache": kc}
+
+
+# decode items (fewer than TILE_MIN_ROWS rows per KV head) at shapes and score ranges the
+# shared cases (also run on the CUDA table) do not cover
+DECODE_REGIMES = {
+    "llama3_shapes": lambda: paged_attention_case(61, [(300, 1), (47, 3), (16, 2)], num_heads=8, num_kv_heads=2,
+                                                  head_dim=128),
+    "block_size_128": lambda: paged_attention_case(62, [(300, 2), (129, 1), (128, 1)], num_heads=9,
+                                                   num_kv_heads=3, head_dim=64, block_size=128),
+    "wide_score_range": lambda: (lambda c: {**c, "q": c["q"] * np.float32(30.0)})(
+        paged_attention_case(63, [(400, 1), (90, 2)], num_heads=9, num_kv_heads=3, head_dim=64)),
+    "max_grows_every_block": lambda: _growing_keys(
+        paged_attention_case(64, [(333, 1), (70, 3)], num_heads=6, num_kv_heads=2, head_dim=32)),
+}
+
+
+@pytest.mark.parametrize("regime", sorted(DECODE_REGIMES))
+def test_paged_attention_decode_regimes(regime):
+    case = DECODE_REGIMES[regime]()
+    want = reference.paged_attention(**case)
+    got = cpu.paged_attention(**case)
+    assert np.isfinite(got).all()
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= attention_bound(case)), float(np.max(err - attention_bound(case)))
+
+
 @pytest.mark.parametrize("case_id", ["mixed_batch_gqa3", "multi_token_decodes_gqa1", "decode_ctx203_gqa1"])
 def test_paged_attention_into_a_dirty_out_buffer(case_id):
     # the result written into a caller's buffer full of NaN (the forward's workspace): every row
