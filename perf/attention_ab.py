@@ -1,0 +1,104 @@
+"""Decode attention of two versions of ``kernels/cpu_attention.py``, interleaved in one process.
+
+    python perf/attention_ab.py REV [--model smol|llama3] [--threads 1 2] [--cases "16x512x1 1x2048x1"]
+
+``REV`` is a git revision whose ``kernels/cpu_attention.py`` is loaded beside the working tree's
+(``folio.kernels.cpu_attention``). Each case ``SEQSxCTXxTOKENS`` is that many sequences (contexts
+uniform within +-25% of CTX) decoding TOKENS new tokens each, over caches of enough layers to
+exceed 128 MB (so K/V come from memory), shuffled block tables of 16-token blocks. Both versions
+run the same calls alternately, 5 rounds, best time each; printed: GB/s of K/V read, the ratio
+new / old, and the largest output difference. The VM this project measures on drifts 10-30% from
+minute to minute: only figures from one run of this script compare (perf/RESULTS.md, fifth pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+
+import folio.kernels.cpu_attention as current
+from folio.kernels.cpu_math import LOG2E
+
+SHAPES = {"smol": (9, 3, 64), "llama3": (32, 8, 128)}   # (query heads, KV heads, head_dim)
+
+
+def load_revision(rev: str):
+    """``kernels/cpu_attention.py`` at git revision ``rev`` as a module (its relative imports
+    pointed at the installed ``folio.kernels``)."""
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{rev}:kernels/cpu_attention.py"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout
+    src = src.replace("from .cpu_", "from folio.kernels.cpu_")
+    path = Path(tempfile.mkdtemp()) / "cpu_attention_old.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("cpu_attention_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def case(rng, seqs, H, Hkv, D, layers, bs=16):
+    nb = [(c + bs - 1) // bs for c, _ in seqs]
+    ids = rng.permutation(sum(nb))
+    tables = np.zeros((len(seqs), max(nb)), np.int64)
+    k = 0
+    for s, n in enumerate(nb):
+        tables[s, :n] = ids[k:k + n]
+        k += n
+    caches = [(rng.standard_normal((sum(nb), bs, Hkv, D), dtype=np.float32),
+               rng.standard_normal((sum(nb), bs, Hkv, D), dtype=np.float32)) for _ in range(layers)]
+    q_lens = [t for _, t in seqs]
+    q = rng.standard_normal((sum(q_lens), H, D), dtype=np.float32)
+    return (q, caches, tables, np.array([c for c, _ in seqs], np.int64),
+            np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64))
+
+
+def run(mod, q, caches, tables, seq_lens, qsl, H, Hkv, D, threads, out):
+    plan = mod.plan(seq_lens, qsl, H, Hkv, D, caches[0][0].shape[1], threads)
+    for kc, vc in caches:
+        mod.attention_into(q, kc, vc, tables, seq_lens, qsl, np.float32(D ** -0.5 * LOG2E), out, *plan)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("rev")
+    p.add_argument("--model", choices=sorted(SHAPES), default="smol")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--cases", default="16x512x1 16x2048x1 1x2048x1 1x600x1 8x512x2")
+    a = p.parse_args(argv)
+    print("command: python " + " ".join(sys.argv), flush=True)
+    old = load_revision(a.rev)
+    H, Hkv, D = SHAPES[a.model]
+    rng = np.random.default_rng(0)
+    for spec in a.cases.split():
+        n, ctx, t = (int(x) for x in spec.split("x"))
+        layers = int(min(30, max(1, -(-128e6 // (n * ctx * Hkv * D * 8)))))
+        seqs = [(int(ctx + rng.integers(-ctx // 4, ctx // 4 + 1)), t) for _ in range(n)]
+        q, caches, tables, seq_lens, qsl = case(rng, seqs, H, Hkv, D, layers)
+        kv_bytes = int(seq_lens.sum()) * Hkv * D * 8 * layers
+        outs = {"old": np.zeros_like(q), "new": np.zeros_like(q)}
+        for threads in a.threads:
+            numba.set_num_threads(threads)
+            best = {"old": 1e9, "new": 1e9}
+            for rnd in range(6):            # the first round compiles and warms: not timed
+                for name, mod in (("old", old), ("new", current)):
+                    t0 = time.perf_counter()
+                    run(mod, q, caches, tables, seq_lens, qsl, H, Hkv, D, threads, outs[name])
+                    if rnd:
+                        best[name] = min(best[name], time.perf_counter() - t0)
+            err = float(np.abs(outs["old"] - outs["new"]).max())
+            print(f"{a.model} {n} seqs x ~{ctx} keys x {t} tokens, {threads} thread(s): old "
+                  f"{kv_bytes / best['old'] / 1e9:5.1f} GB/s, new {kv_bytes / best['new'] / 1e9:5.1f} GB/s, "
+                  f"x{best['old'] / best['new']:.2f}, max |diff| {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
