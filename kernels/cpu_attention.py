@@ -55,7 +55,7 @@ from numba import njit, prange
 from .cpu_math import LOG2E, exp2
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, region_guard, sgemm
 
-__all__ = ["paged_attention", "attention_items", "attention_into", "plan"]
+__all__ = ["paged_attention", "attention_items", "attention_into", "finish_attention", "plan"]
 
 _F32 = np.float32
 TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
@@ -154,6 +154,13 @@ def _write_rows(h0, h1, t0, t1, group, acc, l, out):
             out[t, hq, d] = acc[r, d] * inv
 
 
+@njit(inline="always")
+def _prefetch_row(cache, start, n):
+    # request the cache lines of cache's flat elements start .. start + n (one per 16 floats)
+    for x in range(0, n, 16):
+        prefetch(cache, start + x)
+
+
 @njit(cache=True, fastmath=True, error_model="numpy")
 def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
                  s, h0, h1, t0, t1, k0, k1, part, qs, sc, acc, m, l, bm, pm, pl, pacc):
@@ -180,9 +187,7 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         o0 = max(0, k0 - bi * bs)
         n = min(bs, k1 - bi * bs)
         for o in range(o0, n):
-            base = (b * bs + o) * row + h0 * D  # one cache line of this key's values per 16 floats
-            for x in range(0, (h1 - h0) * D, 16):
-                prefetch(value_cache, base + x)
+            _prefetch_row(value_cache, (b * bs + o) * row + h0 * D, (h1 - h0) * D)
             for hh in range(h1 - h0):
                 for rr in range(Rh):
                     r = hh * Rh + rr
@@ -200,9 +205,7 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 _softmax_update(sc, r, o0, n, max(m[r], bm[r]), m, l, acc)
         nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
         for o in range(o0, n):
-            base = (nxt * bs + o) * row + h0 * D  # the next block's keys
-            for x in range(0, (h1 - h0) * D, 16):
-                prefetch(key_cache, base + x)
+            _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, (h1 - h0) * D)  # the next block's keys
             for hh in range(h1 - h0):
                 for rr in range(Rh):
                     r = hh * Rh + rr
@@ -217,6 +220,16 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         pl[part, r] = l[r]
         for d in range(D):
             pacc[part, r, d] = acc[r, d]
+
+
+@njit(cache=True)
+def finish_attention(items, group, n_parts, pm, pl, pacc, query_start_loc, out):
+    """After every item of a step has run: zero ``out``'s padding rows (past
+    ``query_start_loc[-1]``; no item writes them) and merge the key partitions of split decodes
+    (``_merge_partitions``) into their rows."""
+    out[query_start_loc[-1]:] = 0
+    if n_parts:
+        _merge_partitions(items, group, pm, pl, pacc, out)
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")
@@ -425,8 +438,7 @@ def _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_s
     for i in range(items.shape[0]):
         _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
                   qs[0], kb[0], vb[0], sc[0], acc[0], m[0], l[0], bm[0], pm, pl, pacc)
-    if n_parts:
-        _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
+    finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
 
 
 @njit(parallel=True, cache=True)
@@ -443,8 +455,7 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
                 break
             _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
                       qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
-    if n_parts:
-        _merge_partitions(items, H // Hkv, pm, pl, pacc, out)
+    finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
 
 
 @njit(cache=True, nogil=True)
@@ -453,10 +464,9 @@ def attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_star
     """``paged_attention`` from compiled code, as planned by ``plan`` (``items``, ``n_parts``,
     ``tasks``): int64 ``block_tables``, ``seq_lens``, ``query_start_loc``; ``qscale`` the softmax
     scale times log2(e); ``out`` C-contiguous, its rows past ``query_start_loc[-1]`` zeroed here."""
-    out[query_start_loc[-1]:] = 0  # padding rows; every other row is written by its item
-    if items.shape[0] == 0:
-        return
-    if tasks == 1:
+    if items.shape[0] == 0:    # no query rows: every row is padding
+        out[:] = 0
+    elif tasks == 1:
         _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items,
                           n_parts)
     else:

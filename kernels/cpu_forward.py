@@ -49,10 +49,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu_attention import _merge_partitions, _run_item, _scratch, attention_into, plan
+from .cpu_attention import _run_item, _scratch, attention_into, finish_attention, plan
 from .cpu_linear import linear_into, linear_item, linear_items, linear_plan
 from .cpu_math import LOG2E
-from .cpu_threads import atomic_add, atomic_load, fetch_add, num_threads, region_guard, sched_yield
+from .cpu_threads import atomic_add, atomic_load, num_threads, region_guard, sched_yield
 
 __all__ = ["decoder_layers", "LAYER_WEIGHTS"]
 
@@ -124,9 +124,7 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
         _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
                   qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
     elif phase == _P_MERGE:
-        attn[query_start_loc[-1]:] = 0      # padding rows, as attention_into
-        if n_parts:
-            _merge_partitions(items, H // Hkv, pm, pl, pacc, attn)
+        finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
     elif phase == _P_O:
         linear_item(attn2, o_w[layer], hidden, lin[1, 0], lin[1, 1], lin[1, 2], i)
     elif phase == _P_NORM2:
@@ -167,7 +165,7 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
             for phase in range(_PHASES):
                 k = layer * _PHASES + phase
                 while True:
-                    i = fetch_add(claims[k:], 1)
+                    i = atomic_add(claims, k, 1)
                     if i >= n_items[phase]:
                         break
                     _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1,

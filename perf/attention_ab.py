@@ -25,6 +25,7 @@ import numba
 import numpy as np
 
 import folio.kernels.cpu_attention as current
+from folio.bench.kernel_rates import attention_case
 from folio.kernels.cpu_math import LOG2E
 
 SHAPES = {"smol": (9, 3, 64), "llama3": (32, 8, 128)}   # (query heads, KV heads, head_dim)
@@ -43,22 +44,6 @@ def load_revision(rev: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def case(rng, seqs, H, Hkv, D, layers, bs=16):
-    nb = [(c + bs - 1) // bs for c, _ in seqs]
-    ids = rng.permutation(sum(nb))
-    tables = np.zeros((len(seqs), max(nb)), np.int64)
-    k = 0
-    for s, n in enumerate(nb):
-        tables[s, :n] = ids[k:k + n]
-        k += n
-    caches = [(rng.standard_normal((sum(nb), bs, Hkv, D), dtype=np.float32),
-               rng.standard_normal((sum(nb), bs, Hkv, D), dtype=np.float32)) for _ in range(layers)]
-    q_lens = [t for _, t in seqs]
-    q = rng.standard_normal((sum(q_lens), H, D), dtype=np.float32)
-    return (q, caches, tables, np.array([c for c, _ in seqs], np.int64),
-            np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64))
 
 
 def run(mod, q, caches, tables, seq_lens, qsl, H, Hkv, D, threads, out):
@@ -82,7 +67,7 @@ def main(argv=None):
         n, ctx, t = (int(x) for x in spec.split("x"))
         layers = int(min(30, max(1, -(-128e6 // (n * ctx * Hkv * D * 8)))))
         seqs = [(int(ctx + rng.integers(-ctx // 4, ctx // 4 + 1)), t) for _ in range(n)]
-        q, caches, tables, seq_lens, qsl = case(rng, seqs, H, Hkv, D, layers)
+        q, caches, tables, seq_lens, qsl = attention_case(rng, seqs, layers=layers, heads=(H, Hkv, D), dtype=np.int64)
         kv_bytes = int(seq_lens.sum()) * Hkv * D * 8 * layers
         outs = {"old": np.zeros_like(q), "new": np.zeros_like(q)}
         for threads in a.threads:

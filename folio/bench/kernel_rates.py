@@ -203,14 +203,16 @@ def batched_products(threads: int, repeat: int = 5) -> list[dict]:
     return out
 
 
-def _attention_case(rng, seqs, block_size=16, layers=1):
-    """Caches of ``layers`` layers holding every sequence's context, shuffled block tables."""
-    m = _MODEL
-    H, Hkv, D = m["heads"], m["kv_heads"], m["head_dim"]
+def attention_case(rng, seqs, block_size=16, layers=1, heads=None, dtype=np.int32):
+    """``(q, caches, block_tables, seq_lens, query_start_loc)`` for ``seqs`` = ``[(context, new
+    tokens), ...]``: caches of ``layers`` layers holding every sequence's context (float32
+    standard normal), shuffled block tables, index arrays of ``dtype``; ``heads`` = ``(query
+    heads, KV heads, head_dim)``, the default model's when None."""
+    H, Hkv, D = heads or (_MODEL["heads"], _MODEL["kv_heads"], _MODEL["head_dim"])
     nb = [(ctx + block_size - 1) // block_size for ctx, _ in seqs]
     total = sum(nb)
     ids = rng.permutation(total)
-    tables = np.zeros((len(seqs), max(nb)), np.int32)
+    tables = np.zeros((len(seqs), max(nb)), dtype)
     k = 0
     for s, n in enumerate(nb):
         tables[s, :n] = ids[k:k + n]
@@ -219,8 +221,8 @@ def _attention_case(rng, seqs, block_size=16, layers=1):
                rng.standard_normal((total, block_size, Hkv, D), dtype=np.float32)) for _ in range(layers)]
     q_lens = [q for _, q in seqs]
     q = rng.standard_normal((sum(q_lens), H, D), dtype=np.float32)
-    return q, caches, tables, np.array([c for c, _ in seqs], np.int32), \
-        np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return q, caches, tables, np.array([c for c, _ in seqs], dtype), \
+        np.concatenate([[0], np.cumsum(q_lens)]).astype(dtype)
 
 
 @njit(parallel=True, cache=True, fastmath=True)
@@ -286,21 +288,20 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
         # decode: many layers' caches in turn so that K/V come from memory
         kv_layer = decode_seqs * ctx * Hkv * D * 4 * 2
         layers = int(min(30, max(1, -(-4 * llc // kv_layer))))
-        q, caches, bt, sl, qsl = _attention_case(rng, [(ctx, 1)] * decode_seqs, layers=layers)
+        q, caches, bt, sl, qsl = attention_case(rng, [(ctx, 1)] * decode_seqs, layers=layers, dtype=np.int64)
         _set_threads(threads)
 
         def run_decode():
             for kc, vc in caches:
                 paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5)
         best, med = _timeit(run_decode, repeat)
-        bt64, sl64 = bt.astype(np.int64), sl.astype(np.int64)
-        gather, _ = _timeit(lambda: [_gather_read(kc, vc, bt64, sl64, threads) for kc, vc in caches], repeat)
+        gather, _ = _timeit(lambda: [_gather_read(kc, vc, bt, sl, threads) for kc, vc in caches], repeat)
         flops = layers * decode_seqs * H * ctx * 4 * D
         out.append({"kind": "decode", "ctx": ctx, "seqs": decode_seqs, "layers": layers,
                     "gflops": flops / best / 1e9, "gbs": layers * kv_layer / best / 1e9,
                     "gbs_median": layers * kv_layer / med / 1e9, "gather_gbs": layers * kv_layer / gather / 1e9})
         # prefill: one whole prompt
-        q, caches, bt, sl, qsl = _attention_case(rng, [(ctx, ctx)])
+        q, caches, bt, sl, qsl = attention_case(rng, [(ctx, ctx)])
         kc, vc = caches[0]
         best, med = _timeit(lambda: paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5), repeat)
         flops = H * 4 * D * ctx * (ctx + 1) // 2
