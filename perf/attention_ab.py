@@ -1,13 +1,15 @@
-"""Decode attention of two versions of ``kernels/cpu_attention.py``, interleaved in one process.
+"""Paged attention of two versions of ``kernels/cpu_attention.py``, interleaved in one process.
 
-    python perf/attention_ab.py REV [--model smol|llama3] [--threads 1 2] [--cases "16x512x1 1x2048x1"]
+    python perf/attention_ab.py REV [--model smol|llama3] [--threads 1 2] [--cases "16x512x1 1x2048xp"]
 
 ``REV`` is a git revision whose ``kernels/cpu_attention.py`` is loaded beside the working tree's
 (``folio.kernels.cpu_attention``). Each case ``SEQSxCTXxTOKENS`` is that many sequences (contexts
-uniform within +-25% of CTX) decoding TOKENS new tokens each, over caches of enough layers to
-exceed 128 MB (so K/V come from memory), shuffled block tables of 16-token blocks. Both versions
-run the same calls alternately, 5 rounds, best time each; printed: GB/s of K/V read, the ratio
-new / old, and the largest output difference. The VM this project measures on drifts 10-30% from
+uniform within +-25% of CTX) with TOKENS new tokens each (decodes), or ``p``: the whole context
+is the new tokens (a prompt's prefill), over caches of enough layers to exceed 128 MB (so K/V
+come from memory), shuffled block tables of 16-token blocks. Both versions run the same calls
+alternately, 5 rounds, best time each; printed: GB/s of K/V read and GFLOP/s (causal QK^T and PV,
+4 flops per head_dim element of each (query row, key) pair), the ratio new / old, and the
+largest output difference. The VM this project measures on drifts 10-30% from
 minute to minute: only figures from one run of this script compare (perf/RESULTS.md, fifth pass).
 """
 
@@ -64,11 +66,13 @@ def main(argv=None):
     H, Hkv, D = SHAPES[a.model]
     rng = np.random.default_rng(0)
     for spec in a.cases.split():
-        n, ctx, t = (int(x) for x in spec.split("x"))
+        n, ctx, t = spec.split("x")
+        n, ctx = int(n), int(ctx)
         layers = int(min(30, max(1, -(-128e6 // (n * ctx * Hkv * D * 8)))))
-        seqs = [(int(ctx + rng.integers(-ctx // 4, ctx // 4 + 1)), t) for _ in range(n)]
+        seqs = [(c, c if t == "p" else int(t)) for c in (int(ctx + rng.integers(-ctx // 4, ctx // 4 + 1)) for _ in range(n))]
         q, caches, tables, seq_lens, qsl = attention_case(rng, seqs, layers=layers, heads=(H, Hkv, D), dtype=np.int64)
         kv_bytes = int(seq_lens.sum()) * Hkv * D * 8 * layers
+        flops = layers * H * 4 * D * sum(k * (c - (k - 1) / 2) for c, k in seqs)
         outs = {"old": np.zeros_like(q), "new": np.zeros_like(q)}
         for threads in a.threads:
             numba.set_num_threads(threads)
@@ -81,7 +85,8 @@ def main(argv=None):
                         best[name] = min(best[name], time.perf_counter() - t0)
             err = float(np.abs(outs["old"] - outs["new"]).max())
             print(f"{a.model} {n} seqs x ~{ctx} keys x {t} tokens, {threads} thread(s): old "
-                  f"{kv_bytes / best['old'] / 1e9:5.1f} GB/s, new {kv_bytes / best['new'] / 1e9:5.1f} GB/s, "
+                  f"{kv_bytes / best['old'] / 1e9:5.1f} GB/s {flops / best['old'] / 1e9:5.1f} GFLOP/s, new "
+                  f"{kv_bytes / best['new'] / 1e9:5.1f} GB/s {flops / best['new'] / 1e9:5.1f} GFLOP/s, "
                   f"x{best['old'] / best['new']:.2f}, max |diff| {err:.1e}", flush=True)
 
 

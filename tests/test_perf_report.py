@@ -105,6 +105,7 @@ def test_section3_runs_at_every_thread_count_and_kernel_rates(report):
     for r in k["runs"]:
         assert r["copy_gbs"] > 0 and r["read_gbs"] > 0 and all(d["gflops"] > 0 for d in r["batched_products"] + r["attention"])
         assert all(d["gather_gbs"] > 0 if d["kind"] == "decode" else d["sgemm_tile_gflops"] > 0 for d in r["attention"])
+        assert all(d["plan_us"] > 0 and len(d["tile_shape"]) == 2 for d in r["attention"] if d["kind"] == "prefill")
     md = (report[0] / "REPORT.md").read_text()
     assert "CPU kernel rates against this machine's limits" in md
 

@@ -30,9 +30,12 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
   scattered over the cache, not one stream); *prefill* = one sequence's whole ``ctx``-token
   prompt, GFLOP/s of the causal QK^T and PV (4 head_dim flops per (query row, key) pair)
   against sgemm on ``[ctx, 576] x [576, 3072]`` and against *sgemm at the tile's shapes*: each
-  thread's own single-threaded BLAS calls ``[126, 64] x [64, 128]`` and ``[126, 128] x [128,
-  64]`` (a tile's two products per chunk of keys; K = 64 and 128 are short inner dimensions for
-  a packed GEMM), the rate the tile path's building block reaches here.
+  thread's own single-threaded BLAS calls ``[R, 64] x [64, C]`` and ``[R, C] x [C, 64]`` (a
+  full tile's two products per chunk of keys, ``(R, C) = tile_shape()``; the inner dimensions
+  64 and ``C`` are short for a packed GEMM), the rate the tile path's building block reaches
+  here. Both are timed as the
+  forward pass calls them: ``attention_into`` per layer with the step's work items planned once
+  (the forward plans once per step for all its layers); the planning is timed on its own.
 
 Every figure is the best of ``repeat`` timed calls after a warm-up (the machine's capability;
 on a shared machine the median is printed too), with the load average beside it.
@@ -260,11 +263,22 @@ def _tile_products(q, k, v, sc, acc, calls):
               np.float32(1.0), ptr(acc, 0), D)
 
 
-def sgemm_tile_gflops(threads: int, rows: int = 126, keys: int = 128, head_dim: int = 64, calls: int = 200,
-                      repeat: int = 5) -> float:
+def tile_shape(group: int = _MODEL["heads"] // _MODEL["kv_heads"]) -> tuple[int, int]:
+    """``(rows, keys)`` of a full prefill tile's products in ``cpu_attention``: whole tokens of
+    ``group`` query rows each, up to ``TILE_ROWS`` rows; ``CHUNK_KEYS`` keys per chunk."""
+    from ..kernels import cpu_attention as ca
+    return max(1, ca.TILE_ROWS // group) * group, ca.CHUNK_KEYS
+
+
+def sgemm_tile_gflops(threads: int, rows: int | None = None, keys: int | None = None, head_dim: int = 64,
+                      calls: int = 200, repeat: int = 5) -> float:
     """GFLOP/s of ``threads`` Python threads each making ``calls`` pairs of the single-threaded
     BLAS calls that a prefill tile makes per chunk of keys (``[rows, head_dim] x [head_dim,
-    keys]``, then ``[rows, keys] x [keys, head_dim]`` accumulated), on their own buffers."""
+    keys]``, then ``[rows, keys] x [keys, head_dim]`` accumulated), on their own buffers;
+    ``rows`` and ``keys`` default to the default model's full tile (``tile_shape``)."""
+    rows = rows or tile_shape()[0]
+    keys = keys or tile_shape()[1]
+    calls = max(1, calls * 126 * 128 // (rows * keys))
     rng = np.random.default_rng(0)
     bufs = [(rng.standard_normal((rows, head_dim), dtype=np.float32),
              rng.standard_normal((keys, head_dim), dtype=np.float32),
@@ -275,9 +289,28 @@ def sgemm_tile_gflops(threads: int, rows: int = 126, keys: int = 128, head_dim: 
     return threads * calls * 4 * rows * keys * head_dim / best / 1e9
 
 
+def _layers_call(q, caches, block_tables, seq_lens, query_start_loc, threads):
+    """A function running paged attention over every layer's caches as the forward pass calls it
+    (``cpu_forward``): ``attention_into`` per layer into one output buffer, with the step's items
+    planned once, here, outside the timed function (the forward plans once per step for all its
+    layers; ``attention`` times the planning on its own)."""
+    from ..kernels.cpu_attention import attention_into, plan
+    from ..kernels.cpu_math import LOG2E
+    H, D = q.shape[1], q.shape[2]
+    bs, Hkv = caches[0][0].shape[1], caches[0][0].shape[2]
+    out = np.zeros_like(q)
+    qscale = np.float32(D ** -0.5 * LOG2E)
+    items = plan(seq_lens, query_start_loc, H, Hkv, D, bs, threads)
+
+    def run():
+        for kc, vc in caches:
+            attention_into(q, kc, vc, block_tables, seq_lens, query_start_loc, qscale, out, *items)
+    return run
+
+
 def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, repeat: int = 5) -> list[dict]:
     """Decode and prefill attention rates at each context (see the module docstring)."""
-    from ..kernels.cpu import paged_attention
+    from ..kernels.cpu_attention import plan
     m = _MODEL
     H, Hkv, D = m["heads"], m["kv_heads"], m["head_dim"]
     rng = np.random.default_rng(0)
@@ -291,10 +324,7 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
         q, caches, bt, sl, qsl = attention_case(rng, [(ctx, 1)] * decode_seqs, layers=layers, dtype=np.int64)
         _set_threads(threads)
 
-        def run_decode():
-            for kc, vc in caches:
-                paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5)
-        best, med = _timeit(run_decode, repeat)
+        best, med = _timeit(_layers_call(q, caches, bt, sl, qsl, threads), repeat)
         gather, _ = _timeit(lambda: [_gather_read(kc, vc, bt, sl, threads) for kc, vc in caches], repeat)
         flops = layers * decode_seqs * H * ctx * 4 * D
         out.append({"kind": "decode", "ctx": ctx, "seqs": decode_seqs, "layers": layers,
@@ -302,13 +332,13 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
                     "gbs_median": layers * kv_layer / med / 1e9, "gather_gbs": layers * kv_layer / gather / 1e9})
         # prefill: one whole prompt
         q, caches, bt, sl, qsl = attention_case(rng, [(ctx, ctx)])
-        kc, vc = caches[0]
-        best, med = _timeit(lambda: paged_attention(q, kc, vc, bt, sl, qsl, D ** -0.5), repeat)
+        best, med = _timeit(_layers_call(q, caches, bt, sl, qsl, threads), repeat)
+        plan_s, _ = _timeit(lambda: plan(sl, qsl, H, Hkv, D, caches[0][0].shape[1], threads), repeat)
         flops = H * 4 * D * ctx * (ctx + 1) // 2
         ref = sgemm_gflops(ctx, m["hidden"], 2 * m["inter"], threads, repeat)
         out.append({"kind": "prefill", "ctx": ctx, "seqs": 1, "gflops": flops / best / 1e9,
                     "gflops_median": flops / med / 1e9, "sgemm_gflops": ref,
-                    "sgemm_tile_gflops": tile})
+                    "sgemm_tile_gflops": tile, "tile_shape": list(tile_shape(H // Hkv)), "plan_us": plan_s * 1e6})
     return out
 
 
@@ -365,6 +395,13 @@ def run_kernel_rates(threads_list, repeat: int = 5, model: str | None = "smollm2
     return out
 
 
+def _tile_text(d: dict) -> str:
+    if "tile_shape" not in d:
+        return ""
+    r, c = d["tile_shape"]
+    return f" [{r}x64]x[64x{c}], [{r}x{c}]x[{c}x64]"
+
+
 def format_kernel_rates(out: dict) -> str:
     """Human-readable lines of ``run_kernel_rates``'s result."""
     mi = out["machine"]
@@ -403,7 +440,8 @@ def format_kernel_rates(out: dict) -> str:
                 L.append(f"  prefill ctx {d['ctx']:<5d} {d['gflops']:6.1f} / {d['gflops_median']:5.1f} GFLOP/s  "
                          f"sgemm [{d['ctx']}x576]x[576x3072] {d['sgemm_gflops']:6.1f}  "
                          f"{100 * d['gflops'] / d['sgemm_gflops']:4.0f}%"
-                         + (f"; sgemm at the tile's shapes {t:6.1f}  {100 * d['gflops'] / t:4.0f}%" if t else ""))
+                         + (f"; sgemm at the tile's shapes{_tile_text(d)} {t:6.1f}  {100 * d['gflops'] / t:4.0f}%" if t else "")
+                         + (f"; planning {d['plan_us']:.0f} us per step" if "plan_us" in d else ""))
         if "model_decode" in r:
             md = r["model_decode"]
             L.append(f"single-sequence decode of {md['model']} (context {md['prompt_len']}..+{md['tokens']}): "
