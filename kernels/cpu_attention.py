@@ -341,15 +341,17 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
         if ql == 0:
             continue
         loop = ql * group < TILE_MIN_ROWS
-        # tiles of equal size (at most tile_tokens tokens): a remainder of a few tokens would be a
-        # decode-path item of its own (3 of 128 tokens took ~10% of a 128-token prompt's time)
-        step = ql if loop else (ql + (ql + tile_tokens - 1) // tile_tokens - 1) // ((ql + tile_tokens - 1) // tile_tokens)
+        # the fewest tiles of at most tile_tokens tokens, of equal size within one token: with
+        # tiles of exactly tile_tokens the remainder was an item of its own (128 tokens at GQA 3:
+        # 42 + 42 + 42 + 2, the last 2 on the decode path against every key)
+        n_tiles = 1 if loop else (ql + tile_tokens - 1) // tile_tokens
         heads = num_kv_heads if loop else 1
         n_keys = seq_lens[s]
         parts = min(key_parts, max(1, n_keys // min_keys)) if loop and split else 1
         n_blocks = (n_keys + bs - 1) // bs
-        for t0 in range(q0, q1, step):
-            t1 = min(q1, t0 + step)
+        for tile in range(n_tiles):
+            t0 = q0 + ql * tile // n_tiles
+            t1 = q0 + ql * (tile + 1) // n_tiles
             last_keys = seq_lens[s] - (q1 - t1)          # keys seen by the item's last token
             for j in range(parts):
                 k0 = (n_blocks * j // parts) * bs

@@ -99,6 +99,28 @@ def test_paged_attention_unused_table_entries_ignored():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_attention_items_cover_each_query_row_once_in_tiles_of_equal_size(group):
+    # the work items of a step with prefill chunks of every length up to 3 tiles (and decodes):
+    # each (token, KV head) in exactly one item; a sequence's tiles at most tile_tokens tokens
+    # and equal within one token (no small remainder tile)
+    tile = max(1, cpu_attention.TILE_ROWS // group)
+    q_lens = list(range(1, 3 * tile + 2))
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    seq_lens = np.array([ql + 7 for ql in q_lens], np.int64)
+    hkv = 2
+    items, _ = cpu_attention.attention_items(seq_lens, qsl, hkv, group, tile, False, 1, 16, 128)
+    seen = np.zeros((qsl[-1], hkv), np.int64)
+    for s, h0, h1, t0, t1, *_ in items:
+        seen[t0:t1, h0:h1] += 1
+    assert (seen == 1).all()
+    for s, ql in enumerate(q_lens):
+        sizes = sorted({t1 - t0 for s_, _, _, t0, t1, *_ in items if s_ == s})
+        if ql * group >= cpu_attention.TILE_MIN_ROWS:
+            assert sizes[-1] <= tile and sizes[-1] - sizes[0] <= 1, (ql, sizes)
+            assert len([1 for it in items if it[0] == s]) == hkv * -(-ql // tile)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, drivers, monkeypatch):

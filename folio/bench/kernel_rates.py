@@ -33,9 +33,9 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
   thread's own single-threaded BLAS calls ``[R, 64] x [64, C]`` and ``[R, C] x [C, 64]`` (a
   full tile's two products per chunk of keys, ``(R, C) = tile_shape()``; the inner dimensions
   64 and ``C`` are short for a packed GEMM), the rate the tile path's building block reaches
-  here. Both are timed as the
-  forward pass calls them: ``attention_into`` per layer with the step's work items planned once
-  (the forward plans once per step for all its layers); the planning is timed on its own.
+  here. Decode and prefill are timed as the forward pass calls them: ``attention_into`` per
+  layer, the step's work items planned once (the forward plans once per step for all its
+  layers); the planning is timed on its own.
 
 Every figure is the best of ``repeat`` timed calls after a warm-up (the machine's capability;
 on a shared machine the median is printed too), with the load average beside it.
@@ -278,7 +278,6 @@ def sgemm_tile_gflops(threads: int, rows: int | None = None, keys: int | None = 
     ``rows`` and ``keys`` default to the default model's full tile (``tile_shape``)."""
     rows = rows or tile_shape()[0]
     keys = keys or tile_shape()[1]
-    calls = max(1, calls * 126 * 128 // (rows * keys))
     rng = np.random.default_rng(0)
     bufs = [(rng.standard_normal((rows, head_dim), dtype=np.float32),
              rng.standard_normal((keys, head_dim), dtype=np.float32),
