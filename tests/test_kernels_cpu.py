@@ -103,9 +103,10 @@ def test_paged_attention_unused_table_entries_ignored():
 def test_attention_items_cover_each_query_row_once_in_tiles_of_equal_size(group):
     # the work items of a step with prefill chunks of every length up to 3 tiles (and decodes):
     # each (token, KV head) in exactly one item; a sequence's tiles at most tile_tokens tokens
-    # and equal within one token (no small remainder tile)
+    # and equal within one token (no small remainder tile). Long prompts too: with ceil-sized
+    # steps 993 tokens at GQA 4 and 1682 / 1723 at GQA 3 ended in a 1- or 2-token tile
     tile = max(1, cpu_attention.TILE_ROWS // group)
-    q_lens = list(range(1, 3 * tile + 2))
+    q_lens = list(range(1, 3 * tile + 2)) + [993, 1682, 1723]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     seq_lens = np.array([ql + 7 for ql in q_lens], np.int64)
     hkv = 2

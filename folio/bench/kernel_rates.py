@@ -330,7 +330,7 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
                     "gflops": flops / best / 1e9, "gbs": layers * kv_layer / best / 1e9,
                     "gbs_median": layers * kv_layer / med / 1e9, "gather_gbs": layers * kv_layer / gather / 1e9})
         # prefill: one whole prompt
-        q, caches, bt, sl, qsl = attention_case(rng, [(ctx, ctx)])
+        q, caches, bt, sl, qsl = attention_case(rng, [(ctx, ctx)], dtype=np.int64)   # int64 like the forward
         best, med = _timeit(_layers_call(q, caches, bt, sl, qsl, threads), repeat)
         plan_s, _ = _timeit(lambda: plan(sl, qsl, H, Hkv, D, caches[0][0].shape[1], threads), repeat)
         flops = H * 4 * D * ctx * (ctx + 1) // 2
