@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import fields
 
@@ -98,6 +100,11 @@ class Repl:
             pass
 
     def run(self) -> int:
+        # Ctrl-C stops a streaming answer (KeyboardInterrupt), even when this process was started
+        # with SIGINT ignored (an ignored signal stays ignored across exec, and Python then keeps
+        # it so: a REPL spawned by a parent that ignores SIGINT never saw Ctrl-C)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         self._setup_readline()
         self._print("folio repl: chat with the model; /help for commands, Ctrl-D to leave.")
         try:

@@ -292,9 +292,12 @@ def test_repl_in_a_pseudo_terminal(echo_server, tmp_path):
     pexpect = pytest.importorskip("pexpect")
     _, addr = echo_server
     env = {**os.environ, "FOLIO_HOME": str(tmp_path), "TERM": "dumb"}
+    # started with SIGINT ignored, as by a parent that ignores it (ignored signals survive exec;
+    # the whole suite once left it so): Ctrl-C must still stop an answer
     child = pexpect.spawn(sys.executable, ["-m", "folio.cli", "repl", "--address", addr,
                                            "--params", "max_tokens=8", "temperature=0"],
-                          env=env, encoding="utf-8", timeout=60)
+                          env=env, encoding="utf-8", timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         child.expect_exact(">>> ")
         child.sendline("What is the capital of France?")
