@@ -27,8 +27,7 @@ import numba
 import numpy as np
 
 import folio.kernels.cpu_attention as current
-from folio.bench.kernel_rates import attention_case
-from folio.kernels.cpu_math import LOG2E
+from folio.bench.kernel_rates import attention_case, layers_call
 
 SHAPES = {"smol": (9, 3, 64), "llama3": (32, 8, 128)}   # (query heads, KV heads, head_dim)
 
@@ -46,12 +45,6 @@ def load_revision(rev: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def run(mod, q, caches, tables, seq_lens, qsl, H, Hkv, D, threads, out):
-    plan = mod.plan(seq_lens, qsl, H, Hkv, D, caches[0][0].shape[1], threads)
-    for kc, vc in caches:
-        mod.attention_into(q, kc, vc, tables, seq_lens, qsl, np.float32(D ** -0.5 * LOG2E), out, *plan)
 
 
 def main(argv=None):
@@ -77,10 +70,12 @@ def main(argv=None):
         for threads in a.threads:
             numba.set_num_threads(threads)
             best = {"old": 1e9, "new": 1e9}
+            calls = {name: layers_call(q, caches, tables, seq_lens, qsl, threads, module=mod, out=outs[name])
+                     for name, mod in (("old", old), ("new", current))}
             for rnd in range(6):            # the first round compiles and warms: not timed
-                for name, mod in (("old", old), ("new", current)):
+                for name in ("old", "new"):
                     t0 = time.perf_counter()
-                    run(mod, q, caches, tables, seq_lens, qsl, H, Hkv, D, threads, outs[name])
+                    calls[name]()
                     if rnd:
                         best[name] = min(best[name], time.perf_counter() - t0)
             err = float(np.abs(outs["old"] - outs["new"]).max())

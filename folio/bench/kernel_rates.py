@@ -276,8 +276,8 @@ def sgemm_tile_gflops(threads: int, rows: int | None = None, keys: int | None = 
     BLAS calls that a prefill tile makes per chunk of keys (``[rows, head_dim] x [head_dim,
     keys]``, then ``[rows, keys] x [keys, head_dim]`` accumulated), on their own buffers;
     ``rows`` and ``keys`` default to the default model's full tile (``tile_shape``)."""
-    rows = rows or tile_shape()[0]
-    keys = keys or tile_shape()[1]
+    full_rows, full_keys = tile_shape()
+    rows, keys = rows or full_rows, keys or full_keys
     rng = np.random.default_rng(0)
     bufs = [(rng.standard_normal((rows, head_dim), dtype=np.float32),
              rng.standard_normal((keys, head_dim), dtype=np.float32),
@@ -288,22 +288,24 @@ def sgemm_tile_gflops(threads: int, rows: int | None = None, keys: int | None = 
     return threads * calls * 4 * rows * keys * head_dim / best / 1e9
 
 
-def _layers_call(q, caches, block_tables, seq_lens, query_start_loc, threads):
+def layers_call(q, caches, block_tables, seq_lens, query_start_loc, threads, module=None, out=None):
     """A function running paged attention over every layer's caches as the forward pass calls it
-    (``cpu_forward``): ``attention_into`` per layer into one output buffer, with the step's items
-    planned once, here, outside the timed function (the forward plans once per step for all its
-    layers; ``attention`` times the planning on its own)."""
-    from ..kernels.cpu_attention import attention_into, plan
+    (``cpu_forward``): ``attention_into`` per layer into ``out`` (a new buffer when None), with
+    the step's items planned once, here, outside the returned function (the forward plans once
+    per step for all its layers; ``attention`` times the planning on its own). ``module``: the
+    ``cpu_attention`` module to call (``perf/attention_ab.py`` passes another revision's)."""
+    from ..kernels import cpu_attention
     from ..kernels.cpu_math import LOG2E
+    mod = module or cpu_attention
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = caches[0][0].shape[1], caches[0][0].shape[2]
-    out = np.zeros_like(q)
+    out = np.zeros_like(q) if out is None else out
     qscale = np.float32(D ** -0.5 * LOG2E)
-    items = plan(seq_lens, query_start_loc, H, Hkv, D, bs, threads)
+    items = mod.plan(seq_lens, query_start_loc, H, Hkv, D, bs, threads)
 
     def run():
         for kc, vc in caches:
-            attention_into(q, kc, vc, block_tables, seq_lens, query_start_loc, qscale, out, *items)
+            mod.attention_into(q, kc, vc, block_tables, seq_lens, query_start_loc, qscale, out, *items)
     return run
 
 
@@ -323,7 +325,7 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
         q, caches, bt, sl, qsl = attention_case(rng, [(ctx, 1)] * decode_seqs, layers=layers, dtype=np.int64)
         _set_threads(threads)
 
-        best, med = _timeit(_layers_call(q, caches, bt, sl, qsl, threads), repeat)
+        best, med = _timeit(layers_call(q, caches, bt, sl, qsl, threads), repeat)
         gather, _ = _timeit(lambda: [_gather_read(kc, vc, bt, sl, threads) for kc, vc in caches], repeat)
         flops = layers * decode_seqs * H * ctx * 4 * D
         out.append({"kind": "decode", "ctx": ctx, "seqs": decode_seqs, "layers": layers,
@@ -331,7 +333,7 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
                     "gbs_median": layers * kv_layer / med / 1e9, "gather_gbs": layers * kv_layer / gather / 1e9})
         # prefill: one whole prompt
         q, caches, bt, sl, qsl = attention_case(rng, [(ctx, ctx)], dtype=np.int64)   # int64 like the forward
-        best, med = _timeit(_layers_call(q, caches, bt, sl, qsl, threads), repeat)
+        best, med = _timeit(layers_call(q, caches, bt, sl, qsl, threads), repeat)
         plan_s, _ = _timeit(lambda: plan(sl, qsl, H, Hkv, D, caches[0][0].shape[1], threads), repeat)
         flops = H * 4 * D * ctx * (ctx + 1) // 2
         ref = sgemm_gflops(ctx, m["hidden"], 2 * m["inter"], threads, repeat)
