@@ -128,37 +128,6 @@ def _say(text: str) -> None:
     print(f"folio serve: {text}", flush=True)
 
 
-def _warm_up(engine) -> None:
-    """Run requests through the engine so that the kernels are compiled (Numba) or loaded before
-    the first client, in each shape a first batch of clients meets: one prompt shorter than a
-    block (the serial kernels), ten short prompts at once (the parallel prefill kernels, then a
-    decode of ten sequences: batched products), and one long prompt (a decode cut into key
-    ranges, the single-sequence products). Each makes two tokens. The prompts fit the model's
-    length and the KV cache (larger ones are left out), and the prefix cache is emptied after.
-    Before, a single short prompt compiled only the serial kernels: the first client of a fresh
-    install waited ~18 s per token while the parallel ones compiled."""
-    from .runtime.kv_cache_manager import cdiv
-    from .runtime.sampling_params import SamplingParams
-    text = "Warming up: requests run through prefill and decode before any client comes."
-    base = engine.tokenizer.encode(text) or [0]
-    bs = engine.config.block_size
-    longest = engine.max_model_len - 2
-    # one after the other: run together they would make one batch, and the shapes of a single
-    # sequence (serial kernels, one-row products, key ranges) would never run
-    phases = [[min(bs - 1, longest)], [min(40, longest)] * 10, [min(600, longest)]]
-    room = int(engine.get_metrics()["num_total_blocks"])
-    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
-    for p, lengths in enumerate(phases):
-        if any(n < 1 for n in lengths) or sum(cdiv(n + 2, bs) for n in lengths) > room:
-            continue
-        for i, n in enumerate(lengths):
-            ids = (base * (n // len(base) + 1))[:n]
-            engine.add_request(f"folio-warm-up-{p}-{i}", None, params, prompt_token_ids=ids)
-        while engine.has_unfinished_requests():
-            engine.step()
-    engine.scheduler.kv_cache_manager.pool.reset_prefix_cache()
-
-
 def run(a: argparse.Namespace) -> int:
     _startup_signals()
     try:
@@ -195,7 +164,7 @@ def _run(a: argparse.Namespace) -> int:
         _say(f"model loaded in {time.monotonic() - t0:.1f} s; warming up (compiles kernels on a first run) ...")
         if a.chat_template is not None:
             server.tokenizer.set_chat_template(load_chat_template(a.chat_template))
-        _warm_up(server.engine)
+        server.engine.warm_up()
         api_address = server.bind_extra(private_ipc_address("api"))
         num_blocks = int(server.engine.get_metrics()["num_total_blocks"])
         front = FrontEndProcess(http_sock, api_address, {

@@ -282,6 +282,44 @@ class LLMEngine:
             self._busy = False
         return deltas
 
+    # -- warm-up -------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run throwaway requests so that every kernel a first batch of clients meets is compiled
+        (Numba, on a cold cache ~1-2 min) or loaded before any timed or served request.
+
+        Shapes, one phase after the other (run together they would make one batch, and the
+        single-sequence shapes would never run): one prompt shorter than a block (the serial
+        kernels), ten short prompts at once (the parallel prefill kernels, then a decode of ten
+        sequences: the batched products), one long prompt (a decode cut into key ranges, the
+        single-sequence products), one prompt sampled with n = 2 (its shared partial block is
+        copied on write: the block-copy kernel). Each makes two tokens. Prompts that do not fit the model's
+        length or the KV cache are left out; the prefix cache is emptied after, so no warm-up
+        block is ever a hit. The warm-up's requests count in ``get_metrics()`` like any others.
+
+        Raises:
+            RuntimeError: the engine has unfinished requests (they would share the warm-up's steps).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up() needs an idle engine: it has unfinished requests")
+        text = "Warming up: requests run through prefill and decode before any client comes."
+        base = self.tokenizer.encode(text) or [0]
+        bs = self.config.block_size
+        longest = self.max_model_len - 2
+        greedy = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+        forked = SamplingParams(n=2, max_tokens=2, ignore_eos=True, temperature=1.0, seed=0)
+        phases = [([min(bs - 1, longest)], greedy), ([min(40, longest)] * 10, greedy),
+                  ([min(600, longest)], greedy), ([min(bs + bs // 2, longest)], forked)]
+        room = int(self.get_metrics()["num_total_blocks"])
+        for p, (lengths, params) in enumerate(phases):
+            if any(n < 1 for n in lengths) or sum(params.n * cdiv(n + 2, bs) for n in lengths) > room:
+                continue
+            for i, n in enumerate(lengths):
+                ids = (base * (n // len(base) + 1))[:n]
+                self.add_request(f"folio-warm-up-{p}-{i}", None, params, prompt_token_ids=ids)
+            while self.has_unfinished_requests():
+                self.step()
+        self.scheduler.kv_cache_manager.pool.reset_prefix_cache()
+
     # -- counters ------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, Any]:
         """Counters: num_total_blocks, num_free_blocks, num_cached_blocks (full blocks registered

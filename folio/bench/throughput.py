@@ -73,6 +73,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         host = ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb)
     engine = host.engine(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     bar = tqdm(total=len(requests), desc="folio", disable=not progress, dynamic_ncols=True)
+    with numba_threads(threads):
+        host.warm_up()  # a cold Numba cache compiles here, not inside the timed run
     with numba_threads(threads), BusyProcesses(busy):
         res = run_trace(engine, requests, ignore_eos_params, sample_kv=True, progress=bar)
     bar.close()
@@ -85,6 +87,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "block_size": 16, "num_blocks": host.num_blocks, "threads": threads, "dtype": "float32"},
         "busy_processes": busy,
+        "warm_up_s": host.warm_up_s,
         "folio": folio_figures(res, requests),
         "peers": {},
         "machine": machine_info(),
@@ -130,6 +133,8 @@ def format_throughput(out: dict) -> str:
         f"machine: {out['machine'].get('cpu', '?')}, {out['machine'].get('cores')} cores, load "
         f"{out['machine'].get('loadavg_1m', 0):.1f}; threads per engine: {out['engine']['threads']}"
         + (f"; {out['busy_processes']} competing busy process(es) during every run" if out.get("busy_processes") else ""),
+        *([f"folio warm-up before timing (kernels compiled or loaded from the cache): {out['warm_up_s']:.1f} s"]
+          if out.get("warm_up_s") is not None else []),
         "",
         f"{'engine':<34}{'wall s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}",
         f"{'folio (continuous batching)':<34}{f['wall_s']:>9.1f}{f['requests_per_s']:>9.3f}"

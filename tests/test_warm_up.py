@@ -1,0 +1,73 @@
+"""``LLMEngine.warm_up()`` compiles every CPU kernel a served or benchmarked workload meets.
+
+Numba compiles a kernel per argument signature the first time it is called with it (or loads that
+signature from its disk cache). A signature first met inside a timed run puts its compilation
+(~1-2 minutes for the whole forward on a cold cache) into the figures: the benchmark report once
+recorded 39 output tok/s for a run whose warm figure was 97. So the check is on the signatures
+themselves, not on time: after ``warm_up()``, a mixed workload (chunked prefills beside decodes,
+prompts from under a block to several tiles, sampled and greedy, n > 1, single-sequence decode)
+adds no signature to any Numba dispatcher in folio's CPU kernels.
+
+It runs in a fresh interpreter: in the test process, earlier tests have already called the kernels
+with most signatures, which would hide any the warm-up misses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numba
+    from folio import SamplingParams
+    from folio.bench.common import random_requests
+    from folio.runtime.config import EngineConfig
+    from folio.runtime.engine import LLMEngine
+    import folio.kernels.cpu, folio.kernels.cpu_attention, folio.kernels.cpu_cache, folio.kernels.cpu_forward
+    import folio.kernels.cpu_linear, folio.kernels.cpu_math, folio.kernels.cpu_threads
+
+    MODULES = [folio.kernels.cpu, folio.kernels.cpu_attention, folio.kernels.cpu_cache, folio.kernels.cpu_forward,
+               folio.kernels.cpu_linear, folio.kernels.cpu_math, folio.kernels.cpu_threads]
+
+    def signatures():
+        out = {}
+        for m in MODULES:
+            for name, obj in vars(m).items():
+                if isinstance(obj, numba.core.dispatcher.Dispatcher):
+                    out[f"{m.__name__}.{name}"] = sorted(str(s) for s in obj.signatures)
+        return out
+
+    engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks_override=512, max_num_batched_tokens=256))
+    engine.warm_up()
+    before = signatures()
+    # chunked prefills (budget 256) beside decodes, prompts of 3 to 700 tokens
+    for i, r in enumerate(random_requests(12, (3, 700), (2, 12), seed=1)):
+        sp = SamplingParams(max_tokens=r.output_len, ignore_eos=True,
+                            temperature=0.0 if i % 2 else 0.8, top_p=1.0 if i % 3 else 0.9, seed=i)
+        engine.add_request(f"w{i}", None, sp, prompt_token_ids=r.prompt_token_ids)
+    engine.add_request("n3", None, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3),
+                       prompt_token_ids=list(range(100, 160)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # one sequence alone, long context: single-sequence decode over key ranges
+    engine.add_request("long", None, SamplingParams(max_tokens=4, ignore_eos=True),
+                       prompt_token_ids=list(range(200, 1100)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = signatures()
+    engine.shutdown()
+    new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
+    json.dump({k: v for k, v in new.items() if v}, sys.stdout)
+""")
+
+
+def test_no_kernel_compiles_after_warm_up(default_model_dir):
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    new = json.loads(r.stdout.strip().splitlines()[-1])
+    assert new == {}, f"signatures first compiled after warm_up(): {new}"
