@@ -29,6 +29,7 @@ from . import reference
 from .cpu_attention import paged_attention
 from .cpu_linear import linear
 from .cpu_math import LOG2E, exp2
+from .cpu_memory import HUGE_PAGE_MIN_BYTES, huge_page_zeros
 from .cpu_threads import fetch_add, num_threads, region_guard
 
 __all__ = [
@@ -327,8 +328,13 @@ def silu_and_mul(x, out=None):
 def prepare_weight(w):
     """A weight as the CPU table stores it: a C-contiguous float32 copy of ``w`` (``[out, in]`` or
     ``[n]``). Linear weights stay ``[out, in]``: the decode kernel then streams contiguous rows and
-    BLAS takes ``W.T`` as a transpose flag (a pre-transposed copy measured no faster for prefill)."""
-    return np.ascontiguousarray(w, dtype=_F32)
+    BLAS takes ``W.T`` as a transpose flag (a pre-transposed copy measured no faster for prefill).
+    Weights of 2 MiB and more go on transparent huge pages (``cpu_memory.huge_page_zeros``)."""
+    if np.size(w) * 4 < HUGE_PAGE_MIN_BYTES:
+        return np.ascontiguousarray(w, dtype=_F32)
+    out = huge_page_zeros(np.shape(w), _F32)   # streamed every decode step: on huge pages (cpu_memory)
+    out[...] = w
+    return out
 
 
 def embedding(ids, table, out=None):
@@ -442,5 +448,6 @@ CPU_KERNELS = SimpleNamespace(
     embedding=embedding,
     prepare_weight=prepare_weight,
     decoder_layers=decoder_layers,
+    zeros=huge_page_zeros,
 )
 """The CPU kernel table (see kernels/__init__.py ``get_kernels``)."""

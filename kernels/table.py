@@ -10,7 +10,9 @@ arguments name preallocated results (the forward pass allocates nothing per laye
 A table may also have ``random_weight(shape, seed, std, mean)`` (the CUDA one does), used by
 ``model/loader.py`` to make dummy weights on the device, and ``decoder_layers`` (the CPU one
 does, ``cpu_forward.py``), which runs every decoder layer of a step in one call over weights
-stacked per kind; both are optional and not part of the protocol.
+stacked per kind, and ``zeros(shape, dtype)`` (the CPU one does: ``cpu_memory.huge_page_zeros``),
+which ``allocate_kv_caches`` and the weight stacks use for their large long-lived arrays; all
+three are optional and not part of the protocol.
 """
 
 from __future__ import annotations
