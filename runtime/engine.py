@@ -293,7 +293,8 @@ class LLMEngine:
         sequences: the batched products), one long prompt (a decode cut into key ranges, the
         single-sequence products), one prompt sampled with n = 2 (its shared partial block is
         copied on write: the block-copy kernel). Each makes two tokens. Prompts that do not fit the model's
-        length or the KV cache are left out; the prefix cache is emptied after, so no warm-up
+        length or the KV cache are left out, and so is the n = 2 request where ``max_num_seqs`` is 1
+        (``add_request`` would refuse it); the prefix cache is emptied after, so no warm-up
         block is ever a hit. The warm-up's requests count in ``get_metrics()`` like any others.
 
         Raises:
@@ -311,7 +312,8 @@ class LLMEngine:
                   ([min(600, longest)], greedy), ([min(bs + bs // 2, longest)], forked)]
         room = int(self.get_metrics()["num_total_blocks"])
         for p, (lengths, params) in enumerate(phases):
-            if any(n < 1 for n in lengths) or sum(params.n * cdiv(n + 2, bs) for n in lengths) > room:
+            if any(n < 1 for n in lengths) or sum(params.n * cdiv(n + 2, bs) for n in lengths) > room \
+                    or params.n > self.config.max_num_seqs:
                 continue
             for i, n in enumerate(lengths):
                 ids = (base * (n // len(base) + 1))[:n]

@@ -71,3 +71,38 @@ def test_no_kernel_compiles_after_warm_up(default_model_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     new = json.loads(r.stdout.strip().splitlines()[-1])
     assert new == {}, f"signatures first compiled after warm_up(): {new}"
+
+
+def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
+    """warm_up() skips what an engine cannot run (one sequence at a time: no n = 2 request; a
+    two-block cache; a tiny step budget), then the engine serves as a fresh one would: every block
+    free, none in the prefix cache, and the same greedy tokens as an engine that never warmed up."""
+    from folio import SamplingParams
+    from folio.runtime.config import EngineConfig
+    from folio.runtime.engine import LLMEngine
+
+    def greedy(engine):
+        engine.add_request("q", None, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
+                           prompt_token_ids=[504, 3575, 282, 4649, 314])
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        return [list(c.token_ids) for c in outs[0].outputs]
+
+    for kw in (dict(max_num_seqs=1, num_kv_blocks_override=64), dict(max_model_len=40, block_size=32, num_kv_blocks_override=2),
+               dict(max_model_len=16, block_size=8, num_kv_blocks_override=3, max_num_batched_tokens=8)):
+        cfg = dict(device="cpu", async_scheduling=False, model=str(default_model_dir), **kw)
+        cold = LLMEngine(EngineConfig(**cfg))
+        try:
+            expected = greedy(cold)
+        finally:
+            cold.shutdown()
+        engine = LLMEngine(EngineConfig(**cfg))
+        try:
+            free = engine.get_metrics()["num_free_blocks"]
+            engine.warm_up()
+            m = engine.get_metrics()
+            assert (m["num_free_blocks"], m["num_cached_blocks"]) == (free, 0), kw
+            assert greedy(engine) == expected, kw
+        finally:
+            engine.shutdown()
