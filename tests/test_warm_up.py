@@ -5,7 +5,8 @@ signature from its disk cache). A signature first met inside a timed run puts it
 (~1-2 minutes for the whole forward on a cold cache) into the figures: the benchmark report once
 recorded 39 output tok/s for a run whose warm figure was 97. So the check is on the signatures
 themselves, not on time: after ``warm_up()``, a mixed workload (chunked prefills beside decodes,
-prompts from under a block to several tiles, sampled and greedy, n > 1, single-sequence decode)
+prompts from under a block to several tiles, sampled and greedy, n > 1, logprobs, prompt logprobs,
+penalties, stop strings, a beam search, single-sequence decode)
 adds no signature to any Numba dispatcher in folio's CPU kernels.
 
 It runs in a fresh interpreter: in the test process, earlier tests have already called the kernels
@@ -27,6 +28,7 @@ SCRIPT = textwrap.dedent("""
     from folio.bench.common import random_requests
     from folio.runtime.config import EngineConfig
     from folio.runtime.engine import LLMEngine
+    from folio.runtime.sampling_params import BeamSearchParams
     import folio.kernels.cpu, folio.kernels.cpu_attention, folio.kernels.cpu_cache, folio.kernels.cpu_forward
     import folio.kernels.cpu_linear, folio.kernels.cpu_math, folio.kernels.cpu_threads
 
@@ -51,6 +53,16 @@ SCRIPT = textwrap.dedent("""
         engine.add_request(f"w{i}", None, sp, prompt_token_ids=r.prompt_token_ids)
     engine.add_request("n3", None, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3),
                        prompt_token_ids=list(range(100, 160)))
+    # the sampler's other paths: logprobs, prompt logprobs, penalties with top-k / min-p, stop
+    # strings and tokens, and a beam search (its candidates fork and free blocks)
+    extra = [SamplingParams(max_tokens=4, logprobs=5, temperature=0.0),
+             SamplingParams(max_tokens=2, prompt_logprobs=3, temperature=0.0),
+             SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                            top_k=20, min_p=0.05, seed=1),
+             SamplingParams(max_tokens=8, stop=["the", "."], stop_token_ids=[13], min_tokens=2),
+             BeamSearchParams(beam_width=3, max_tokens=4)]
+    for i, sp in enumerate(extra):
+        engine.add_request(f"x{i}", None, sp, prompt_token_ids=list(range(300 + i, 340 + i)))
     while engine.has_unfinished_requests():
         engine.step()
     # one sequence alone, long context: single-sequence decode over key ranges
