@@ -68,7 +68,8 @@ async def run_demo(address: str, max_tokens: int, color: bool) -> dict:
             print(f"{tag} {text}", flush=True)
 
     async with AsyncClient(address, timeout=600) as c:
-        total_blocks = (await c.get_metrics())["num_total_blocks"]
+        before = await c.get_metrics()          # the server's warm-up already counted in its counters
+        total_blocks = before["num_total_blocks"]
 
         async def one(i: int, question: str) -> None:
             t0 = time.monotonic()
@@ -101,6 +102,9 @@ async def run_demo(address: str, max_tokens: int, color: bool) -> dict:
             watcher.cancel()
         wall = time.monotonic() - t0
         metrics = await c.get_metrics()
+    # the demo's share of the engine's cumulative counters
+    counted = {k: metrics.get(k, 0) - before.get(k, 0)
+               for k in ("prefix_cache_queries", "prefix_cache_hits", "num_steps", "forward_time", "num_preemptions")}
 
     print()
     print("request  prompt  cached  tokens  finish   TTFT ms  tokens/s")
@@ -109,16 +113,16 @@ async def run_demo(address: str, max_tokens: int, color: bool) -> dict:
         print(f"[{i}]      {s['prompt']:6d}  {s['cached']:6d}  {s['tokens']:6d}  {s['finish'] or '-':6s} "
               f"{s['ttft_ms']:8.1f}  {s['tok_s']:8.1f}")
     total_tokens = sum(s["tokens"] for s in stats.values())
-    q, h = metrics.get("prefix_cache_queries", 0), metrics.get("prefix_cache_hits", 0)
+    q, h = counted["prefix_cache_queries"], counted["prefix_cache_hits"]
     print()
     print(f"{len(stats)} concurrent requests, {total_tokens} tokens in {wall:.2f} s "
           f"({total_tokens / wall:.1f} output tokens/s overall)")
     print(f"prefix cache: {h} of {q} queried prompt tokens were hits ({100 * h / max(q, 1):.0f}%)")
     print(f"KV blocks: {total_blocks} in all ({metrics.get('block_size')} tokens each), peak used {peak_blocks}, "
           f"cached now {metrics.get('num_cached_blocks')}")
-    print(f"engine: {metrics.get('num_steps')} steps, forward {metrics.get('forward_time', 0):.2f} s, "
+    print(f"engine: {counted['num_steps']} steps, forward {counted['forward_time']:.2f} s, "
           f"IPC + scheduler overhead {metrics.get('step_ipc_overhead_us', 0):.0f} us/step, "
-          f"{metrics.get('num_preemptions', 0)} preemptions")
+          f"{counted['num_preemptions']} preemptions")
     return metrics
 
 

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -238,6 +239,12 @@ def test_demo_shows_progress_answers_and_how_to_reach_http(tmp_path):
     assert "curl http://127.0.0.1:" in out and "/v1/chat/completions" in out and "chat page:" in out
     assert "server stopped (exit code 0)" in out and "Traceback" not in r.stderr
     assert [p for p in os.listdir(tmp_path) if p.startswith("folio-")] == []
+    # the summary counts the demo's six requests only, not the server's warm-up before them: the
+    # prefix cache was queried once per prompt token of the table, and hit its cached tokens
+    rows = [line.split() for line in out.splitlines() if re.match(r"\[\d\] +\d+ +\d+ +\d+ ", line)]
+    assert len(rows) == 6, out
+    hits, queried = map(int, out.split("prefix cache: ")[1].split(" queried")[0].split(" of "))
+    assert (queried, hits) == (sum(int(r[1]) for r in rows), sum(int(r[2]) for r in rows)), out
 
 
 # -- Client.generate takes LLM.generate's prompt forms ----------------------------------------------------
