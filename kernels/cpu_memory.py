@@ -5,8 +5,8 @@ in the cache. With 4 KiB pages each block of the default model (16 tokens x 3 KV
 = 12 KiB per layer for keys, as much for values) spans three pages, and a step of many sequences
 touches thousands of pages: more than the TLB holds, so reads wait on page walks. A 2 MiB page
 covers 170 such blocks. On the 2-vCPU EPYC this project measures on, decode attention read its
-KV cache 6-17% faster from huge pages and a plain read of the same blocks 2-19% faster
-(perf/RESULTS.md, seventh pass); the weight stream of decode-sized products gained 1-8%.
+KV cache 6-17% faster from huge pages and a plain read of the same blocks 1-19% faster
+(perf/RESULTS.md, seventh pass); the weight stream of decode-sized products gained 1-6%.
 
 Linux hands out transparent huge pages (THP) to every anonymous mapping when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``, and with ``madvise`` (the default
