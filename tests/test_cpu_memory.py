@@ -97,3 +97,26 @@ def test_model_kv_caches_and_weights_use_the_tables_allocator(monkeypatch):
     w = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
     p = prepare_weight(w)
     assert p.ctypes.data % HUGE_PAGE_BYTES == 0 and np.array_equal(p, w)
+
+
+def test_madvise_refused_gives_the_same_array_on_normal_pages(monkeypatch):
+    """THP ``never`` (or a kernel without MADV_HUGEPAGE): madvise raises OSError; the array is
+    still zeroed, aligned, writable and its own memory, only not marked for huge pages."""
+    import mmap
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    fake = type(mmap)("mmap")
+    fake.__dict__.update({k: v for k, v in vars(mmap).items() if not k.startswith("__")})
+    fake.mmap = Refusing
+    monkeypatch.setattr(cpu_memory, "mmap", fake)
+    a = huge_page_zeros((3, HUGE_PAGE_BYTES // 4 + 5), np.float32)
+    assert a.shape == (3, HUGE_PAGE_BYTES // 4 + 5) and a.flags.c_contiguous and a.flags.writeable
+    assert a.ctypes.data % HUGE_PAGE_BYTES == 0 and not a.any()
+    a[::2] = 7
+    assert (a[::2] == 7).all() and not a[1].any()
+    if _thp_mode() is not None:
+        a[:, ::1024] = 1.0
+        assert "hg" not in _smaps_entry(a.ctypes.data).get("VmFlags", [])
