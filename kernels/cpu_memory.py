@@ -1,23 +1,31 @@
-"""Large CPU buffers (KV caches, weights) on transparent huge pages.
+"""Large CPU buffers (KV caches, weights) on transparent huge pages, every byte of them.
 
 A decode step reads every weight and, per sequence, that sequence's KV blocks, which lie anywhere
 in the cache. With 4 KiB pages each block of the default model (16 tokens x 3 KV heads x 64 floats
 = 12 KiB per layer for keys, as much for values) spans three pages, and a step of many sequences
-touches thousands of pages: more than the TLB holds, so reads wait on page walks. A 2 MiB page
-covers 170 such blocks. On the 2-vCPU EPYC this project measures on, decode attention read its
-KV cache 6-17% faster from huge pages and a plain read of the same blocks 1-19% faster
-(perf/RESULTS.md, seventh pass); the weight stream of decode-sized products gained 1-6%.
+touches more pages than the TLB holds; the hardware prefetchers also stop at page ends. A 2 MiB
+page covers 170 such blocks.
 
 Linux hands out transparent huge pages (THP) to every anonymous mapping when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``, and with ``madvise`` (the default
-of many distributions, and of this machine) only to ranges marked ``madvise(MADV_HUGEPAGE)``;
-NumPy's allocations are not marked. ``huge_page_zeros`` maps anonymous memory (zero-filled by
-the kernel), aligns the array to 2 MiB and marks it. Where THP is off (``never``), madvise is
-missing (not Linux) or refuses, the array is the same anonymous memory on normal pages: results
-never depend on it. Arrays below ``HUGE_PAGE_MIN_BYTES`` use ``np.zeros``.
+of many distributions, and of this machine) only to ranges marked ``madvise(MADV_HUGEPAGE)``.
+NumPy marks its own allocations of 4 MiB and more (``NUMPY_MADVISE_HUGEPAGE``, on by default for
+Linux 4.6+), but the kernel can only use the whole 2 MiB-aligned pages inside a marked range: a
+6 MiB ``np.zeros`` array got 4 MiB of huge pages here, an array below 4 MiB none, and the head and
+tail of every array (up to 2 MiB each) stay on 4 KiB pages. ``huge_page_zeros`` maps anonymous
+memory (zero-filled by the kernel), starts the array on a 2 MiB boundary and marks it from 2 MiB
+up, so all of it can be huge pages. What that gains depends on how much NumPy left uncovered: on
+the 2-vCPU EPYC this project measures on, decode attention over caches of 1.5-25 MB per layer
+read its K/V 6-17% faster, a plain read of the same blocks 1-19% (perf/RESULTS.md, seventh pass);
+a cache of hundreds of MB per layer was almost all on huge pages already.
+
+Where THP is off (``never``), madvise is missing (not Linux) or refuses, the array is the same
+anonymous memory on normal pages: results never depend on it. Arrays below
+``HUGE_PAGE_MIN_BYTES`` use ``np.zeros``.
 
 Sources: the Linux kernel's admin guide, "Transparent Hugepage Support" (modes ``always`` /
-``madvise`` / ``never``, ``MADV_HUGEPAGE``); Python's ``mmap.madvise``.
+``madvise`` / ``never``, ``MADV_HUGEPAGE``); NumPy's "Global state" page (madvise hugepage on
+Linux); Python's ``mmap.madvise``.
 """
 
 from __future__ import annotations
