@@ -72,7 +72,7 @@ class ZmqExecutor:
         self._closed = False
         cmd = [sys.executable, "-m", "folio.ipc.worker", "--address", self._addr,
                "--heartbeat-address", self._hb_addr, "--runner", runner,
-               "--max-message-bytes", str(max_message_bytes)]
+               "--max-message-bytes", str(max_message_bytes), "--parent-pid", str(os.getpid())]
         # its own session: a terminal's Ctrl-C or a signal to folio serve's process group reaches only
         # the scheduler, which then stops the worker in order (a worker still importing would print a
         # traceback); PR_SET_PDEATHSIG still ties it to the scheduler

@@ -82,9 +82,15 @@ def _heartbeat_loop(ctx: zmq.Context, address: str, interval: float, parent_pid:
 
 
 def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartbeat_interval: float = 0.5,
-               max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES) -> int:
-    """Serve StepPlans until ``shutdown``; returns the exit code."""
-    parent_pid = os.getppid()
+               max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES, parent_pid: int | None = None) -> int:
+    """Serve StepPlans until ``shutdown``; returns the exit code.
+
+    ``parent_pid``: the scheduler that spawned us (``ZmqExecutor`` passes it); when our parent is
+    not (or no longer) that process we exit at once. Without it the parent is whatever
+    ``getppid()`` says at start, which is already init's pid when the scheduler died while this
+    interpreter was still starting (a signal to ``folio serve`` at start-up): such a worker waited
+    for a plan forever, holding the serve process's stdout open."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
     addresses = (address, heartbeat_address)
     _die_with_parent(parent_pid, addresses)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -178,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="module:callable building the runner from an EngineConfig")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--max-message-bytes", type=int, default=M.DEFAULT_MAX_MESSAGE_BYTES)
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="pid of the spawning scheduler: exit if it is not (or no longer) our parent")
     a = p.parse_args(argv)
-    return run_worker(a.address, a.heartbeat_address, a.runner, a.heartbeat_interval, a.max_message_bytes)
+    return run_worker(a.address, a.heartbeat_address, a.runner, a.heartbeat_interval, a.max_message_bytes,
+                      a.parent_pid)
 
 
 if __name__ == "__main__":

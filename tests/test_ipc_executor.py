@@ -114,6 +114,45 @@ def test_worker_death_or_silence_raises_quickly(sig, hb_timeout, needle):
     assert ex.proc.poll() is not None
 
 
+def test_worker_whose_parent_died_before_it_started_exits():
+    # The race behind a hang of `folio serve` signalled at start-up: the scheduler exits while its
+    # worker's interpreter is still starting, so the worker's getppid() is already init's pid when
+    # it first looks, and a worker that took that as its parent waited for a plan forever. Here the
+    # spawner passes its pid as ZmqExecutor does and exits at once, before the worker can start.
+    tmp = tempfile.mkdtemp(prefix="folio-test-")
+    addresses = [f"ipc://{tmp}/w.sock", f"ipc://{tmp}/hb.sock"]
+    code = textwrap.dedent(f"""
+        import os, subprocess, sys
+        p = subprocess.Popen([sys.executable, "-m", "folio.ipc.worker", "--address", {addresses[0]!r},
+                              "--heartbeat-address", {addresses[1]!r}, "--runner", {RUNNER!r},
+                              "--parent-pid", str(os.getpid())], start_new_session=True)
+        print(p.pid, flush=True)
+        os._exit(0)
+    """)
+    import zmq
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)]   # bound as the scheduler binds them
+    for sock, address in zip(socks, addresses):
+        sock.bind(address)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    worker_pid = int(out.stdout.split()[0])
+    try:
+        assert _wait_gone(worker_pid), "a worker orphaned before it started kept running"
+        # it left through its orphan check, which removes the scheduler's socket files (a worker
+        # that failed for another reason, such as an unknown argument, leaves them)
+        assert not any(os.path.exists(a[len("ipc://"):]) for a in addresses), os.listdir(tmp)
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        try:
+            os.kill(worker_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_worker_dies_with_its_parent():
     code = textwrap.dedent(f"""
         import sys, time
