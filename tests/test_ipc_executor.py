@@ -1,6 +1,7 @@
 """ZmqExecutor <-> worker process, with a fake runner (no model): round trip, death, silence, orphans."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from folio.ipc.executor import WorkerDiedError, ZmqExecutor
 from folio.runtime.config import EngineConfig
@@ -129,7 +131,6 @@ def test_worker_whose_parent_died_before_it_started_exits():
         print(p.pid, flush=True)
         os._exit(0)
     """)
-    import zmq
     ctx = zmq.Context()
     socks = [ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)]   # bound as the scheduler binds them
     for sock, address in zip(socks, addresses):
@@ -149,7 +150,6 @@ def test_worker_whose_parent_died_before_it_started_exits():
             os.kill(worker_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
 
 
