@@ -129,6 +129,23 @@ def test_section3_peer(report, peer):
             assert p["output_tokens_per_s"] > 0 and p["threads"] == run["engine"]["threads"]
 
 
+ZEN3_FLAGS = "fpu sse2 avx fma f16c bmi2 avx2 sha_ni"  # AVX2, no AVX-512
+ZEN5_FLAGS = ZEN3_FLAGS + " avx512f avx512dq avx512cd avx512bw avx512vl avx512vbmi avx512_vnni avx512_bf16 avx_vnni"
+ICELAKE_FLAGS = ZEN5_FLAGS.replace(" avx512_bf16", "").replace(" avx_vnni", "")  # no BF16, no AVX-VNNI
+
+
+@pytest.mark.parametrize("flags, level", [(ZEN3_FLAGS, "avx2"), (ZEN5_FLAGS, "avx512"), (ICELAKE_FLAGS, "avx2"),
+                                          ("", "avx2")])
+def test_llama_server_build_level_is_the_makefiles(flags, level):
+    """folio looks for llama-server in the folder of the level benchmark/Makefile builds on the same
+    CPU: a binary with instructions the CPU lacks is never run (it trapped with SIGILL once)."""
+    assert llama_server.host_isa(f"processor : 0\nflags\t\t: {flags}\n") == level
+    r = subprocess.run(["make", "-s", "-C", str(llama_server.BENCHMARK_DIR), "isa", f"CPU_FLAGS={flags}"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == level
+
+
 def test_section4_block_counts(report):
     _, data = report
     P, O = TINY.s4_prompt_len, TINY.s4_output_len

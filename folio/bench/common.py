@@ -138,15 +138,44 @@ def _quote(a: str) -> str:
     return shlex.quote(a)
 
 
-def machine_info() -> dict:
-    """CPU model, core count and load average (figures on a shared machine are noisy)."""
-    info = {"cores": os.cpu_count(), "python": sys.version.split()[0]}
+def blas_kernels() -> str | None:
+    """Which kernels the loaded OpenBLAS runs (its core type, e.g. ``SkylakeX``: AVX-512;
+    ``Haswell``: AVX2), and ``OPENBLAS_CORETYPE`` when the environment forces it (OpenBLAS then
+    skips its own CPU detection: on an AVX-512 CPU ``Haswell`` halves sgemm). None when no
+    OpenBLAS is loaded."""
     try:
+        from threadpoolctl import threadpool_info
+    except ImportError:  # pragma: no cover - a dependency
+        return None
+    arch = next((i.get("architecture") for i in threadpool_info() if i.get("internal_api") == "openblas"), None)
+    if arch is None:
+        return None
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    return f"{arch} (OPENBLAS_CORETYPE={forced} in the environment)" if forced else arch
+
+
+def machine_info() -> dict:
+    """CPU model, core count, load average (figures on a shared machine are noisy) and the
+    OpenBLAS kernels (``blas_kernels``)."""
+    info = {"cores": os.cpu_count(), "python": sys.version.split()[0]}
+    kernels = blas_kernels()
+    if kernels:
+        info["blas_kernels"] = kernels
+    try:
+        fields = {}
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+        flags = set(fields.get("flags", "").split())
+        simd = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")) if flag in flags),
+                    None)
+        extra = ", ".join(x for x in (f"family {fields['cpu family']} model {fields['model']}"
+                                      if "cpu family" in fields and "model" in fields else None, simd) if x)
+        if "model name" in fields:
+            info["cpu"] = fields["model name"] + (f" ({extra})" if extra else "")
         info["loadavg_1m"] = os.getloadavg()[0]
         with open("/proc/meminfo") as f:
             info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)

@@ -408,7 +408,8 @@ def format_kernel_rates(out: dict) -> str:
     mi = out["machine"]
     L = [f"command: {out['command']}",
          f"machine: {mi.get('cpu', '?')}, {mi.get('cores')} cores, last-level cache "
-         f"{out['last_level_cache_bytes'] >> 20} MiB; sgemm: {out['blas']}",
+         f"{out['last_level_cache_bytes'] >> 20} MiB; sgemm: {out['blas']}"
+         + (f", {mi['blas_kernels']} kernels" if mi.get("blas_kernels") else ""),
          f"thread pool: Numba {out.get('threading_layer', '?')} layer, {out.get('omp_env')}"]
     for r in out["runs"]:
         t, bw, rb = r["threads"], r["copy_gbs"], r.get("read_gbs")

@@ -6,8 +6,11 @@ one request at a time. This peer runs the throughput workload through it:
 
 * the binaries (``llama-server``, ``llama-quantize``) are built by ``benchmark/Makefile`` from
   the llama.cpp source carried by the pinned llama-cpp-python source distribution (downloaded
-  from PyPI at build time, portable AVX2 flags; nothing of llama.cpp is kept in the repository),
-  or taken from ``$FOLIO_LLAMA_CPP_BIN``;
+  from PyPI at build time; nothing of llama.cpp is kept in the repository), or taken from
+  ``$FOLIO_LLAMA_CPP_BIN``. The build is one of two explicit instruction-set levels (``isa()``:
+  ``avx512`` where this host has every AVX-512 extension ggml uses, else ``avx2``; never
+  ``-march=native``), each in its own folder, so the peer runs with the vector width this CPU
+  has and a binary built for one level never runs on a CPU without it;
 * the model is the same GGUF file folio imports, once as shipped (Q4_1) and once converted to
   F32 with ``llama-quantize --allow-requantize ... F32`` (folio's own precision; the file is
   cached in ``$FOLIO_HOME/llama-cpp/``);
@@ -42,10 +45,45 @@ BENCHMARK_DIR = Path(__file__).resolve().parents[2] / "benchmark"
 BUILD_MINUTES = 15  # benchmark/Makefile on 2 cores
 
 
+# The CPU flags (as /proc/cpuinfo names them) of benchmark/Makefile's ``avx512`` level: ggml's
+# GGML_AVX512 (F, CD, VL, DQ, BW), GGML_AVX512_VBMI / _VNNI / _BF16 and GGML_AVX_VNNI.
+AVX512_FLAGS = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi", "avx512_vnni",
+                "avx512_bf16", "avx_vnni")
+
+
+ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}
+
+
+def host_isa(cpuinfo: str | None = None) -> str:
+    """``"avx512"`` when the CPU (``/proc/cpuinfo``'s first ``flags`` line, or ``cpuinfo``) has
+    every flag of ``AVX512_FLAGS``, else ``"avx2"`` (benchmark/Makefile makes the same choice)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "avx2"
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512" if set(AVX512_FLAGS) <= set(flags) else "avx2"
+
+
+def isa() -> str:
+    """The build level the peer uses: ``$FOLIO_LLAMA_CPP_ISA`` (``avx2`` or ``avx512``), else
+    ``host_isa()``.
+
+    Raises:
+        ValueError: ``$FOLIO_LLAMA_CPP_ISA`` names another level.
+    """
+    level = os.environ.get("FOLIO_LLAMA_CPP_ISA") or host_isa()
+    if level not in ("avx2", "avx512"):
+        raise ValueError(f"FOLIO_LLAMA_CPP_ISA={level!r}: one of avx2, avx512")
+    return level
+
+
 def tools_dir() -> Path:
-    """Where ``llama-server`` and ``llama-quantize`` are (or will be built)."""
+    """Where ``llama-server`` and ``llama-quantize`` are (or will be built):
+    ``$FOLIO_LLAMA_CPP_BIN``, else ``benchmark/build/llama.cpp-<isa()>/bin``."""
     env = os.environ.get("FOLIO_LLAMA_CPP_BIN")
-    return Path(env) if env else BENCHMARK_DIR / "build" / "llama.cpp" / "bin"
+    return Path(env) if env else BENCHMARK_DIR / "build" / f"llama.cpp-{isa()}" / "bin"
 
 
 def built() -> bool:
@@ -75,12 +113,12 @@ def ensure_built(log=print) -> Path:
         RuntimeError: the build failed (the message ends with its last lines).
     """
     if not built():
-        log(f"building llama-server from the pinned llama-cpp-python sdist (make -C {BENCHMARK_DIR}, "
-            f"about {BUILD_MINUTES} min on 2 cores) ...")
-        p = subprocess.run(["make", "-C", str(BENCHMARK_DIR)], capture_output=True, text=True)
+        log(f"building llama-server from the pinned llama-cpp-python sdist (make -C {BENCHMARK_DIR} "
+            f"ISA={isa()}, about {BUILD_MINUTES} min on 2 cores) ...")
+        p = subprocess.run(["make", "-C", str(BENCHMARK_DIR), f"ISA={isa()}"], capture_output=True, text=True)
         if p.returncode != 0 or not built():
             tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-5:])
-            raise RuntimeError(f"make -C {BENCHMARK_DIR} failed:\n{tail}")
+            raise RuntimeError(f"make -C {BENCHMARK_DIR} ISA={isa()} failed:\n{tail}")
     return tools_dir()
 
 
@@ -120,7 +158,8 @@ def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel:
         parallel: server slots (default: one per request, as folio runs them all at once).
     Returns:
         dict: wall_s, requests, output_tokens, prompt_tokens, load_s, threads, parallel, n_ctx,
-        gguf, command (the server's command line).
+        gguf, isa (the build level, or ``"$FOLIO_LLAMA_CPP_BIN"``), command (the server's
+        command line).
     Raises:
         RuntimeError: the server exited or did not become healthy (its log's last lines).
     """
@@ -186,7 +225,8 @@ def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel:
         log.close()
     return {"wall_s": wall, "requests": len(requests), "output_tokens": sum(produced),
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "load_s": load_s, "threads": threads,
-            "parallel": parallel, "n_ctx": n_ctx, "gguf": str(gguf), "command": shlex.join(["llama-server", *cmd[1:]])}
+            "parallel": parallel, "n_ctx": n_ctx, "gguf": str(gguf),
+            "isa": "$FOLIO_LLAMA_CPP_BIN" if os.environ.get("FOLIO_LLAMA_CPP_BIN") else isa(), "command": shlex.join(["llama-server", *cmd[1:]])}
 
 
 def quant_name(gguf) -> str:
@@ -202,9 +242,12 @@ def run_peer(model: str, requests: list[BenchRequest], threads: int, parallel: i
     from tqdm.auto import tqdm
 
     from ..model.registry import find_packaged_gguf
-    ok, why = available()
+    try:
+        ok, why = available()
+    except ValueError as e:  # $FOLIO_LLAMA_CPP_ISA names no level
+        ok, why = False, str(e)
     if ok and not build and not built():
-        ok, why = False, f"not built (make -C {BENCHMARK_DIR})"
+        ok, why = False, f"not built (make -C {BENCHMARK_DIR} ISA={isa()})"
     if not ok:
         return {"llama-cpp-server": {"skipped": why}}
     try:
@@ -214,8 +257,9 @@ def run_peer(model: str, requests: list[BenchRequest], threads: int, parallel: i
     except (RuntimeError, ValueError, OSError) as e:
         return {"llama-cpp-server": {"skipped": str(e)}}
     out = {}
+    level = "" if os.environ.get("FOLIO_LLAMA_CPP_BIN") else f", {ISA_NAMES[isa()]} build"
     for quant, path in runs:
-        key, label = f"llama-cpp-server-{quant.lower()}", f"llama-server {quant} ({parallel} slots)"
+        key, label = f"llama-cpp-server-{quant.lower()}", f"llama-server {quant} ({parallel} slots{level})"
         bar = tqdm(total=len(requests), desc=f"llama-server {quant}", disable=not progress, dynamic_ncols=True)
         try:
             out[key] = {"label": label, **run_llama_server(path, requests, threads, parallel, progress=bar)}

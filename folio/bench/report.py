@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import llama_server
 from .common import ModelHost, command_line, machine_info, random_requests
 
 SECTIONS = (1, 2, 3, 4, 5, 6, 7)
@@ -428,7 +429,9 @@ def _section3_markdown(r: dict, figure: list, reproduce: str) -> list:
          f"{w['output_len']}, ignore_eos, {w['prompts']} (seed {w['seed']}). folio: continuous batching, budget "
          "2048 tokens/step, float32. transformers: `generate` in static batches of 16, left-padded, float32. "
          "llama-cpp-python: the packaged Q4_1 GGUF, one request at a time. llama-server: llama.cpp's HTTP server "
-         "built from the source in the pinned llama-cpp-python sdist (portable AVX2 flags, `benchmark/Makefile`), "
+         "built from the source in the pinned llama-cpp-python sdist (`benchmark/Makefile`"
+         + (f", {llama_server.ISA_NAMES.get(server.get('isa'), server.get('isa'))} build" if server and server.get("isa") else "")
+         + "), "
          + (f"{server['parallel']} slots (one per request folio runs at once), a KV stream per slot (its "
             "default; one buffer shared by all slots, `--kv-unified`, was 1.6x slower here), continuous "
             "batching, " if server else "") +
@@ -549,7 +552,8 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
     L = ["# folio performance report", "",
          f"Generated {data['started']} by `{data['command']}` in {data['total_s'] / 60:.1f} min "
          f"({'tiny test sizes' if size_name == 'tiny' else 'full sizes'}).",
-         f"Machine: {m0.get('cpu', '?')}, {m0.get('cores')} cores, {m0.get('mem_total_gib', '?')} GiB; 1-min load "
+         f"Machine: {m0.get('cpu', '?')}, {m0.get('cores')} cores, {m0.get('mem_total_gib', '?')} GiB"
+         + (f", folio's sgemm: OpenBLAS {m0['blas_kernels']} kernels" if m0.get("blas_kernels") else "") + "; 1-min load "
          f"{m0.get('loadavg_1m', 0):.1f} at the start and {data['machine_end'].get('loadavg_1m', 0):.1f} at the end "
          "(the machine is shared, so timings are noisy). Model: SmolLM2-135M-Instruct, float32 on CPU, "
          f"{data['threads']} thread(s) per engine (folio and every peer alike; section 3 also at 1). Raw figures: "
@@ -557,7 +561,9 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
     for u in data.get("reruns", []):
         L += [f"Section(s) {', '.join(u['sections'])} rerun {u['started']} by `{u['command']}` in "
               f"{u['total_s'] / 60:.1f} min on {u['machine_start'].get('cpu', '?')}, {u['machine_start'].get('cores')} "
-              f"cores, {u['threads']} thread(s), 1-min load {u['machine_start'].get('loadavg_1m', 0):.1f} at the start "
+              f"cores" + (f" (folio's sgemm: OpenBLAS {u['machine_start']['blas_kernels']} kernels)"
+                          if u["machine_start"].get("blas_kernels") else "")
+              + f", {u['threads']} thread(s), 1-min load {u['machine_start'].get('loadavg_1m', 0):.1f} at the start "
               f"and {u['machine_end'].get('loadavg_1m', 0):.1f} at the end; the other sections are from the run above.",
               ""]
     cmd = lambda n: _section_command(n, size_name)  # noqa: E731

@@ -122,9 +122,15 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
     return out
 
 
+def _peer_label(name: str, p: dict) -> str:
+    return p.get("label") or {"transformers": f"transformers (static batches of {p.get('batch_size', 16)})",
+                              "llama-cpp": "llama-cpp-python (one at a time)"}.get(name, name)
+
+
 def format_throughput(out: dict) -> str:
     """Human-readable lines of ``run_throughput``'s result."""
     w, f = out["workload"], out["folio"]
+    c = max([34] + [len(_peer_label(n, p)) + 2 for n, p in out["peers"].items()])  # the engine column
     lines = [
         f"command: {out['command']}",
         f"workload: {w['num_prompts']} requests, prompt len uniform {w['input_len']}, output len uniform "
@@ -132,23 +138,23 @@ def format_throughput(out: dict) -> str:
         f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens)",
         f"machine: {out['machine'].get('cpu', '?')}, {out['machine'].get('cores')} cores, load "
         f"{out['machine'].get('loadavg_1m', 0):.1f}; threads per engine: {out['engine']['threads']}"
+        + (f"; folio's sgemm: OpenBLAS {out['machine']['blas_kernels']} kernels" if out["machine"].get("blas_kernels") else "")
         + (f"; {out['busy_processes']} competing busy process(es) during every run" if out.get("busy_processes") else ""),
         *([f"folio warm-up before timing (kernels compiled or loaded from the cache): {out['warm_up_s']:.1f} s"]
           if out.get("warm_up_s") is not None else []),
         "",
-        f"{'engine':<34}{'wall s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}",
-        f"{'folio (continuous batching)':<34}{f['wall_s']:>9.1f}{f['requests_per_s']:>9.3f}"
+        f"{'engine':<{c}}{'wall s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}",
+        f"{'folio (continuous batching)':<{c}}{f['wall_s']:>9.1f}{f['requests_per_s']:>9.3f}"
         f"{f['output_tokens_per_s']:>11.1f}{f['total_tokens_per_s']:>13.1f}",
     ]
     for name, p in out["peers"].items():
-        label = p.get("label") or {"transformers": f"transformers (static batches of {p.get('batch_size', 16)})",
-                                   "llama-cpp": "llama-cpp-python (one at a time)"}.get(name, name)
+        label = _peer_label(name, p)
         if "skipped" in p:
-            lines.append(f"{label:<34}  skipped: {p['skipped']}")
+            lines.append(f"{label:<{c}}  skipped: {p['skipped']}")
             continue
-        lines.append(f"{label:<34}{p['wall_s']:>9.1f}{p['requests_per_s']:>9.3f}"
+        lines.append(f"{label:<{c}}{p['wall_s']:>9.1f}{p['requests_per_s']:>9.3f}"
                      f"{p['output_tokens_per_s']:>11.1f}{p['total_tokens_per_s']:>13.1f}")
-        lines.append(f"{'':<34}folio / {label}: {f['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x "
+        lines.append(f"{'':<{c}}folio / {label}: {f['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x "
                      "output tokens/s")
     lines += [
         "",
