@@ -106,8 +106,13 @@ def test_section3_runs_at_every_thread_count_and_kernel_rates(report):
         assert r["copy_gbs"] > 0 and r["read_gbs"] > 0 and all(d["gflops"] > 0 for d in r["batched_products"] + r["attention"])
         assert all(d["gather_gbs"] > 0 if d["kind"] == "decode" else d["sgemm_tile_gflops"] > 0 for d in r["attention"])
         assert all(d["plan_us"] > 0 and len(d["tile_shape"]) == 2 for d in r["attention"] if d["kind"] == "prefill")
+        # with 2+ threads also as phases of one region (the forward's way); with 1 there is no region
+        region = [d.get("gbs_region") or d.get("gflops_region") for d in
+                  r["decode_products"] + r["batched_products"] + r["attention"]]
+        assert all(x is not None and x > 0 for x in region) if r["threads"] > 1 else not any(region)
     md = (report[0] / "REPORT.md").read_text()
     assert "CPU kernel rates against this machine's limits" in md
+    assert ("the same work as phases of one parallel region" in md) == (all_cores() > 1)
 
 
 @pytest.mark.parametrize("peer", peers.PEERS)
@@ -261,3 +266,50 @@ def test_gather_read_sums_exactly_the_blocks_of_the_tables():
     want = kc[blocks].sum() + vc[blocks].sum()
     for tasks in (1, 2, 3):
         assert _gather_read(kc, vc, tables, seq_lens, tasks) == want
+
+
+@pytest.mark.parametrize("T", [1, 3, 64])
+def test_products_in_one_region_compute_the_forwards_products(T):
+    # the "in one region" product figures of `folio bench kernels` must run the work items of the
+    # per-call kernel: same items, same dot / sgemm code, so the same bits as `linear`
+    import numba
+    import numpy as np
+
+    from folio.bench.kernel_rates import _model_weights, products_region_call
+    from folio.kernels.cpu import linear
+    from folio.kernels.cpu_threads import numba_threads
+    layers = _model_weights(np.random.default_rng(0), 3)
+    stacks = [w.base for w in layers[0]]
+    assert all(st.shape[0] == 3 for st in stacks) and all(w is not None for w in stacks)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((T, st.shape[2]), dtype=np.float32) for st in stacks]
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    with numba_threads(threads):
+        run, ys = products_region_call(xs, stacks, threads)
+        run()
+        want = [linear(x, st[2]) for x, st in zip(xs, stacks)]   # the last layer's products stay
+        run1, ys1 = products_region_call(xs[2:3], [stacks[2][1:2]], threads, reps=3)   # one kind, repeated
+        run1()
+        want1 = linear(xs[2], stacks[2][1])
+    for g, w in zip(ys, want):
+        np.testing.assert_array_equal(g, w)
+    np.testing.assert_array_equal(ys1[0], want1)
+
+
+@pytest.mark.parametrize("seqs", [[(40, 1), (100, 1), (7, 1)], [(60, 60)], [(33, 9), (80, 1)]])
+def test_attention_in_one_region_computes_paged_attention(seqs):
+    # the "in one region" attention figures run the items of the per-call kernel, layer by layer,
+    # with the merge of split decodes after each: the same bits as paged_attention per layer
+    import numba
+    import numpy as np
+
+    from folio.bench.kernel_rates import attention_case, attention_region_call
+    from folio.kernels.cpu_attention import paged_attention
+    from folio.kernels.cpu_threads import numba_threads
+    q, caches, bt, sl, qsl = attention_case(np.random.default_rng(2), seqs, layers=2, dtype=np.int64)
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    with numba_threads(threads):
+        run, out = attention_region_call(q, caches, bt, sl, qsl, threads)
+        run()
+        want = paged_attention(q, *caches[1], bt, sl, qsl, q.shape[2] ** -0.5)
+    np.testing.assert_array_equal(out, want)

@@ -37,6 +37,15 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
   layer, the step's work items planned once (the forward plans once per step for all its
   layers); the planning is timed on its own.
 
+**As the forward runs them, in one region** (2 threads or more): the forward pass runs a step's
+products and attention inside one parallel region whose tasks meet at a counter after each
+phase (``kernels/cpu_forward``), while the figures above call each kernel on its own, and each
+call opens a region whose sleeping threads must be woken (``region_overhead_us``: ~15 us on the
+Zen 3 VM, 57-73 us on a Zen 5 VM, where a thread woken late leaves a short product to its
+partner). The ``*_region`` figures run the same work items the same way the forward does: the
+30 layers' four decode-sized products (or ``_REGION_REPS`` calls of one batched product) as
+phases of one region, and decode / prefill attention over every layer with its merge phase.
+
 Every figure is the best of ``repeat`` timed calls after a warm-up (the machine's capability;
 on a shared machine the median is printed too), with the load average beside it.
 """
@@ -50,7 +59,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit, prange
 
-from ..kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, ptr, sgemm
+from ..kernels.cpu_attention import _run_item, _scratch, finish_attention
+from ..kernels.cpu_forward import _wait_done
+from ..kernels.cpu_linear import linear_item, linear_items, linear_plan
+from ..kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, atomic_add, ptr, sgemm
 
 _MODEL = dict(hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
 
@@ -150,16 +162,116 @@ def region_overhead_us(threads: int, calls: int = 2000) -> dict:
     return {"median_us": float(np.median(ts)), "mean_us": float(ts.mean()), "p99_us": float(np.percentile(ts, 99))}
 
 
+_REGION_REPS = 8   # calls of one batched product inside one region (its "in one region" figure)
+
+
+@njit(parallel=True, cache=True)
+def _products_region(x0, x1, x2, x3, w0, w1, w2, w3, y0, y1, y2, y3, lin, kinds, reps, n_tasks):
+    # reps rounds of the first `kinds` products (x_k @ w_k[r % L].T -> y_k, planned by lin[k]) as
+    # phases of one region, the way kernels/cpu_forward._layers_region runs a step's products:
+    # items claimed from a counter per phase, every task waits at the phase's end
+    T = x0.shape[0]
+    L = w0.shape[0]
+    n_items = np.zeros(4, np.int64)
+    n_items[0] = linear_items(T, w0.shape[1], lin[0, 0], lin[0, 1], lin[0, 2])
+    n_items[1] = linear_items(T, w1.shape[1], lin[1, 0], lin[1, 1], lin[1, 2])
+    n_items[2] = linear_items(T, w2.shape[1], lin[2, 0], lin[2, 1], lin[2, 2])
+    n_items[3] = linear_items(T, w3.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
+    claims = np.zeros(reps * kinds, np.int64)
+    done = np.zeros(reps * kinds, np.int64)
+    for w in prange(n_tasks):
+        for r in range(reps):
+            layer = r % L
+            for p in range(kinds):
+                k = r * kinds + p
+                while True:
+                    i = atomic_add(claims, k, 1)
+                    if i >= n_items[p]:
+                        break
+                    if p == 0:
+                        linear_item(x0, w0[layer], y0, lin[0, 0], lin[0, 1], lin[0, 2], i)
+                    elif p == 1:
+                        linear_item(x1, w1[layer], y1, lin[1, 0], lin[1, 1], lin[1, 2], i)
+                    elif p == 2:
+                        linear_item(x2, w2[layer], y2, lin[2, 0], lin[2, 1], lin[2, 2], i)
+                    else:
+                        linear_item(x3, w3[layer], y3, lin[3, 0], lin[3, 1], lin[3, 2], i)
+                    atomic_add(done, k, 1)
+                _wait_done(done, k, n_items[p])
+
+
+def products_region_call(xs, stacks, threads: int, reps: int | None = None):
+    """``(run, ys)``: ``run()`` computes ``ys[k] = xs[k] @ stacks[k][layer].T`` for every layer
+    (``reps`` rounds, default one per layer; ``ys`` keeps the last round's) and every kind ``k``
+    (1 to 4 of them) in one parallel region of ``threads`` tasks, as the forward does
+    (``_products_region``). ``stacks``: C-contiguous float32 ``[L, N, K]``."""
+    kinds = len(xs)
+    T = xs[0].shape[0]
+    ys = [np.empty((T, w.shape[1]), np.float32) for w in stacks]
+    lin = np.array([linear_plan(T, w.shape[1:], threads) for w in stacks]
+                   + [(1, 0, 0)] * (4 - kinds), dtype=np.int64)
+    pad = lambda a: list(a) + [a[0]] * (4 - kinds)  # noqa: E731  (unused slots: never run)
+    args = (*pad(xs), *pad(stacks), *pad(ys), lin, kinds, reps or stacks[0].shape[0], threads)
+    return (lambda: _products_region(*args)), ys
+
+
+@njit(parallel=True, cache=True)
+def _attention_region(q, key_caches, value_caches, block_tables, seq_lens, query_start_loc, qscale, out, items,
+                      n_parts, n_tasks):
+    # every layer's attention items, then its merge (one item), as phases of one region (as in
+    # kernels/cpu_forward._layers_region)
+    H, D = q.shape[1], q.shape[2]
+    bs, Hkv = key_caches[0].shape[1], key_caches[0].shape[2]
+    L = len(key_caches)
+    qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
+    n_items = np.array([items.shape[0], 1], np.int64)
+    claims = np.zeros(2 * L, np.int64)
+    done = np.zeros(2 * L, np.int64)
+    for w in prange(n_tasks):
+        for layer in range(L):
+            for p in range(2):
+                k = 2 * layer + p
+                while True:
+                    i = atomic_add(claims, k, 1)
+                    if i >= n_items[p]:
+                        break
+                    if p == 0:
+                        _run_item(q, key_caches[layer], value_caches[layer], block_tables, seq_lens, query_start_loc,
+                                  qscale, out, items, i, qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], bm[w], pm,
+                                  pl, pacc)
+                    else:
+                        finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
+                    atomic_add(done, k, 1)
+                _wait_done(done, k, n_items[p])
+
+
+def attention_region_call(q, caches, block_tables, seq_lens, query_start_loc, threads):
+    """``(run, out)``: like ``layers_call``, but every layer in one parallel region of ``threads``
+    tasks, as the forward runs attention between the other phases of a step
+    (``_attention_region``); ``out`` holds the last layer's result."""
+    from ..kernels.cpu_attention import plan
+    from ..kernels.cpu_math import LOG2E
+    H, D = q.shape[1], q.shape[2]
+    bs, Hkv = caches[0][0].shape[1], caches[0][0].shape[2]
+    out = np.zeros_like(q)
+    items, n_parts, _ = plan(seq_lens, query_start_loc, H, Hkv, D, bs, threads)
+    args = (q, tuple(k for k, _ in caches), tuple(v for _, v in caches), block_tables, seq_lens, query_start_loc,
+            np.float32(D ** -0.5 * LOG2E), out, items, n_parts, threads)
+    return (lambda: _attention_region(*args)), out
+
+
 def _set_threads(threads: int) -> None:
     import numba
     numba.set_num_threads(threads)
 
 
 def _model_weights(rng, layers: int):
+    # per layer [qkv, o, gate_up, down], views of one [layers, N, K] stack per kind
     m = _MODEL
     H, Hkv, D, hid, inter = m["heads"], m["kv_heads"], m["head_dim"], m["hidden"], m["inter"]
     shapes = [((H + 2 * Hkv) * D, hid), (hid, H * D), (2 * inter, hid), (hid, inter)]
-    return [[(rng.standard_normal(s, dtype=np.float32) * 0.02) for s in shapes] for _ in range(layers)]
+    stacks = [rng.standard_normal((layers, *s), dtype=np.float32) * np.float32(0.02) for s in shapes]
+    return [[st[i] for st in stacks] for i in range(layers)]
 
 
 def decode_products(threads: int, rows=(1, 2, 4, 8), repeat: int = 5, weights=None) -> list[dict]:
@@ -179,8 +291,14 @@ def decode_products(threads: int, rows=(1, 2, 4, 8), repeat: int = 5, weights=No
                     linear(xs[w.shape[1]], w)
         best, med = _timeit(run, repeat)
         flops = 2 * T * nbytes / 4
-        out.append({"rows": T, "weight_bytes": nbytes, "gbs": nbytes / best / 1e9, "gbs_median": nbytes / med / 1e9,
-                    "gflops": flops / best / 1e9})
+        d = {"rows": T, "weight_bytes": nbytes, "gbs": nbytes / best / 1e9, "gbs_median": nbytes / med / 1e9,
+             "gflops": flops / best / 1e9}
+        if threads > 1:
+            stacks = [w.base for w in weights[0]]   # the [layers, N, K] stacks the layers are views of
+            if all(st is not None and st.shape[0] == len(weights) for st in stacks):
+                best, med = _timeit(products_region_call([xs[st.shape[2]] for st in stacks], stacks, threads)[0], repeat)
+                d.update(gbs_region=nbytes / best / 1e9, gbs_region_median=nbytes / med / 1e9)
+        out.append(d)
     return out
 
 
@@ -201,8 +319,13 @@ def batched_products(threads: int, repeat: int = 5) -> list[dict]:
         best, med = _timeit(lambda: linear(x, w), repeat)
         flops = 2 * T * K * N
         ref = sgemm_gflops(T, K, N, threads, repeat)
-        out.append({"rows": T, "name": name, "N": N, "K": K, "gflops": flops / best / 1e9,
-                    "gflops_median": flops / med / 1e9, "sgemm_gflops": ref})
+        d = {"rows": T, "name": name, "N": N, "K": K, "gflops": flops / best / 1e9,
+             "gflops_median": flops / med / 1e9, "sgemm_gflops": ref}
+        if threads > 1:
+            _set_threads(threads)
+            best, med = _timeit(products_region_call([x], [w[None]], threads, reps=_REGION_REPS)[0], repeat)
+            d.update(gflops_region=_REGION_REPS * flops / best / 1e9, gflops_region_median=_REGION_REPS * flops / med / 1e9)
+        out.append(d)
     return out
 
 
@@ -328,18 +451,28 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
         best, med = _timeit(layers_call(q, caches, bt, sl, qsl, threads), repeat)
         gather, _ = _timeit(lambda: [_gather_read(kc, vc, bt, sl, threads) for kc, vc in caches], repeat)
         flops = layers * decode_seqs * H * ctx * 4 * D
-        out.append({"kind": "decode", "ctx": ctx, "seqs": decode_seqs, "layers": layers,
-                    "gflops": flops / best / 1e9, "gbs": layers * kv_layer / best / 1e9,
-                    "gbs_median": layers * kv_layer / med / 1e9, "gather_gbs": layers * kv_layer / gather / 1e9})
+        d = {"kind": "decode", "ctx": ctx, "seqs": decode_seqs, "layers": layers,
+             "gflops": flops / best / 1e9, "gbs": layers * kv_layer / best / 1e9,
+             "gbs_median": layers * kv_layer / med / 1e9, "gather_gbs": layers * kv_layer / gather / 1e9}
+        if threads > 1:
+            rb, rm = _timeit(attention_region_call(q, caches, bt, sl, qsl, threads)[0], repeat)
+            d.update(gbs_region=layers * kv_layer / rb / 1e9, gbs_region_median=layers * kv_layer / rm / 1e9)
+        out.append(d)
         # prefill: one whole prompt
         q, caches, bt, sl, qsl = attention_case(rng, [(ctx, ctx)], dtype=np.int64)   # int64 like the forward
         best, med = _timeit(layers_call(q, caches, bt, sl, qsl, threads), repeat)
         plan_s, _ = _timeit(lambda: plan(sl, qsl, H, Hkv, D, caches[0][0].shape[1], threads), repeat)
         flops = H * 4 * D * ctx * (ctx + 1) // 2
         ref = sgemm_gflops(ctx, m["hidden"], 2 * m["inter"], threads, repeat)
-        out.append({"kind": "prefill", "ctx": ctx, "seqs": 1, "gflops": flops / best / 1e9,
-                    "gflops_median": flops / med / 1e9, "sgemm_gflops": ref,
-                    "sgemm_tile_gflops": tile, "tile_shape": list(tile_shape(H // Hkv)), "plan_us": plan_s * 1e6})
+        d = {"kind": "prefill", "ctx": ctx, "seqs": 1, "gflops": flops / best / 1e9,
+             "gflops_median": flops / med / 1e9, "sgemm_gflops": ref,
+             "sgemm_tile_gflops": tile, "tile_shape": list(tile_shape(H // Hkv)), "plan_us": plan_s * 1e6}
+        if threads > 1:
+            # the prefill case has one layer's cache: the region runs it _REGION_REPS times
+            _set_threads(threads)
+            rb, rm = _timeit(attention_region_call(q, caches * _REGION_REPS, bt, sl, qsl, threads)[0], repeat)
+            d.update(gflops_region=_REGION_REPS * flops / rb / 1e9, gflops_region_median=_REGION_REPS * flops / rm / 1e9)
+        out.append(d)
     return out
 
 
@@ -422,12 +555,17 @@ def format_kernel_rates(out: dict) -> str:
                  "% of copy bandwidth, % of read bandwidth, GFLOP/s")
         for d in r["decode_products"]:
             L.append(f"  T={d['rows']:<3d} {d['gbs']:6.1f} / {d['gbs_median']:5.1f} GB/s  {100 * d['gbs'] / bw:4.0f}%"
-                     f"{rd(d['gbs'])}  {d['gflops']:6.1f} GFLOP/s")
+                     f"{rd(d['gbs'])}  {d['gflops']:6.1f} GFLOP/s"
+                     + (f"; in one region {d['gbs_region']:5.1f} / {d['gbs_region_median']:5.1f} GB/s "
+                        f"{100 * d['gbs_region'] / bw:4.0f}%{rd(d['gbs_region'])}" if "gbs_region" in d else ""))
         L.append("batched products: rows x name [N, K], folio GFLOP/s (best / median), BLAS sgemm GFLOP/s "
-                 "(its own threads), folio / sgemm")
+                 "(its own threads), folio / sgemm" + (f"; in one region: {_REGION_REPS} calls as phases of one "
+                                                       "region, as the forward runs them" if t > 1 else ""))
         for d in r["batched_products"]:
             L.append(f"  T={d['rows']:<5d}{d['name']:<13}[{d['N']}, {d['K']}]  {d['gflops']:6.1f} / "
-                     f"{d['gflops_median']:5.1f}  sgemm {d['sgemm_gflops']:6.1f}  {100 * d['gflops'] / d['sgemm_gflops']:4.0f}%")
+                     f"{d['gflops_median']:5.1f}  sgemm {d['sgemm_gflops']:6.1f}  {100 * d['gflops'] / d['sgemm_gflops']:4.0f}%"
+                     + (f"; in one region {d['gflops_region']:6.1f} / {d['gflops_region_median']:5.1f}  "
+                        f"{100 * d['gflops_region'] / d['sgemm_gflops']:4.0f}%" if "gflops_region" in d else ""))
         L.append("paged attention (9 heads / 3 KV heads, head_dim 64): decode = 16 seqs x 1 token, prefill = 1 whole "
                  "prompt")
         for d in r["attention"]:
@@ -436,14 +574,20 @@ def format_kernel_rates(out: dict) -> str:
                 L.append(f"  decode  ctx {d['ctx']:<5d} {d['gflops']:6.1f} GFLOP/s  K/V read {d['gbs']:5.1f} / "
                          f"{d['gbs_median']:5.1f} GB/s = {100 * d['gbs'] / bw:4.0f}% of copy{rd(d['gbs'])}"
                          + (f", gather read {g:5.1f} GB/s ({100 * d['gbs'] / g:3.0f}% of it)" if g else "")
-                         + f" ({d['layers']} layers)")
+                         + f" ({d['layers']} layers)"
+                         + (f"; in one region {d['gbs_region']:5.1f} / {d['gbs_region_median']:5.1f} GB/s = "
+                            f"{100 * d['gbs_region'] / bw:4.0f}% of copy{rd(d['gbs_region'])}"
+                            + (f", {100 * d['gbs_region'] / g:3.0f}% of the gather read" if g else "")
+                            if "gbs_region" in d else ""))
             else:
                 t = d.get("sgemm_tile_gflops")
                 L.append(f"  prefill ctx {d['ctx']:<5d} {d['gflops']:6.1f} / {d['gflops_median']:5.1f} GFLOP/s  "
                          f"sgemm [{d['ctx']}x576]x[576x3072] {d['sgemm_gflops']:6.1f}  "
                          f"{100 * d['gflops'] / d['sgemm_gflops']:4.0f}%"
                          + (f"; sgemm at the tile's shapes{_tile_text(d)} {t:6.1f}  {100 * d['gflops'] / t:4.0f}%" if t else "")
-                         + (f"; planning {d['plan_us']:.0f} us per step" if "plan_us" in d else ""))
+                         + (f"; planning {d['plan_us']:.0f} us per step" if "plan_us" in d else "")
+                         + (f"; in one region {d['gflops_region']:6.1f} / {d['gflops_region_median']:5.1f} GFLOP/s "
+                            f"{100 * d['gflops_region'] / d['sgemm_gflops']:4.0f}% of sgemm" if "gflops_region" in d else ""))
         if "model_decode" in r:
             md = r["model_decode"]
             L.append(f"single-sequence decode of {md['model']} (context {md['prompt_len']}..+{md['tokens']}): "

@@ -513,6 +513,29 @@ def _kernel_rates_markdown(k: dict) -> list:
                  + (f"{t8['gbs']:.1f} ({pc(t8['gbs'])})" if t8 else "-") + " | "
                  f"{100 * min(bp):.0f}%..{100 * max(bp):.0f}% | {dec} | {pre} | {mds} |")
     L.append("")
+    for run in k["runs"]:   # the same work as phases of one parallel region, as the forward runs it
+        bw = run["copy_gbs"]
+        dp = [d for d in run["decode_products"] if "gbs_region" in d]
+        bp = [d["gflops_region"] / d["sgemm_gflops"] for d in run["batched_products"] if "gflops_region" in d]
+        att = [d for d in run["attention"] if "gbs_region" in d or "gflops_region" in d]
+        if not (dp or bp or att):
+            continue
+        parts = []
+        if dp:
+            parts.append("decode-sized products " + ", ".join(
+                f"T={d['rows']} {d['gbs_region']:.1f} GB/s ({100 * d['gbs_region'] / bw:.0f}% of copy)" for d in dp))
+        if bp:
+            parts.append(f"batched products {100 * min(bp):.0f}%..{100 * max(bp):.0f}% of sgemm")
+        dec = [f"{d['ctx']}: {d['gbs_region']:.1f} GB/s ({100 * d['gbs_region'] / bw:.0f}%)" for d in att
+               if d["kind"] == "decode"]
+        pre = [f"{d['ctx']}: {100 * d['gflops_region'] / d['sgemm_gflops']:.0f}%" for d in att if d["kind"] == "prefill"]
+        if dec:
+            parts.append("decode attention " + ", ".join(dec))
+        if pre:
+            parts.append("prefill attention " + ", ".join(pre) + " of sgemm")
+        L += [f"With {run['threads']} threads, the same work as phases of one parallel region (as the forward runs "
+              f"a step: no thread wake-up per call; an empty region costs {run['region']['median_us']:.0f} us "
+              f"median here): " + "; ".join(parts) + ".", ""]
     return L
 
 
