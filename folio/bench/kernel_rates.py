@@ -121,14 +121,24 @@ def read_bandwidth_gbs(threads: int, n_bytes: int = 512 << 20, repeat: int = 5) 
         return 2 * a.nbytes / _sliced_best_s(threads, a, b, np.dot, repeat) / 1e9
 
 
+# After a call on several threads, OpenBLAS's own workers keep polling for more work before they
+# sleep (its THREAD_TIMEOUT: 2^28 cycles by default, ~0.1 s), each holding a core: a Numba region
+# timed in that window ran at its 1-thread rate (2 threads, T=64 products: 86-94 GFLOP/s right
+# after the reference sgemm, 146-156 after a pause). Folio's own figures are taken after this.
+_BLAS_SETTLE_S = 1.0
+
+
 def sgemm_gflops(T: int, K: int, N: int, threads: int, repeat: int = 5) -> float:
-    """NumPy's BLAS ``[T, K] @ [K, N]`` (weights stored ``[N, K]``) on ``threads`` BLAS threads."""
+    """NumPy's BLAS ``[T, K] @ [K, N]`` (weights stored ``[N, K]``) on ``threads`` BLAS threads.
+    With ``threads > 1``, waits ``_BLAS_SETTLE_S`` afterwards until BLAS's workers sleep."""
     from threadpoolctl import threadpool_limits
     rng = np.random.default_rng(0)
     x = rng.standard_normal((T, K), dtype=np.float32)
     w = rng.standard_normal((N, K), dtype=np.float32)
     with threadpool_limits(limits=threads, user_api="blas"):
         best, _ = _timeit(lambda: x @ w.T, repeat)
+    if threads > 1:
+        time.sleep(_BLAS_SETTLE_S)
     return 2 * T * K * N / best / 1e9
 
 
