@@ -166,7 +166,9 @@ def machine_info() -> dict:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if not line.strip():
-                    break  # the first processor's block
+                    if fields:
+                        break  # the end of the first processor's block
+                    continue
                 key, _, value = line.partition(":")
                 fields[key.strip()] = value.strip()
         flags = set(fields.get("flags", "").split())
