@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -154,6 +155,30 @@ def blas_kernels() -> str | None:
     return f"{arch} (OPENBLAS_CORETYPE={forced} in the environment)" if forced else arch
 
 
+def cpu_fields(cpuinfo: str | None = None) -> dict:
+    """The first processor's ``key: value`` lines of ``/proc/cpuinfo`` (or of ``cpuinfo``);
+    empty when the file cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the end of the first processor's block
+            continue
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set:
+    """The first processor's ``flags`` (``cpu_fields``); empty when there are none."""
+    return set(cpu_fields(cpuinfo).get("flags", "").split())
+
+
 def machine_info() -> dict:
     """CPU model, core count, load average (figures on a shared machine are noisy) and the
     OpenBLAS kernels (``blas_kernels``)."""
@@ -161,23 +186,15 @@ def machine_info() -> dict:
     kernels = blas_kernels()
     if kernels:
         info["blas_kernels"] = kernels
+    fields = cpu_fields()
+    flags = set(fields.get("flags", "").split())
+    simd = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")) if flag in flags),
+                None)
+    extra = ", ".join(x for x in (f"family {fields['cpu family']} model {fields['model']}"
+                                  if "cpu family" in fields and "model" in fields else None, simd) if x)
+    if "model name" in fields:
+        info["cpu"] = fields["model name"] + (f" ({extra})" if extra else "")
     try:
-        fields = {}
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break  # the end of the first processor's block
-                    continue
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-        flags = set(fields.get("flags", "").split())
-        simd = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")) if flag in flags),
-                    None)
-        extra = ", ".join(x for x in (f"family {fields['cpu family']} model {fields['model']}"
-                                      if "cpu family" in fields and "model" in fields else None, simd) if x)
-        if "model name" in fields:
-            info["cpu"] = fields["model name"] + (f" ({extra})" if extra else "")
         info["loadavg_1m"] = os.getloadavg()[0]
         with open("/proc/meminfo") as f:
             info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)

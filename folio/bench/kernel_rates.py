@@ -59,9 +59,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit, prange
 
-from ..kernels.cpu_attention import _run_item, _scratch, finish_attention
+from ..kernels.cpu_attention import _run_item, _scratch, finish_attention, plan
 from ..kernels.cpu_forward import _wait_done
 from ..kernels.cpu_linear import linear_item, linear_items, linear_plan
+from ..kernels.cpu_math import LOG2E
 from ..kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, atomic_add, ptr, sgemm
 
 _MODEL = dict(hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
@@ -176,36 +177,27 @@ _REGION_REPS = 8   # calls of one batched product inside one region (its "in one
 
 
 @njit(parallel=True, cache=True)
-def _products_region(x0, x1, x2, x3, w0, w1, w2, w3, y0, y1, y2, y3, lin, kinds, reps, n_tasks):
-    # reps rounds of the first `kinds` products (x_k @ w_k[r % L].T -> y_k, planned by lin[k]) as
-    # phases of one region, the way kernels/cpu_forward._layers_region runs a step's products:
-    # items claimed from a counter per phase, every task waits at the phase's end
-    T = x0.shape[0]
-    L = w0.shape[0]
-    n_items = np.zeros(4, np.int64)
-    n_items[0] = linear_items(T, w0.shape[1], lin[0, 0], lin[0, 1], lin[0, 2])
-    n_items[1] = linear_items(T, w1.shape[1], lin[1, 0], lin[1, 1], lin[1, 2])
-    n_items[2] = linear_items(T, w2.shape[1], lin[2, 0], lin[2, 1], lin[2, 2])
-    n_items[3] = linear_items(T, w3.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
+def _products_region(xs, stacks, ys, lin, reps, n_tasks):
+    # reps rounds of the products xs[p] @ stacks[p][r % L].T -> ys[p] (tuples of one to four
+    # kinds, planned by lin[p]) as phases of one region, the way kernels/cpu_forward._layers_region
+    # runs a step's products: items claimed from a counter per phase, every task waits at the
+    # phase's end
+    kinds = len(xs)
+    L = stacks[0].shape[0]
+    n_items = np.empty(kinds, np.int64)
+    for p in range(kinds):
+        n_items[p] = linear_items(xs[p].shape[0], stacks[p].shape[1], lin[p, 0], lin[p, 1], lin[p, 2])
     claims = np.zeros(reps * kinds, np.int64)
     done = np.zeros(reps * kinds, np.int64)
     for w in prange(n_tasks):
         for r in range(reps):
-            layer = r % L
             for p in range(kinds):
                 k = r * kinds + p
                 while True:
                     i = atomic_add(claims, k, 1)
                     if i >= n_items[p]:
                         break
-                    if p == 0:
-                        linear_item(x0, w0[layer], y0, lin[0, 0], lin[0, 1], lin[0, 2], i)
-                    elif p == 1:
-                        linear_item(x1, w1[layer], y1, lin[1, 0], lin[1, 1], lin[1, 2], i)
-                    elif p == 2:
-                        linear_item(x2, w2[layer], y2, lin[2, 0], lin[2, 1], lin[2, 2], i)
-                    else:
-                        linear_item(x3, w3[layer], y3, lin[3, 0], lin[3, 1], lin[3, 2], i)
+                    linear_item(xs[p], stacks[p][r % L], ys[p], lin[p, 0], lin[p, 1], lin[p, 2], i)
                     atomic_add(done, k, 1)
                 _wait_done(done, k, n_items[p])
 
@@ -215,13 +207,9 @@ def products_region_call(xs, stacks, threads: int, reps: int | None = None):
     (``reps`` rounds, default one per layer; ``ys`` keeps the last round's) and every kind ``k``
     (1 to 4 of them) in one parallel region of ``threads`` tasks, as the forward does
     (``_products_region``). ``stacks``: C-contiguous float32 ``[L, N, K]``."""
-    kinds = len(xs)
-    T = xs[0].shape[0]
-    ys = [np.empty((T, w.shape[1]), np.float32) for w in stacks]
-    lin = np.array([linear_plan(T, w.shape[1:], threads) for w in stacks]
-                   + [(1, 0, 0)] * (4 - kinds), dtype=np.int64)
-    pad = lambda a: list(a) + [a[0]] * (4 - kinds)  # noqa: E731  (unused slots: never run)
-    args = (*pad(xs), *pad(stacks), *pad(ys), lin, kinds, reps or stacks[0].shape[0], threads)
+    ys = tuple(np.empty((x.shape[0], w.shape[1]), np.float32) for x, w in zip(xs, stacks))
+    lin = np.array([linear_plan(x.shape[0], w.shape[1:], threads) for x, w in zip(xs, stacks)], dtype=np.int64)
+    args = (tuple(xs), tuple(stacks), ys, lin, reps or stacks[0].shape[0], threads)
     return (lambda: _products_region(*args)), ys
 
 
@@ -259,8 +247,6 @@ def attention_region_call(q, caches, block_tables, seq_lens, query_start_loc, th
     """``(run, out)``: like ``layers_call``, but every layer in one parallel region of ``threads``
     tasks, as the forward runs attention between the other phases of a step
     (``_attention_region``); ``out`` holds the last layer's result."""
-    from ..kernels.cpu_attention import plan
-    from ..kernels.cpu_math import LOG2E
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = caches[0][0].shape[1], caches[0][0].shape[2]
     out = np.zeros_like(q)
@@ -275,39 +261,36 @@ def _set_threads(threads: int) -> None:
     numba.set_num_threads(threads)
 
 
-def _model_weights(rng, layers: int):
-    # per layer [qkv, o, gate_up, down], views of one [layers, N, K] stack per kind
+def _model_weights(rng, layers: int) -> list:
+    # the default model's four per-layer weights [qkv, o, gate_up, down], one [layers, N, K] stack each
     m = _MODEL
     H, Hkv, D, hid, inter = m["heads"], m["kv_heads"], m["head_dim"], m["hidden"], m["inter"]
     shapes = [((H + 2 * Hkv) * D, hid), (hid, H * D), (2 * inter, hid), (hid, inter)]
-    stacks = [rng.standard_normal((layers, *s), dtype=np.float32) * np.float32(0.02) for s in shapes]
-    return [[st[i] for st in stacks] for i in range(layers)]
+    return [rng.standard_normal((layers, *s), dtype=np.float32) * np.float32(0.02) for s in shapes]
 
 
 def decode_products(threads: int, rows=(1, 2, 4, 8), repeat: int = 5, weights=None) -> list[dict]:
-    """Decode-sized products streaming every layer's weights: GB/s of weights read, GFLOP/s."""
+    """Decode-sized products streaming every layer's weights (``weights``: ``_model_weights``'s
+    stacks): GB/s of weights read, GFLOP/s."""
     from ..kernels.cpu import linear
     _set_threads(threads)
-    weights = weights or _model_weights(np.random.default_rng(0), _MODEL["layers"])
-    nbytes = sum(w.nbytes for layer in weights for w in layer)
+    stacks = weights or _model_weights(np.random.default_rng(0), _MODEL["layers"])
+    nbytes = sum(st.nbytes for st in stacks)
     out = []
     for T in rows:
-        xs = {w.shape[1]: np.random.default_rng(1).standard_normal((T, w.shape[1]), dtype=np.float32)
-              for layer in weights for w in layer}
+        xs = [np.random.default_rng(1).standard_normal((T, st.shape[2]), dtype=np.float32) for st in stacks]
 
         def run():
-            for layer in weights:
-                for w in layer:
-                    linear(xs[w.shape[1]], w)
+            for layer in range(stacks[0].shape[0]):
+                for x, st in zip(xs, stacks):
+                    linear(x, st[layer])
         best, med = _timeit(run, repeat)
         flops = 2 * T * nbytes / 4
         d = {"rows": T, "weight_bytes": nbytes, "gbs": nbytes / best / 1e9, "gbs_median": nbytes / med / 1e9,
              "gflops": flops / best / 1e9}
         if threads > 1:
-            stacks = [w.base for w in weights[0]]   # the [layers, N, K] stacks the layers are views of
-            if all(st is not None and st.shape[0] == len(weights) for st in stacks):
-                best, med = _timeit(products_region_call([xs[st.shape[2]] for st in stacks], stacks, threads)[0], repeat)
-                d.update(gbs_region=nbytes / best / 1e9, gbs_region_median=nbytes / med / 1e9)
+            best, med = _timeit(products_region_call(xs, stacks, threads)[0], repeat)
+            d.update(gbs_region=nbytes / best / 1e9, gbs_region_median=nbytes / med / 1e9)
         out.append(d)
     return out
 
@@ -427,7 +410,6 @@ def layers_call(q, caches, block_tables, seq_lens, query_start_loc, threads, mod
     per step for all its layers; ``attention`` times the planning on its own). ``module``: the
     ``cpu_attention`` module to call (``perf/attention_ab.py`` passes another revision's)."""
     from ..kernels import cpu_attention
-    from ..kernels.cpu_math import LOG2E
     mod = module or cpu_attention
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = caches[0][0].shape[1], caches[0][0].shape[2]
@@ -443,7 +425,6 @@ def layers_call(q, caches, block_tables, seq_lens, query_start_loc, threads, mod
 
 def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, repeat: int = 5) -> list[dict]:
     """Decode and prefill attention rates at each context (see the module docstring)."""
-    from ..kernels.cpu_attention import plan
     m = _MODEL
     H, Hkv, D = m["heads"], m["kv_heads"], m["head_dim"]
     rng = np.random.default_rng(0)

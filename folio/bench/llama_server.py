@@ -40,7 +40,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .common import BenchRequest, peer_env
+from .common import BenchRequest, cpu_flags, peer_env
 
 BENCHMARK_DIR = Path(__file__).resolve().parents[2] / "benchmark"
 BUILD_MINUTES = 15  # benchmark/Makefile on 2 cores
@@ -53,21 +53,6 @@ AVX2_FLAGS = ("avx2", "fma", "f16c", "bmi2")
 AVX512_FLAGS = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi", "avx512_vnni",
                 "avx512_bf16")
 ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set:
-    """The flags of the first ``flags`` line of ``/proc/cpuinfo`` (or of ``cpuinfo``); empty when
-    there is none or the file cannot be read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return set(value.split())
-    return set()
 
 
 def host_isa(cpuinfo: str | None = None) -> str | None:
