@@ -309,18 +309,21 @@ def test_silu_and_mul(case_id, build):
 
 def test_linear_embedding_prepare_weight():
     rng = np.random.default_rng(0)
-    w64 = rng.standard_normal((48, 32))
+    # 50 weight rows: 12 groups of 4 streams plus 2 rows on their own
+    w64 = rng.standard_normal((50, 32))
     w = cpu.prepare_weight(w64[:, ::1].T.T)  # any float input -> contiguous float32
     assert w.dtype == np.float32 and w.flags.c_contiguous
-    for T in (1, 2, 3, 5, 8, 9, 40):  # the streaming kernel (1..8 rows, 1/2/4 streams) and sgemm tiles
+    # the streaming kernel (passes of 4, 2 and 1 tokens: 1..7 cover every mix, 24 its last size)
+    # and sgemm tiles (25, 40)
+    for T in (1, 2, 3, 4, 5, 6, 7, 8, 9, 24, 25, 40):
         x = rng.standard_normal((T, 32)).astype(np.float32)
         y = cpu.linear(x, w)
-        assert y.dtype == np.float32 and y.shape == (T, 48)
+        assert y.dtype == np.float32 and y.shape == (T, 50)
         assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w))
     ids = np.array([3, 0, 47, 3])
     np.testing.assert_array_equal(cpu.embedding(ids, w), w[ids])
     with pytest.raises(IndexError):
-        cpu.embedding(np.array([48]), w)
+        cpu.embedding(np.array([50]), w)
 
 
 def test_kernel_table():
