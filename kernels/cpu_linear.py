@@ -34,9 +34,11 @@ __all__ = ["linear", "linear_into", "linear_items", "linear_item", "linear_plan"
 
 _F32 = np.float32
 # up to this many tokens the streaming kernel, else sgemm tiles. Measured on the 2-vCPU EPYC with
-# cold weights (perf/RESULTS.md): streaming 1.1-1.6x the tiles' GFLOP/s at T = 8..24 on the
-# default model's five shapes (1 and 2 threads), about even at T = 32; OpenBLAS packs and
-# computes a thin output poorly
+# cold weights (perf/RESULTS.md): the 2-token kernel 1.1-1.6x the tiles' GFLOP/s at T = 8..24 on
+# the default model's five shapes (1 and 2 threads, Zen 3), about even at T = 32; OpenBLAS packs
+# and computes a thin output poorly. The 4-token kernel (ninth pass, Zen 5) beats AVX2 OpenBLAS
+# up to T = 64 and AVX-512 OpenBLAS at T = 16-24; the crossover is not yet measured on AVX2
+# code generation or against AVX-512 BLAS at T = 32-64, so the bound stays where it was
 GEMV_MAX_ROWS = 24
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
