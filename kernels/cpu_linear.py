@@ -3,16 +3,17 @@
 Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads``' policy:
 
 * **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading
-  the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens, reading
-  each weight once still beat sgemm's packed tiles here. A Numba kernel streams each weight row once
-  (four rows at a time, from separate places of the item, so that more reads are in flight)
-  and takes its dot product with every token, four tokens per pass over the rows (16 sums per
-  pass: each loaded weight value feeds 4 of them and each token value 4, so from T = 4 on the
-  loop does 2 multiply-adds per load instead of 1; +12% at T = 4, 1.3-1.6x at T = 8..24 on
-  the Zen 5 VM, perf/RESULTS.md). Float32, vectorised by LLVM into 8- or 16-lane partial sums
-  added at the end, a blocked summation whose rounding error grows with ``K / 8`` terms, not
-  ``K``. Tasks take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
-* **More rows** (prefill chunks, batched decode): BLAS ``sgemm`` on 2-D tiles of the output
+  the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (a
+  decode step of up to 64 sequences), reading each weight once still beat sgemm's packed
+  tiles. A Numba kernel streams each weight row once (four rows at a time, from separate places
+  of the item, so that more reads are in flight) and takes its dot product with every token,
+  four tokens per pass over the rows (16 sums per pass: each loaded weight value feeds 4 of
+  them and each token value 4, so from T = 4 on the loop does 2 multiply-adds per load instead
+  of 1; +12% at T = 4, 1.3-1.6x at T = 8..24 on the Zen 5 VM, perf/RESULTS.md). Float32,
+  vectorised by LLVM into 8- or 16-lane partial sums added at the end, a blocked summation
+  whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks take blocks of
+  ``GEMV_BLOCK_ROWS`` weight rows.
+* **More rows** (prefill chunks, decode steps of more sequences): BLAS ``sgemm`` on 2-D tiles of the output
   (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken
   by the threads from a shared counter. Each call packs its own weight tile; tiles are large
   enough (>= 64 x 64 outputs over the whole ``K``) that the packing stays a small share.
@@ -33,13 +34,14 @@ from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr
 __all__ = ["linear", "linear_into", "linear_items", "linear_item", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"]
 
 _F32 = np.float32
-# up to this many tokens the streaming kernel, else sgemm tiles. Measured on the 2-vCPU EPYC with
-# cold weights (perf/RESULTS.md): the 2-token kernel 1.1-1.6x the tiles' GFLOP/s at T = 8..24 on
-# the default model's five shapes (1 and 2 threads, Zen 3), about even at T = 32; OpenBLAS packs
-# and computes a thin output poorly. The 4-token kernel (ninth pass, Zen 5) beats AVX2 OpenBLAS
-# up to T = 64 and AVX-512 OpenBLAS at T = 16-24; the crossover is not yet measured on AVX2
-# code generation or against AVX-512 BLAS at T = 32-64, so the bound stays where it was
-GEMV_MAX_ROWS = 24
+# up to this many tokens the streaming kernel, else sgemm tiles. The 2-token kernel of earlier
+# passes was 1.1-1.6x the tiles' GFLOP/s at T = 8..24 and about even at T = 32 (Zen 3, AVX2).
+# The 4-token kernel, measured on the Zen 5 VM with cold weights (perf/RESULTS.md, ninth pass),
+# against the tiles at T = 32 / 48 / 64, 1 and 2 threads: 1.26-1.35x with AVX2 OpenBLAS,
+# 1.07-1.58x with OpenBLAS's AVX-512 kernels, 1.12-1.27x with both sides held to AVX2 (the
+# kernels compiled for Haswell); at T = 96-128 AVX-512 OpenBLAS catches up (0.84-1.19x).
+# OpenBLAS packs and computes a thin output poorly
+GEMV_MAX_ROWS = 64
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 

@@ -14,7 +14,7 @@ from conftest import force_parallel_kernels
 from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
 from numerics import U32, attention_bound, dot_bound, exp2_rel_bound
 
-from folio.kernels import cpu, cpu_attention, cpu_threads, get_kernels, reference
+from folio.kernels import cpu, cpu_attention, cpu_linear, cpu_threads, get_kernels, reference
 
 @pytest.fixture(autouse=True, params=["auto", "parallel"])
 def drivers(request, monkeypatch):
@@ -313,9 +313,10 @@ def test_linear_embedding_prepare_weight():
     w64 = rng.standard_normal((50, 32))
     w = cpu.prepare_weight(w64[:, ::1].T.T)  # any float input -> contiguous float32
     assert w.dtype == np.float32 and w.flags.c_contiguous
-    # the streaming kernel (passes of 4, 2 and 1 tokens: 1..7 cover every mix, 24 its last size)
-    # and sgemm tiles (25, 40)
-    for T in (1, 2, 3, 4, 5, 6, 7, 8, 9, 24, 25, 40):
+    # the streaming kernel (passes of 4, 2 and 1 tokens: 1..7 cover every mix, GEMV_MAX_ROWS its
+    # last size) and sgemm tiles (one more row, and more)
+    G = cpu_linear.GEMV_MAX_ROWS
+    for T in (1, 2, 3, 4, 5, 6, 7, 8, 9, G - 1, G, G + 1, G + 15):
         x = rng.standard_normal((T, 32)).astype(np.float32)
         y = cpu.linear(x, w)
         assert y.dtype == np.float32 and y.shape == (T, 50)
