@@ -3,18 +3,19 @@
 Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads``' policy:
 
 * **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading
-  the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (a
-  decode step of up to 64 sequences), reading each weight once still beat sgemm's packed
-  tiles. A Numba kernel streams each weight row once (four rows at a time, from separate places
+  the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (64
+  with AVX-512, 24 with AVX2: the decode steps of that many sequences), reading each weight
+  once still beat sgemm's packed tiles. A Numba kernel streams each weight row once (four rows at a time, from separate places
   of the item, so that more reads are in flight) and takes its dot product with every token,
-  four tokens per pass over the rows (16 sums per pass: each loaded weight value feeds 4 of
-  them and each token value 4, so from T = 4 on the loop does 2 multiply-adds per load instead
-  of 1; +12% at T = 4, 1.3-1.6x at T = 8..24 on the Zen 5 VM, perf/RESULTS.md). Float32,
+  ``TOKENS_PER_PASS`` tokens per pass over the rows: 4 where the kernels are compiled with
+  AVX-512 (16 sums per pass: each loaded weight value feeds 4 of them and each token value 4,
+  2 multiply-adds per load), 2 with AVX2, whose 16 registers cannot hold 16 sums (against the
+  former 2 tokens x 2 rows: 1.3-1.6x at T = 8..24 with either, perf/RESULTS.md). Float32,
   vectorised by LLVM into 8- or 16-lane partial sums added at the end, a blocked summation
   whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks take blocks of
   ``GEMV_BLOCK_ROWS`` weight rows.
-* **More rows** (prefill chunks, decode steps of more sequences): BLAS ``sgemm`` on 2-D tiles of the output
-  (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken
+* **More rows** (prefill chunks, decode steps of more sequences): BLAS ``sgemm`` on 2-D tiles
+  of the output (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken
   by the threads from a shared counter. Each call packs its own weight tile; tiles are large
   enough (>= 64 x 64 outputs over the whole ``K``) that the packing stays a small share.
 
@@ -31,17 +32,36 @@ from numba import njit, prange
 
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
-__all__ = ["linear", "linear_into", "linear_items", "linear_item", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS"]
+__all__ = ["linear", "linear_into", "linear_items", "linear_item", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS",
+           "TOKENS_PER_PASS"]
 
 _F32 = np.float32
-# up to this many tokens the streaming kernel, else sgemm tiles. The 2-token kernel of earlier
-# passes was 1.1-1.6x the tiles' GFLOP/s at T = 8..24 and about even at T = 32 (Zen 3, AVX2).
-# The 4-token kernel, measured on the Zen 5 VM with cold weights (perf/RESULTS.md, ninth pass),
-# against the tiles at T = 32 / 48 / 64, 1 and 2 threads: 1.26-1.35x with AVX2 OpenBLAS,
-# 1.07-1.58x with OpenBLAS's AVX-512 kernels, 1.12-1.27x with both sides held to AVX2 (the
-# kernels compiled for Haswell); at T = 96-128 AVX-512 OpenBLAS catches up (0.84-1.19x).
-# OpenBLAS packs and computes a thin output poorly
-GEMV_MAX_ROWS = 64
+
+
+def _compiles_avx512() -> bool:
+    """Whether Numba compiles the kernels with AVX-512 (32 vector registers instead of AVX2's
+    16): the features its JIT targets, ``NUMBA_CPU_FEATURES`` or else the host's, as
+    ``numba.core.codegen`` picks them. Numba's on-disk cache keys its entries on the same
+    features, so code cached on one machine kind never runs with the other kind's choices."""
+    from numba.core import codegen, config
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
+    return "+avx512f" in features
+
+
+_WIDE = _compiles_avx512()
+# tokens per pass of the streaming kernel: 4 x 4 (token, weight row) sums need 16 vector
+# accumulators, which AVX2's 16 registers cannot hold beside the loaded values (6 of them
+# spilled to the stack, reloaded and stored every iteration). Measured with the kernels compiled
+# for each level on the Zen 5 VM (perf/RESULTS.md, ninth pass), T = 8..24, 1 thread: AVX-512,
+# 4 tokens 1.11-1.15x 2 tokens; AVX2, 2 tokens 1.32-1.40x the old 2 x 2 kernel, 4 tokens 1.14-1.19x
+TOKENS_PER_PASS = 4 if _WIDE else 2
+# up to this many tokens the streaming kernel, else sgemm tiles (OpenBLAS packs and computes a
+# thin output poorly). With the kernels compiled for AVX2 the streaming kernel is even with the
+# tiles from T = 32 (0.91-1.05x at T = 32-64, 1 and 2 threads; the 2-token kernel of earlier
+# passes was 1.1-1.6x the tiles at T = 8..24 on Zen 3). With AVX-512, against the tiles at T =
+# 32 / 48 / 64: 1.26-1.35x with AVX2 OpenBLAS, 1.07-1.58x with OpenBLAS's AVX-512 kernels; at
+# T = 96-128 AVX-512 OpenBLAS catches up (0.84-1.19x)
+GEMV_MAX_ROWS = 64 if _WIDE else 24
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 
@@ -142,17 +162,19 @@ def _gemv_rows(x, weight, out, r0, r1):
     # out[:, r0:r1] = x @ weight[r0:r1].T. Four weight rows at a time, read as interleaved
     # streams (rows r0 + i, r0 + i + n/4, ...: one core then keeps more memory reads in flight
     # than with one sequential stream, measured +50% GB/s for one token on the shared EPYC),
-    # against every token, 4 tokens per pass (the rows stay in L1 for the later passes)
+    # against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 for the later
+    # passes), then pairs, then one
     T = x.shape[0]
     n = r1 - r0
     q = n // 4
     for i in range(q):
         ra, rb, rc, rd = r0 + i, r0 + q + i, r0 + 2 * q + i, r0 + 3 * q + i
         t = 0
-        while T - t >= 4:
-            _dot4x4(x, t, weight, ra, rb, rc, rd, out)
-            t += 4
-        if T - t >= 2:
+        if TOKENS_PER_PASS == 4:
+            while T - t >= 4:
+                _dot4x4(x, t, weight, ra, rb, rc, rd, out)
+                t += 4
+        while T - t >= 2:
             _dot2x4(x, t, weight, ra, rb, rc, rd, out)
             t += 2
         if T - t == 1:
