@@ -5,19 +5,20 @@ Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads
 * **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading
   the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (64
   with AVX-512, 24 with AVX2: the decode steps of that many sequences), reading each weight
-  once still beat sgemm's packed tiles. A Numba kernel streams each weight row once (four rows at a time, from separate places
-  of the item, so that more reads are in flight) and takes its dot product with every token,
-  ``TOKENS_PER_PASS`` tokens per pass over the rows: 4 where the kernels are compiled with
-  AVX-512 (16 sums per pass: each loaded weight value feeds 4 of them and each token value 4,
-  2 multiply-adds per load), 2 with AVX2, whose 16 registers cannot hold 16 sums (against the
-  former 2 tokens x 2 rows: 1.3-1.6x at T = 8..24 with either, perf/RESULTS.md). Float32,
-  vectorised by LLVM into 8- or 16-lane partial sums added at the end, a blocked summation
-  whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks take blocks of
-  ``GEMV_BLOCK_ROWS`` weight rows.
+  once still beat sgemm's packed tiles. A Numba kernel streams each weight row once (four rows
+  at a time, from separate places of the item, so that more reads are in flight) and takes its
+  dot product with every token, ``TOKENS_PER_PASS`` tokens per pass over the rows: 4 where the
+  kernels are compiled with AVX-512 (16 sums per pass: each loaded weight value feeds 4 of them
+  and each token value 4, 2 multiply-adds per load), 2 with AVX2, whose 16 registers cannot
+  hold 16 sums (against the former 2 tokens x 2 rows: 1.3-1.6x at T = 8..24 with either,
+  perf/RESULTS.md). Float32, vectorised by LLVM into 8- or 16-lane partial sums added at the
+  end, a blocked summation whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks
+  take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
 * **More rows** (prefill chunks, decode steps of more sequences): BLAS ``sgemm`` on 2-D tiles
-  of the output (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken
-  by the threads from a shared counter. Each call packs its own weight tile; tiles are large
-  enough (>= 64 x 64 outputs over the whole ``K``) that the packing stays a small share.
+  of the output (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded
+  call, tiles taken by the threads from a shared counter. Each call packs its own weight tile;
+  tiles are large enough (>= 64 x 64 outputs over the whole ``K``) that the packing stays a
+  small share.
 
 Source: the GotoBLAS/BLIS layered GEMM (Goto & van de Geijn 2008, "Anatomy of High-Performance
 Matrix Multiplication") for why tiles of the output are independent units of work.

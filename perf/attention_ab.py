@@ -19,35 +19,17 @@ minute to minute: only figures from one run of this script compare (perf/RESULTS
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numba
 import numpy as np
+from revision import load_kernel_module
 
 import folio.kernels.cpu_attention as current
 from folio.bench.kernel_rates import attention_case, layers_call
 
 SHAPES = {"smol": (9, 3, 64), "llama3": (32, 8, 128)}   # (query heads, KV heads, head_dim)
-
-
-def load_revision(rev: str):
-    """``kernels/cpu_attention.py`` at git revision ``rev`` as a module (its relative imports
-    pointed at the installed ``folio.kernels``)."""
-    root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:kernels/cpu_attention.py"], cwd=root, check=True,
-                         capture_output=True, text=True).stdout
-    src = src.replace("from .cpu_", "from folio.kernels.cpu_")
-    path = Path(tempfile.mkdtemp()) / "cpu_attention_old.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("cpu_attention_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None):
@@ -62,7 +44,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (best of)")
     a = p.parse_args(argv)
     print("command: python " + " ".join(sys.argv), flush=True)
-    old = load_revision(a.rev)
+    old = load_kernel_module(a.rev, "cpu_attention")
     H, Hkv, D = SHAPES[a.model]
     rng = np.random.default_rng(0)
     for spec in a.cases.split():

@@ -14,32 +14,15 @@ figures of one run compare: the VM this project measures on drifts 10-30% betwee
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numba
 import numpy as np
+from revision import load_kernel_module
 
 import folio.kernels.cpu_linear as current
 from folio.bench.kernel_rates import _model_weights
-
-
-def load_revision(rev: str):
-    """``kernels/cpu_linear.py`` at git revision ``rev`` as a module (its relative imports
-    pointed at the installed ``folio.kernels``)."""
-    root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:kernels/cpu_linear.py"], cwd=root, check=True,
-                         capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "cpu_linear_old.py"
-    path.write_text(src.replace("from .cpu_", "from folio.kernels.cpu_"))
-    spec = importlib.util.spec_from_file_location("cpu_linear_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None):
@@ -49,7 +32,7 @@ def main(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24])
     a = p.parse_args(argv)
     print("command: python " + " ".join(sys.argv), flush=True)
-    old = load_revision(a.rev)
+    old = load_kernel_module(a.rev, "cpu_linear")
     stacks = _model_weights(np.random.default_rng(0), 30)
     nbytes = sum(st.nbytes for st in stacks)
     for threads in a.threads:
