@@ -41,12 +41,21 @@ _F32 = np.float32
 
 def _compiles_avx512() -> bool:
     """Whether Numba compiles the kernels with AVX-512 (32 vector registers instead of AVX2's
-    16): the features its JIT targets, ``NUMBA_CPU_FEATURES`` or else the host's, as
-    ``numba.core.codegen`` picks them. Numba's on-disk cache keys its entries on the same
-    features, so code cached on one machine kind never runs with the other kind's choices."""
+    16), read from the feature list its JIT passes to LLVM: ``NUMBA_CPU_FEATURES`` where set,
+    else the host's (``numba.core.codegen``), the last ``+avx512f`` / ``-avx512f`` winning.
+    Numba's on-disk cache keys its entries on that same list, so code cached under one answer
+    never runs under the other. LLVM adds the CPU model's own features (``NUMBA_CPU_NAME``, else
+    the host's) to an override: one that drops AVX-512 on an AVX-512 host should name an older
+    CPU too (``NUMBA_CPU_NAME=haswell``), else the kernels take the AVX2 shape with AVX-512 code
+    (slower, same results)."""
     from numba.core import codegen, config
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
-    return "+avx512f" in features
+    wide = False
+    for f in features.split(","):
+        f = f.strip()
+        if f[1:] == "avx512f" and f[:1] in "+-":
+            wide = f[0] == "+"
+    return wide
 
 
 _WIDE = _compiles_avx512()
@@ -163,8 +172,8 @@ def _gemv_rows(x, weight, out, r0, r1):
     # out[:, r0:r1] = x @ weight[r0:r1].T. Four weight rows at a time, read as interleaved
     # streams (rows r0 + i, r0 + i + n/4, ...: one core then keeps more memory reads in flight
     # than with one sequential stream, measured +50% GB/s for one token on the shared EPYC),
-    # against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 for the later
-    # passes), then pairs, then one
+    # against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 or L2 for the
+    # later passes), then pairs, then one
     T = x.shape[0]
     n = r1 - r0
     q = n // 4

@@ -151,6 +151,36 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+@pytest.mark.skipif(not cpu_linear._compiles_avx512(), reason="the suite itself runs the AVX2 configuration here")
+def test_linear_compiled_for_avx2(tmp_path):
+    # the streaming kernel's shape follows the vector registers the kernels are compiled for
+    # (cpu_linear.TOKENS_PER_PASS, GEMV_MAX_ROWS); on an AVX-512 machine the suite runs the
+    # 4-token configuration, so here the kernels are compiled for AVX2 (Haswell's features, no
+    # AVX-512) in a fresh interpreter with its own cache: every T to past its bound, on one
+    # thread and on two (a weight large enough for the parallel blocks), against the exact product
+    code = """
+import numpy as np
+from numerics import dot_bound
+from folio.kernels import cpu, cpu_linear, cpu_threads
+assert (cpu_linear.TOKENS_PER_PASS, cpu_linear.GEMV_MAX_ROWS) == (2, 24)
+rng = np.random.default_rng(0)
+for threads, (N, K) in ((1, (50, 70)), (2, (130, 520))):
+    assert N * K >= cpu_linear._PARALLEL_MIN_WEIGHTS or threads == 1
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    with cpu_threads.numba_threads(threads):
+        for T in range(1, 27):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            y = cpu.linear(x, w)
+            assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w)), (threads, T)
+print("ok")
+"""
+    path = os.pathsep.join([os.path.dirname(__file__)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt",
+               NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=path)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_concurrent_forwards_on_the_workqueue_layer():
     # Numba's parallel regions run without the GIL (the compiled entry points release it too), so
     # two Python threads (two in-process engines, each forwarding on its own thread) can launch

@@ -7,11 +7,6 @@ machines, whose BLAS and vectorised loops add in different orders.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-
 import numba
 import numpy as np
 import pytest
@@ -330,30 +325,6 @@ def test_linear_embedding_prepare_weight():
     np.testing.assert_array_equal(cpu.embedding(ids, w), w[ids])
     with pytest.raises(IndexError):
         cpu.embedding(np.array([50]), w)
-
-
-def test_linear_compiled_for_avx2():
-    # the streaming kernel's shape follows the vector registers the kernels are compiled for
-    # (cpu_linear.TOKENS_PER_PASS, GEMV_MAX_ROWS); here compiled for AVX2 (Haswell, no AVX-512)
-    # in a fresh interpreter with its own cache, every T up to past its bound, against the
-    # exact product (on an AVX2 machine this is the configuration the suite runs anyway)
-    code = """
-import numpy as np
-from numerics import dot_bound
-from folio.kernels import cpu, cpu_linear
-assert (cpu_linear.TOKENS_PER_PASS, cpu_linear.GEMV_MAX_ROWS) == (2, 24)
-rng = np.random.default_rng(0)
-w = rng.standard_normal((50, 70)).astype(np.float32)
-for T in range(1, 27):
-    x = rng.standard_normal((T, 70)).astype(np.float32)
-    assert np.all(np.abs(cpu.linear(x, w) - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w)), T
-print("ok")
-"""
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt",
-                   NUMBA_CACHE_DIR=cache, PYTHONPATH=os.path.dirname(__file__))
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_kernel_table():

@@ -20,8 +20,8 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
   every layer (30 x 14.2 MB, far beyond the last-level cache) streamed in turn; reported as GB/s
   of weights read against the copy bandwidth;
 * **batched products** (``T`` = 64, 512, 2048 rows; the lm_head at 64): GFLOP/s against sgemm on
-  the same shape and threads (at 64 rows folio runs its streaming kernel, which beats the sgemm
-  tiles there; above, its own sgemm tiles);
+  the same shape and threads (at 64 rows folio runs its streaming kernel where the kernels are
+  compiled with AVX-512, ``GEMV_MAX_ROWS``; otherwise, and above, its own sgemm tiles);
 * **paged attention**, the default model's geometry (9 query heads, 3 KV heads, head_dim 64,
   blocks of 16, shuffled block tables): *decode* = 16 sequences of one new token each after
   ``ctx`` cached tokens, caches of enough layers to exceed four times the last-level cache,
@@ -297,8 +297,8 @@ def decode_products(threads: int, rows=(1, 2, 4, 8), repeat: int = 5, weights=No
 
 
 def batched_products(threads: int, repeat: int = 5) -> list[dict]:
-    """folio's products (at T = 64 the streaming kernel, ``GEMV_MAX_ROWS``; above, sgemm tiles)
-    against BLAS's own threading, same shapes and threads."""
+    """folio's products (the streaming kernel up to ``GEMV_MAX_ROWS`` rows: T = 64 with AVX-512;
+    above, sgemm tiles) against BLAS's own threading, same shapes and threads."""
     from ..kernels.cpu import linear
     m = _MODEL
     H, Hkv, D, hid, inter = m["heads"], m["kv_heads"], m["head_dim"], m["hidden"], m["inter"]
