@@ -77,7 +77,7 @@ _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 
 
 @njit(cache=True, fastmath=True)
-def _dot4_rows(x, t, weight, ra, rb, rc, rd, out):
+def _dot1x4(x, t, weight, ra, rb, rc, rd, out):
     # one token against 4 weight rows read as 4 concurrent streams
     a = _F32(0.0)
     b = _F32(0.0)
@@ -188,7 +188,7 @@ def _gemv_rows(x, weight, out, r0, r1):
             _dot2x4(x, t, weight, ra, rb, rc, rd, out)
             t += 2
         if T - t == 1:
-            _dot4_rows(x, t, weight, ra, rb, rc, rd, out)
+            _dot1x4(x, t, weight, ra, rb, rc, rd, out)
     for r in range(r0 + 4 * q, r1):
         for t in range(T):
             _dot1(x, t, weight, r, out)

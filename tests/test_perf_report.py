@@ -7,6 +7,7 @@ agree. Peers (transformers, llama-cpp-python) run only where installed (the ``pe
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -146,7 +147,6 @@ QEMU64_FLAGS = "fpu sse2 sse4_2 popcnt"  # no AVX2: no build runs
 def test_llama_server_build_level_is_the_makefiles(flags, level):
     """folio looks for llama-server in the folder of the level benchmark/Makefile builds on the same
     CPU: a binary with instructions the CPU lacks is never started (it trapped with SIGILL once)."""
-    import os
     assert llama_server.host_isa(f"processor : 0\nflags\t\t: {flags}\n") == level
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ISA")}
     r = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(llama_server.BENCHMARK_DIR), "isa",

@@ -96,7 +96,8 @@ def tools_dir() -> Path:
     Raises:
         ValueError: from ``isa()``.
     """
-    return Path(custom_bin()) if custom_bin() else BENCHMARK_DIR / "build" / f"llama.cpp-{isa()}" / "bin"
+    own = custom_bin()
+    return Path(own) if own else BENCHMARK_DIR / "build" / f"llama.cpp-{isa()}" / "bin"
 
 
 def built() -> bool:
