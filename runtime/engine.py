@@ -92,7 +92,8 @@ class LLMEngine:
         self._busy = False             # a step was handed over and work remained since
         self._pending: list[RequestDelta] = []  # deltas of requests that ended outside a step
         self.stats = {"num_steps": 0, "forward_time": 0.0, "sample_time": 0.0, "num_scheduled_tokens": 0,
-                      "num_generated_tokens": 0, "worker_idle_time": 0.0, "worker_busy_time": 0.0}
+                      "num_generated_tokens": 0, "worker_idle_time": 0.0, "worker_busy_time": 0.0,
+                      "num_decode_only_steps": 0, "decode_only_forward_time": 0.0}
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams | None = None,
@@ -269,6 +270,9 @@ class LLMEngine:
         stats = self.stats
         stats["num_steps"] += 1
         stats["forward_time"] += float(result.forward_time)
+        if out.num_new_tokens and max(out.num_new_tokens) == 1:   # every sequence computes one token
+            stats["num_decode_only_steps"] += 1
+            stats["decode_only_forward_time"] += float(result.forward_time)
         stats["sample_time"] += float(result.sample_time)
         stats["worker_busy_time"] += float(result.forward_time) + float(result.sample_time)
         if counts_idle:
@@ -328,7 +332,9 @@ class LLMEngine:
         in the prefix cache), num_evictions, prefix_cache_queries, prefix_cache_hits (tokens),
         num_preemptions, num_running, num_waiting (sequences), kv_tokens_held /
         kv_tokens_allocated (token slots holding K/V vs slots in blocks in use), num_steps,
-        forward_time / sample_time (s), num_scheduled_tokens, num_generated_tokens,
+        forward_time / sample_time (s), num_decode_only_steps / decode_only_forward_time (s: the
+        steps in which every scheduled sequence computes one token, memory-bound on a CPU, apart
+        from the steps with prompt tokens), num_scheduled_tokens, num_generated_tokens,
         worker_idle_time / worker_busy_time (s: the worker waiting for the next plan while the
         engine had work, and running forward + sampling), block_size, max_model_len,
         async_scheduling."""

@@ -341,6 +341,9 @@ def test_chat_and_metrics(llm):
     for key in ("num_total_blocks", "num_free_blocks", "prefix_cache_queries", "prefix_cache_hits",
                 "num_preemptions"):
         assert key in m
+    # the chat above ran one step with its prompt tokens, then decode-only steps for tokens 2-4
+    assert 1 <= m["num_decode_only_steps"] < m["num_steps"]
+    assert 0 < m["decode_only_forward_time"] < m["forward_time"]
 
 
 def test_mistyped_prompts_are_value_errors_and_engine_keeps_serving(llm):

@@ -33,6 +33,8 @@ def folio_figures(res: TraceResult, requests) -> dict:
         "num_preemptions": res.metrics.get("num_preemptions", 0),
         "num_total_blocks": res.metrics.get("num_total_blocks"),
         "forward_time_s": res.metrics.get("forward_time"),
+        "decode_only_forward_time_s": res.metrics.get("decode_only_forward_time"),
+        "num_decode_only_steps": res.metrics.get("num_decode_only_steps"),
     }
 
 
