@@ -19,14 +19,20 @@ Two ways to compute an item, chosen by its number of rows:
   chunk]`` and ``[rows, chunk] x [chunk, head_dim]`` (dense products at the sgemm rate); the
   softmax between them is a vectorised loop per row.
 * **Decodes** (fewer rows: one token, or a few, times the ``group``): one KV block at a time,
-  the scores of every row against the block's keys (Numba loops over the cache rows in place,
-  vectorised over ``head_dim``, each row's largest score kept on the way), the online-softmax
-  update, then the block's values. The block's values are requested while its scores are
-  computed, and the next block's keys while its values are used (the blocks of a sequence lie
-  anywhere in the cache, so the hardware prefetcher cannot guess them; requesting a whole
-  block ahead overflowed the 32 KiB L1 and evicted the values before their use). A decode
-  item is meant to be bound by reading its K/V; on the 2-vCPU EPYC it reads them at 60-70% of
-  what a loop that only reads the same scattered blocks gets (perf/RESULTS.md, fifth pass).
+  the scores of every row against the block's keys, each row's largest score, the
+  online-softmax update, then the block's values. Where the block size is a multiple of 16
+  and ``head_dim`` of the vector width, whole blocks go through explicit vector code
+  (``kernels.cpu_simd``): each row against 16 keys in one pass with one transposed reduction
+  for the 16 scores, their ``exp2`` weights in vectors, and ``P V`` with the row's output held
+  in registers over the block's keys. LLVM's own vectorisation of these Numba loops ended each
+  score in a horizontal reduction and ran the 16-key loops in their scalar remainders: the
+  vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/RESULTS.md, tenth pass). A
+  sequence's last, partly filled block (and other shapes) takes the plain loops. The block's
+  values are requested while its scores are computed and the next block's keys while its
+  values are used, a share per row so the requests are spread over the block's work (the
+  blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot guess
+  them; requesting a whole block at once overflowed the 32 KiB L1 and evicted the values
+  before their use). With both cores reading, a decode item is bound by reading its K/V.
   When there are fewer decoding sequences than two per thread (a single long conversation) and
   at least ``SPLIT_MIN_THREADS`` threads, each is cut into key ranges of whole blocks, at least
   ``SPLIT_MIN_KEYS`` keys each (FlashDecoding): each range keeps its own running max, sum and
@@ -53,6 +59,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_math import LOG2E, exp2
+from .cpu_simd import W as _W, exp2_sum16 as _exp2_sum16, pv as _pv, qk16 as _qk16
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, region_guard, sgemm
 
 __all__ = ["paged_attention", "attention_items", "attention_into", "finish_attention", "plan"]
@@ -182,36 +189,82 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
     k1 = min(k1, first_pos + (t1 - t0))         # the last token sees keys 0 .. first_pos + t1 - t0 - 1
     row = Hkv * D
     b_end = (k1 + bs - 1) // bs
+    fast = bs % 16 == 0 and D % _W == 0
+    scw = sc.shape[1]
     for bi in range(k0 // bs, b_end):
         b = block_tables[s, bi]
         o0 = max(0, k0 - bi * bs)
         n = min(bs, k1 - bi * bs)
-        for o in range(o0, n):
-            _prefetch_row(value_cache, (b * bs + o) * row + h0 * D, (h1 - h0) * D)
-            for hh in range(h1 - h0):
-                for rr in range(Rh):
-                    r = hh * Rh + rr
-                    a = _F32(0.0)
-                    for d in range(D):
-                        a += qs[r, d] * key_cache[b, o, h0 + hh, d]
-                    sc[r, o] = a
-                    bm[r] = max(bm[r], a) if o > o0 else a
+        if fast and o0 == 0 and n == bs:
+            # a whole block: each row against 16 keys per call (cpu_simd.qk16), the block's values
+            # requested a share of its keys before each of the R x bs / 16 calls
+            calls = R * (bs // 16)
+            c = 0
+            for g0 in range(0, bs, 16):
+                for hh in range(h1 - h0):
+                    for rr in range(Rh):
+                        for o in range(bs * c // calls, bs * (c + 1) // calls):
+                            _prefetch_row(value_cache, (b * bs + o) * row + h0 * D, (h1 - h0) * D)
+                        c += 1
+                        r = hh * Rh + rr
+                        _qk16(qs, r * D, key_cache, (b * bs + g0) * row + (h0 + hh) * D, row, D, sc, r * scw + g0)
+            for r in range(R):
+                mx = sc[r, 0]
+                for o in range(1, n):
+                    mx = max(mx, sc[r, o])
+                bm[r] = mx
+        else:
+            for o in range(o0, n):
+                _prefetch_row(value_cache, (b * bs + o) * row + h0 * D, (h1 - h0) * D)
+                for hh in range(h1 - h0):
+                    for rr in range(Rh):
+                        r = hh * Rh + rr
+                        a = _F32(0.0)
+                        for d in range(D):
+                            a += qs[r, d] * key_cache[b, o, h0 + hh, d]
+                        sc[r, o] = a
+                        bm[r] = max(bm[r], a) if o > o0 else a
         for r in range(R):
             # keys of this block that row r sees (causal): o0 .. nv
             nv = min(n, first_pos + (r % Rh) // group + 1 - bi * bs)
-            if nv < n:
+            if fast and o0 == 0 and nv == bs:
+                # _softmax_update with the weights of 16 keys at a time in vectors
+                mx = max(m[r], bm[r])
+                if mx > m[r]:
+                    corr = _F32(2.0 ** (m[r] - mx))
+                    l[r] *= corr
+                    for d in range(D):
+                        acc[r, d] *= corr
+                    m[r] = mx
+                total = _F32(0.0)
+                for g0 in range(0, bs, 16):
+                    total += _exp2_sum16(sc, r * scw + g0, mx)
+                l[r] += total
+            elif nv < n:
                 _softmax_row(sc, r, o0, nv, n, m, l, acc)
             else:
                 _softmax_update(sc, r, o0, n, max(m[r], bm[r]), m, l, acc)
         nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
-        for o in range(o0, n):
-            _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, (h1 - h0) * D)  # the next block's keys
+        if fast:
+            # each row's P V over this block's keys (cpu_simd.pv), the next block's keys
+            # requested a share of them before each of the R calls
+            c = 0
             for hh in range(h1 - h0):
                 for rr in range(Rh):
+                    for o in range(o0 + (n - o0) * c // R, o0 + (n - o0) * (c + 1) // R):
+                        _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, (h1 - h0) * D)
+                    c += 1
                     r = hh * Rh + rr
-                    p = sc[r, o]
-                    for d in range(D):
-                        acc[r, d] += p * value_cache[b, o, h0 + hh, d]
+                    _pv(sc, r * scw + o0, n - o0, value_cache, (b * bs + o0) * row + (h0 + hh) * D, row, D, acc, r * D)
+        else:
+            for o in range(o0, n):
+                _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, (h1 - h0) * D)  # the next block's keys
+                for hh in range(h1 - h0):
+                    for rr in range(Rh):
+                        r = hh * Rh + rr
+                        p = sc[r, o]
+                        for d in range(D):
+                            acc[r, d] += p * value_cache[b, o, h0 + hh, d]
     if part < 0:
         _write_rows(h0, h1, t0, t1, group, acc, l, out)
         return

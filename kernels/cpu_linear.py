@@ -31,6 +31,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
+from .cpu_simd import compiles_avx512
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["linear", "linear_into", "linear_items", "linear_item", "linear_plan", "gemm_tiles", "GEMV_MAX_ROWS",
@@ -39,26 +40,7 @@ __all__ = ["linear", "linear_into", "linear_items", "linear_item", "linear_plan"
 _F32 = np.float32
 
 
-def _compiles_avx512() -> bool:
-    """Whether Numba compiles the kernels with AVX-512 (32 vector registers instead of AVX2's
-    16), read from the feature list its JIT passes to LLVM: ``NUMBA_CPU_FEATURES`` where set,
-    else the host's (``numba.core.codegen``), the last ``+avx512f`` / ``-avx512f`` winning.
-    Numba's on-disk cache keys its entries on that same list, so code cached under one answer
-    never runs under the other. LLVM adds the CPU model's own features (``NUMBA_CPU_NAME``, else
-    the host's) to an override: one that drops AVX-512 on an AVX-512 host should name an older
-    CPU too (``NUMBA_CPU_NAME=haswell``), else the kernels take the AVX2 shape with AVX-512 code
-    (slower, same results)."""
-    from numba.core import codegen, config
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
-    wide = False
-    for f in features.split(","):
-        f = f.strip()
-        if f[1:] == "avx512f" and f[:1] in "+-":
-            wide = f[0] == "+"
-    return wide
-
-
-_WIDE = _compiles_avx512()
+_WIDE = compiles_avx512()
 # tokens per pass of the streaming kernel: 4 x 4 (token, weight row) sums need 16 vector
 # accumulators, which AVX2's 16 registers cannot hold beside the loaded values (6 of them
 # spilled to the stack, reloaded and stored every iteration). Measured with the kernels compiled

@@ -14,7 +14,7 @@ import pytest
 from numba import njit, prange
 from numerics import dot_bound
 
-from folio.kernels import cpu, cpu_linear, cpu_threads
+from folio.kernels import cpu, cpu_linear, cpu_simd, cpu_threads
 from folio.kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add
 
 
@@ -151,18 +151,27 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-@pytest.mark.skipif(not cpu_linear._compiles_avx512(), reason="the suite itself runs the AVX2 configuration here")
-def test_linear_compiled_for_avx2(tmp_path):
-    # the streaming kernel's shape follows the vector registers the kernels are compiled for
-    # (cpu_linear.TOKENS_PER_PASS, GEMV_MAX_ROWS); on an AVX-512 machine the suite runs the
-    # 4-token configuration, so here the kernels are compiled for AVX2 (Haswell's features, no
-    # AVX-512) in a fresh interpreter with its own cache: every T to past its bound, on one
-    # thread and on two (a weight large enough for the parallel blocks), against the exact product
+@pytest.mark.skipif(not cpu_simd.compiles_avx512(), reason="the suite itself runs the AVX2 configuration here")
+def test_kernels_compiled_for_avx2(tmp_path):
+    # the streaming kernel's shape (cpu_linear.TOKENS_PER_PASS, GEMV_MAX_ROWS) and the vector
+    # width of the decode attention's block code (cpu_simd.W) follow the vector registers the
+    # kernels are compiled for; on an AVX-512 machine the suite runs the wide configuration, so
+    # here the kernels are compiled for AVX2 (Haswell's features, no AVX-512) in a fresh
+    # interpreter with its own cache. Products: every T to past its bound, on one thread and on
+    # two (a weight large enough for the parallel blocks), against the exact product. Decode
+    # attention: head_dim 24 (a multiple of 8 lanes, not of 16: the vector path only here),
+    # 64 and 128, block sizes 16 and 32, against the reference within its bound.
     code = """
 import numpy as np
-from numerics import dot_bound
-from folio.kernels import cpu, cpu_linear, cpu_threads
-assert (cpu_linear.TOKENS_PER_PASS, cpu_linear.GEMV_MAX_ROWS) == (2, 24)
+from kernel_cases import paged_attention_case
+from numerics import attention_bound, dot_bound
+from folio.kernels import cpu, cpu_linear, cpu_simd, cpu_threads, reference
+assert (cpu_linear.TOKENS_PER_PASS, cpu_linear.GEMV_MAX_ROWS, cpu_simd.W) == (2, 24, 8)
+for seed, (D, bs) in enumerate(((24, 16), (64, 32), (128, 16))):
+    case = paged_attention_case(seed, [(300, 1), (47, 3), (16, 1), (33, 2)], num_heads=6, num_kv_heads=2, head_dim=D,
+                                block_size=bs)
+    err = np.abs(cpu.paged_attention(**case) - reference.paged_attention(**case))
+    assert np.all(err <= attention_bound(case)), (D, bs)
 rng = np.random.default_rng(0)
 for threads, (N, K) in ((1, (50, 70)), (2, (130, 520))):
     assert N * K >= cpu_linear._PARALLEL_MIN_WEIGHTS or threads == 1

@@ -7,14 +7,15 @@ machines, whose BLAS and vectorised loops add in different orders.
 
 from __future__ import annotations
 
+import math
 import numba
 import numpy as np
 import pytest
 from conftest import force_parallel_kernels
 from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
-from numerics import U32, attention_bound, dot_bound, exp2_rel_bound
+from numerics import U32, attention_bound, dot_bound, exp2_rel_bound, gamma
 
-from folio.kernels import cpu, cpu_attention, cpu_linear, cpu_threads, get_kernels, reference
+from folio.kernels import cpu, cpu_attention, cpu_linear, cpu_simd, cpu_threads, get_kernels, reference
 
 @pytest.fixture(autouse=True, params=["auto", "parallel"])
 def drivers(request, monkeypatch):
@@ -62,6 +63,11 @@ DECODE_REGIMES = {
         paged_attention_case(63, [(400, 1), (90, 2)], num_heads=9, num_kv_heads=3, head_dim=64)),
     "max_grows_every_block": lambda: _growing_keys(
         paged_attention_case(64, [(333, 1), (70, 3)], num_heads=6, num_kv_heads=2, head_dim=32)),
+    # the vector block code (cpu_simd) where head_dim is a multiple of its lanes: two 16-key
+    # groups per block, a head_dim of 5 x 16 lanes; head_dim 24 takes it with 8 lanes only
+    "head_dim_80_block_size_32": lambda: paged_attention_case(65, [(300, 1), (64, 2), (33, 1)], num_heads=6,
+                                                              num_kv_heads=3, head_dim=80, block_size=32),
+    "head_dim_24": lambda: paged_attention_case(66, [(200, 1), (40, 3)], num_heads=4, num_kv_heads=1, head_dim=24),
 }
 
 
@@ -73,6 +79,48 @@ def test_paged_attention_decode_regimes(regime):
     assert np.isfinite(got).all()
     err = np.abs(got.astype(np.float64) - want)
     assert np.all(err <= attention_bound(case)), float(np.max(err - attention_bound(case)))
+
+
+@numba.njit(fastmath=True)
+def _simd_calls(q, k, ks, D, s, p, n, acc, m):
+    cpu_simd.qk16(q, 3, k, 5, ks, D, s, 2)
+    scores = s.copy()
+    cpu_simd.pv(p, 1, n, k, 5, ks, D, acc, 3)
+    return scores, cpu_simd.exp2_sum16(s, 2, m)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 5, 8, 16])
+def test_simd_block_code_against_numpy(lanes):
+    # the decode attention's vector code on its own, at offsets and strides as the kernel uses
+    # them: 16 dot products of head_dim = lanes x W, a weighted sum of n <= 16 rows into acc
+    # (4 W columns per register block, the rest one vector at a time), 2^(s - m) and their sum.
+    # Bounds for any summation order: gamma(D + 1) sum |q k| per score, gamma(n + 1) (|acc| +
+    # sum |p v|) per acc element, gamma(16) of the sum of the 16 weights; each weight within
+    # exp2's relative bound of 2^(s - m) for its own float32 score, plus the rounding of s - m.
+    rng = np.random.default_rng(lanes)
+    D = lanes * cpu_simd.W
+    ks = 3 * D + 4                                   # key row stride: other heads in between
+    q = rng.standard_normal(D + 3).astype(np.float32)
+    k = rng.standard_normal(5 + 16 * ks).astype(np.float32)
+    rows = np.stack([k[5 + o * ks:5 + o * ks + D] for o in range(16)])
+    m = np.float32(0.5)
+    for n in (0, 1, 7, 16):
+        s = np.full(18, np.nan, np.float32)
+        p = rng.standard_normal(17).astype(np.float32)
+        acc0 = rng.standard_normal(D + 3).astype(np.float32)
+        acc = acc0.copy()
+        scores, total = _simd_calls(q, k, ks, D, s, p, n, acc, m)
+        assert np.isnan(scores[:2]).all() and np.isnan(s[:2]).all()          # nothing written before soff
+        exact = rows.astype(np.float64) @ q[3:].astype(np.float64)
+        assert np.all(np.abs(scores[2:] - exact) <= dot_bound(q[None, 3:], rows)[0])
+        want_w = np.exp2(scores[2:].astype(np.float64) - m)
+        rel = exp2_rel_bound() + math.log(2.0) * np.abs(scores[2:] - m) * U32 + U32
+        assert np.all(np.abs(s[2:] - want_w) <= rel * want_w)
+        assert abs(total - s[2:].astype(np.float64).sum()) <= gamma(16) * s[2:].astype(np.float64).sum()
+        want = acc0[3:].astype(np.float64) + p[1:1 + n].astype(np.float64) @ rows[:n].astype(np.float64)
+        terms = np.abs(acc0[3:].astype(np.float64)) + np.abs(p[1:1 + n].astype(np.float64)) @ np.abs(rows[:n])
+        assert np.all(np.abs(acc[3:] - want) <= gamma(n + 1) * terms)
+        assert np.array_equal(acc[:3], acc0[:3])                             # nothing written before aoff
 
 
 @pytest.mark.parametrize("case_id", ["mixed_batch_gqa3", "multi_token_decodes_gqa1", "decode_ctx203_gqa1"])

@@ -1,0 +1,220 @@
+"""Explicit vector code for the decode attention's per-block work, as LLVM IR from Numba.
+
+Numba has no vector types: its loops become vector code only where LLVM's loop vectoriser
+manages it, and for a decode's work on one 16-key block it does not. A score is a ``head_dim``
+dot product that LLVM vectorises with partial sums and ends with a horizontal reduction of its
+own (a dozen shuffles and adds per score, each as costly as the products); loops over the 16
+keys of a block (the weights' ``exp2``, a row's ``P V``) are vectorised 16 lanes x 4 unrolled,
+so a 16-element trip runs the scalar remainder loop instead. These intrinsics emit the vector
+code directly, ``W`` float32 lanes (16 where Numba compiles for AVX-512, else 8), inlined into
+the Numba caller like any ``@intrinsic`` (no call, no reference counting of the arrays):
+
+* ``qk16``: one query row against 16 keys: 16 vector partial sums over ``head_dim``, then one
+  transpose-and-add tree (pairs of vectors shuffled into halves and added, ``log2 W`` levels)
+  that leaves the 16 scores in ``16 / W`` vectors: ~30 shuffles for 16 scores instead of a
+  reduction per score.
+* ``exp2_sum16``: the online softmax's weights ``2^(s - m)`` of 16 scores in place
+  (``cpu_math.exp2``'s range reduction and polynomial, lane-wise) and their sum.
+* ``pv``: a row's ``acc += P V`` over ``n`` keys, ``4 W`` coordinates of ``acc`` held in
+  registers across the keys (one load and store of ``acc`` per block, not per key).
+
+Arguments are arrays with flat element offsets (C-contiguous data from the offset on, as the
+kernels' caches and per-task buffers are); ``head_dim`` must be a multiple of ``W``, which the
+caller checks. Sums are in float32 in a blocked order (``head_dim / W`` terms per lane, then the
+tree), within the any-order bounds of the tests.
+
+Sources: LLVM Language Reference (vector types, ``shufflevector``, ``llvm.fma``,
+``llvm.vector.reduce.fadd``); Numba's ``@intrinsic`` (numba.readthedocs.io, "Low-level extension
+API"); the transposed reduction of several dot products is the usual SIMD idiom of BLAS ``gemv``
+kernels (e.g. OpenBLAS's ``sgemv_t`` microkernels).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .cpu_math import _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7
+
+__all__ = ["compiles_avx512", "W", "qk16", "pv", "exp2_sum16"]
+
+
+def compiles_avx512() -> bool:
+    """Whether Numba compiles the kernels with AVX-512 (32 vector registers of 16 float32 lanes
+    instead of AVX2's 16 of 8), read from the feature list its JIT passes to LLVM:
+    ``NUMBA_CPU_FEATURES`` where set, else the host's (``numba.core.codegen``), the last
+    ``+avx512f`` / ``-avx512f`` winning. Numba's on-disk cache keys its entries on that same list,
+    so code cached under one answer never runs under the other. LLVM adds the CPU model's own
+    features (``NUMBA_CPU_NAME``, else the host's) to an override: one that drops AVX-512 on an
+    AVX-512 host should name an older CPU too (``NUMBA_CPU_NAME=haswell``), else the kernels take
+    the AVX2 shape with AVX-512 code (slower, same results)."""
+    from numba.core import codegen, config
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
+    wide = False
+    for f in features.split(","):
+        f = f.strip()
+        if f[1:] == "avx512f" and f[:1] in "+-":
+            wide = f[0] == "+"
+    return wide
+
+
+W = 16 if compiles_avx512() else 8
+"""float32 lanes of the vectors these intrinsics use: one register of the level compiled for."""
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+
+
+def _vec(w):
+    return ir.VectorType(_F32, w)
+
+
+def _data(context, builder, aty, aval):
+    return context.make_array(aty)(context, builder, aval).data
+
+
+def _vload(builder, base, off):
+    return builder.load(builder.bitcast(builder.gep(base, [off]), _vec(W).as_pointer()), align=4)
+
+
+def _vstore(builder, val, base, off):
+    builder.store(val, builder.bitcast(builder.gep(base, [off]), _vec(W).as_pointer()), align=4)
+
+
+def _splat(builder, x):
+    v = builder.insert_element(ir.Constant(_vec(W), ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(_vec(W), ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
+
+
+def _call(builder, name, args, ret=None, fast=False):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret or args[0].type, [a.type for a in args]),
+                                        name)
+    return builder.call(fn, args, fastmath=("fast",) if fast else ())
+
+
+def _fma(builder, a, b, c):
+    return _call(builder, f"llvm.fma.v{W}f32", [a, b, c])
+
+
+def _const(v):
+    return ir.Constant(_vec(W), [float(v)] * W)
+
+
+def _offset(builder, base, k):
+    return builder.add(base, ir.Constant(_I64, k))
+
+
+def _transpose_reduce(builder, accs):
+    """``len(accs) / W`` vectors whose lanes, in order, are the lane sums of ``accs`` (a multiple
+    of ``W`` vectors): pairs of vectors holding ``G`` keys x ``P`` partial sums each become one
+    vector of ``2G`` keys x ``P/2`` (the first and second halves of each key's partials shuffled
+    apart and added), until one partial per key is left."""
+    vecs, P, G = list(accs), W, 1
+    while P > 1:
+        h = P // 2
+        lo = [g * P + j for g in range(G) for j in range(h)]
+        hi = [g * P + h + j for g in range(G) for j in range(h)]
+        m_lo = ir.Constant(ir.VectorType(_I32, W), lo + [W + i for i in lo])
+        m_hi = ir.Constant(ir.VectorType(_I32, W), hi + [W + i for i in hi])
+        vecs = [builder.fadd(builder.shuffle_vector(a, b, m_lo), builder.shuffle_vector(a, b, m_hi), flags=("fast",))
+                for a, b in zip(vecs[0::2], vecs[1::2])]
+        P, G = h, 2 * G
+    return vecs
+
+
+@intrinsic
+def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
+    """``s[soff + o] = sum_d q[qoff + d] * k[koff + o * kstride + d]`` for the 16 keys ``o =
+    0..15`` and ``d < D`` (flat float32 element offsets; ``D`` a multiple of ``W``)."""
+    sig = types.none(q, types.int64, k, types.int64, types.int64, types.int64, s, types.int64)
+
+    def codegen(context, builder, sg, args):
+        qa, qo, ka, ko, ks, d, sa, so = args
+        qd, kd, sd = (_data(context, builder, sg.args[i], a) for i, a in ((0, qa), (2, ka), (6, sa)))
+        slots = [cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(16)]   # promoted to registers
+        with cgutils.for_range(builder, builder.udiv(d, ir.Constant(_I64, W))) as loop:
+            c = builder.mul(loop.index, ir.Constant(_I64, W))
+            qv = _vload(builder, qd, builder.add(qo, c))
+            for o in range(16):
+                kv = _vload(builder, kd, builder.add(builder.add(ko, builder.mul(ks, ir.Constant(_I64, o))), c))
+                builder.store(_fma(builder, qv, kv, builder.load(slots[o])), slots[o])
+        for i, v in enumerate(_transpose_reduce(builder, [builder.load(sl) for sl in slots])):
+            _vstore(builder, v, sd, _offset(builder, so, i * W))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def pv(typingctx, p, poff, n, v, voff, vstride, D, acc, aoff):
+    """``acc[aoff + d] += sum_{o < n} p[poff + o] * v[voff + o * vstride + d]`` for ``d < D`` (a
+    multiple of ``W``): ``4 W`` coordinates at a time kept in registers over the ``n`` keys."""
+    sig = types.none(p, types.int64, types.int64, v, types.int64, types.int64, types.int64, acc, types.int64)
+
+    def codegen(context, builder, sg, args):
+        pa, po, nn, va, vo, vs, d, aa, ao = args
+        pd, vd, ad = (_data(context, builder, sg.args[i], a) for i, a in ((0, pa), (3, va), (7, aa)))
+        nvec = builder.udiv(d, ir.Constant(_I64, W))
+        nfour = builder.udiv(nvec, ir.Constant(_I64, 4))
+        slots = [cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(4)]
+
+        def columns(c0, width):
+            # acc[c0 : c0 + width W] over the n keys, in registers
+            for j in range(width):
+                builder.store(_vload(builder, ad, builder.add(ao, _offset(builder, c0, j * W))), slots[j])
+            with cgutils.for_range(builder, nn) as loop:
+                o = loop.index
+                w = _splat(builder, builder.load(builder.gep(pd, [builder.add(po, o)])))
+                base = builder.add(vo, builder.add(builder.mul(vs, o), c0))
+                for j in range(width):
+                    vv = _vload(builder, vd, _offset(builder, base, j * W))
+                    builder.store(_fma(builder, w, vv, builder.load(slots[j])), slots[j])
+            for j in range(width):
+                _vstore(builder, builder.load(slots[j]), ad, builder.add(ao, _offset(builder, c0, j * W)))
+
+        with cgutils.for_range(builder, nfour) as loop:
+            columns(builder.mul(loop.index, ir.Constant(_I64, 4 * W)), 4)
+        done = builder.mul(nfour, ir.Constant(_I64, 4))
+        with cgutils.for_range(builder, builder.sub(nvec, done)) as loop:
+            columns(builder.mul(builder.add(done, loop.index), ir.Constant(_I64, W)), 1)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _exp2(builder, x):
+    # cpu_math.exp2 lane-wise: clamp to [-126, 126], k = floor(x + 1/2), f = x - k, 2^f from the
+    # degree-7 Taylor series of e^(f ln 2) by Horner's rule with fused multiply-adds, times 2^k
+    # built in the exponent bits
+    x = _call(builder, f"llvm.minnum.v{W}f32", [_call(builder, f"llvm.maxnum.v{W}f32", [x, _const(-126.0)]),
+                                                 _const(126.0)])
+    k = _call(builder, f"llvm.floor.v{W}f32", [builder.fadd(x, _const(0.5))])
+    f = builder.fsub(x, k)
+    p = _const(_C7)
+    for c in (_C6, _C5, _C4, _C3, _C2, _C1, _C0):
+        p = _fma(builder, p, f, _const(c))
+    iv = ir.VectorType(_I32, W)
+    bits = builder.shl(builder.add(builder.fptosi(k, iv), ir.Constant(iv, [127] * W)), ir.Constant(iv, [23] * W))
+    return builder.fmul(p, builder.bitcast(bits, _vec(W)))
+
+
+@intrinsic
+def exp2_sum16(typingctx, s, soff, m):
+    """``s[soff + o] = 2^(s[soff + o] - m)`` for ``o = 0..15`` (``cpu_math.exp2``, lane-wise);
+    returns the float32 sum of the 16 weights."""
+    sig = types.float32(s, types.int64, types.float32)
+
+    def codegen(context, builder, sg, args):
+        sa, so, mv = args
+        sd = _data(context, builder, sg.args[0], sa)
+        mv = _splat(builder, mv)
+        total = None
+        for i in range(16 // W):
+            off = _offset(builder, so, i * W)
+            w = _exp2(builder, builder.fsub(_vload(builder, sd, off), mv))
+            _vstore(builder, w, sd, off)
+            total = w if total is None else builder.fadd(total, w, flags=("fast",))
+        return _call(builder, f"llvm.vector.reduce.fadd.v{W}f32", [ir.Constant(_F32, 0.0), total], ret=_F32,
+                     fast=True)
+    return sig, codegen
