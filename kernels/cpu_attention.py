@@ -27,7 +27,8 @@ Two ways to compute an item, chosen by its number of rows:
   in registers over the block's keys. LLVM's own vectorisation of these Numba loops ended each
   score in a horizontal reduction and ran the 16-key loops in their scalar remainders: the
   vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/RESULTS.md, tenth pass). A
-  sequence's last, partly filled block (and other shapes) takes the plain loops. The block's
+  sequence's last, partly filled block takes the plain loops for its scores and weights (other
+  shapes for everything). The block's
   values are requested while its scores are computed and the next block's keys while its
   values are used, a share per row so the requests are spread over the block's work (the
   blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot guess
@@ -552,9 +553,10 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     C-contiguous ``[T, num_heads, head_dim]`` float32 buffer for the result.
 
     Raises:
-        ValueError: a KV cache that is not C-contiguous (the kernels address blocks directly).
+        ValueError: a KV cache that is not C-contiguous float32 (the kernels address blocks directly).
     """
-    if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
+    if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous
+            and key_cache.dtype == _F32 and value_cache.dtype == _F32):
         raise ValueError("paged_attention needs C-contiguous float32 KV caches")
     q = np.ascontiguousarray(q, dtype=_F32)
     T, H, D = q.shape

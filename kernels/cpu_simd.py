@@ -19,9 +19,10 @@ the Numba caller like any ``@intrinsic`` (no call, no reference counting of the 
   registers across the keys (one load and store of ``acc`` per block, not per key).
 
 Arguments are arrays with flat element offsets (C-contiguous data from the offset on, as the
-kernels' caches and per-task buffers are); ``head_dim`` must be a multiple of ``W``, which the
-caller checks. Sums are in float32 in a blocked order (``head_dim / W`` terms per lane, then the
-tree), within the any-order bounds of the tests.
+kernels' caches and per-task buffers are) of float32 (another dtype fails to compile);
+``head_dim`` must be a multiple of ``W``, which the caller checks. Sums are in float32 in a
+blocked order (``head_dim / W`` terms per lane, then the tree), within the any-order bounds of
+the tests.
 
 Sources: LLVM Language Reference (vector types, ``shufflevector``, ``llvm.fma``,
 ``llvm.vector.reduce.fadd``); Numba's ``@intrinsic`` (numba.readthedocs.io, "Low-level extension
@@ -66,6 +67,11 @@ W = 16 if compiles_avx512() else 8
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
+
+
+def _f32_arrays(*arrays) -> bool:
+    # the intrinsics read raw float32 data: any other dtype is a typing error, not wrong numbers
+    return all(isinstance(a, types.Array) and a.dtype == types.float32 for a in arrays)
 
 
 def _vec(w):
@@ -129,6 +135,8 @@ def _transpose_reduce(builder, accs):
 def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
     """``s[soff + o] = sum_d q[qoff + d] * k[koff + o * kstride + d]`` for the 16 keys ``o =
     0..15`` and ``d < D`` (flat float32 element offsets; ``D`` a multiple of ``W``)."""
+    if not _f32_arrays(q, k, s):
+        return None
     sig = types.none(q, types.int64, k, types.int64, types.int64, types.int64, s, types.int64)
 
     def codegen(context, builder, sg, args):
@@ -151,6 +159,8 @@ def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
 def pv(typingctx, p, poff, n, v, voff, vstride, D, acc, aoff):
     """``acc[aoff + d] += sum_{o < n} p[poff + o] * v[voff + o * vstride + d]`` for ``d < D`` (a
     multiple of ``W``): ``4 W`` coordinates at a time kept in registers over the ``n`` keys."""
+    if not _f32_arrays(p, v, acc):
+        return None
     sig = types.none(p, types.int64, types.int64, v, types.int64, types.int64, types.int64, acc, types.int64)
 
     def codegen(context, builder, sg, args):
@@ -203,6 +213,8 @@ def _exp2(builder, x):
 def exp2_sum16(typingctx, s, soff, m):
     """``s[soff + o] = 2^(s[soff + o] - m)`` for ``o = 0..15`` (``cpu_math.exp2``, lane-wise);
     returns the float32 sum of the 16 weights."""
+    if not _f32_arrays(s):
+        return None
     sig = types.float32(s, types.int64, types.float32)
 
     def codegen(context, builder, sg, args):

@@ -136,6 +136,13 @@ def test_paged_attention_into_a_dirty_out_buffer(case_id):
     np.testing.assert_array_equal(got, want)
 
 
+def test_paged_attention_rejects_float64_caches():
+    # the vector code reads raw float32: a float64 cache is a clear error, not wrong numbers (trial finding)
+    case = paged_attention_case(1, [(64, 1), (40, 1)], num_heads=4, num_kv_heads=2, head_dim=32)
+    with pytest.raises(ValueError, match="float32"):
+        cpu.paged_attention(**{**case, "key_cache": case["key_cache"].astype(np.float64)})
+
+
 def test_paged_attention_unused_table_entries_ignored():
     # same case, but garbage in block-table entries past each sequence's last block
     case = paged_attention_case(5, [(17, 3), (5, 1)])
