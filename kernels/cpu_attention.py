@@ -60,7 +60,9 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_math import LOG2E, exp2
-from .cpu_simd import W as _W, exp2_sum16 as _exp2_sum16, pv as _pv, qk16 as _qk16
+from .cpu_simd import TILE_RB, W as _W, exp2_sum16 as _exp2_sum16, pv as _pv, qk16 as _qk16
+from .cpu_simd import row_exp2 as _row_exp2, row_max as _row_max, tile_pv as _tile_pv, tile_scores as _tile_scores
+from .cpu_simd import transpose_rows as _transpose_rows
 from .cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, region_guard, sgemm
 
 __all__ = ["paged_attention", "attention_items", "attention_into", "finish_attention", "plan"]
@@ -76,6 +78,8 @@ SPLIT_MIN_KEYS = 128  # shortest key range of a partitioned decode (FlashDecodin
 # threads against 1 item: ~1.0x at 330 keys (the region's wake-up eats the gain), 1.3-1.5x at
 # 600-1000, 1.8x at 4000 (default model); Llama-3 shapes 1.2-1.7x.
 SPLIT_MIN_THREADS = 2
+TILE_VECTOR = True     # prefill tiles in explicit vector code (else two sgemm calls per chunk)
+_SCORE_KEYS = 64       # keys per pass of a tile's scores over its row blocks
 _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastmath assumes no inf)
 
 
@@ -323,8 +327,64 @@ def _merge_partitions(items, group, pm, pl, pacc, out):
 
 
 @njit(cache=True, fastmath=True)
+def _tile_chunks(key_cache, value_cache, block_tables, s, h0, R, n_keys, first_pos, group, qs, kb, ko, sc, acc, m,
+                 l):
+    # A tile's chunks of keys in explicit vector code (cpu_simd.tile_scores / tile_pv): per
+    # chunk, its keys transposed into kb as [D, CH] (keys along the vectors) and the flat offsets
+    # of its rows in ko (the values are read in place through them); then S for each block of
+    # TILE_RB rows only up to the keys its last row sees (the causal triangle of the diagonal
+    # chunk is skipped a row block at a time, where sgemm computed the whole rectangle), the
+    # online softmax, and acc += P V over the same keys.
+    D = qs.shape[1]
+    bs, Hkv = key_cache.shape[1], key_cache.shape[2]
+    CH = kb.shape[0]
+    kt = kb.reshape((D, CH))
+    scw = sc.shape[1]
+    for c0 in range(0, n_keys, CH):
+        nk = min(CH, n_keys - c0)
+        for j in range(nk):
+            b = block_tables[s, (c0 + j) // bs]
+            ko[j] = ((b * bs + (c0 + j) % bs) * Hkv + h0) * D
+        full = nk // _W * _W
+        _transpose_rows(key_cache, ko, full, D, kb, CH)
+        for j in range(full, nk):
+            b = block_tables[s, (c0 + j) // bs]
+            for d in range(D):
+                kt[d, j] = key_cache[b, (c0 + j) % bs, h0, d]
+        for j in range(nk, (nk + _W - 1) // _W * _W):    # the last vector's padding: finite scores
+            for d in range(D):
+                kt[d, j] = 0.0
+        for g0 in range(0, nk, _SCORE_KEYS):       # keys outer: their [D, _SCORE_KEYS] slice stays in L1
+            for r0 in range(0, R, TILE_RB):
+                rb = min(TILE_RB, R - r0)
+                seen = min(nk, first_pos + (r0 + rb - 1) // group + 1 - c0)   # keys of the block's last row
+                if seen > g0:
+                    nc = min(_SCORE_KEYS, (seen - g0 + _W - 1) // _W * _W)
+                    _tile_scores(qs, r0 * D, D, rb, kb, g0, CH, nc, D, sc, r0 * scw + g0, scw)
+        for r in range(R):
+            # the online softmax of row r over the nv keys it sees: weights in place, 0 after them
+            nv = min(nk, first_pos + r // group + 1 - c0)
+            if nv <= 0:
+                sc[r, :nk] = 0.0
+                continue
+            mx = _row_max(sc, r * scw, nv, m[r])
+            if mx > m[r]:
+                corr = _F32(2.0 ** (m[r] - mx))
+                l[r] *= corr
+                for d in range(D):
+                    acc[r, d] *= corr
+                m[r] = mx
+            l[r] += _row_exp2(sc, r * scw, nv, nk, mx)
+        for r0 in range(0, R, TILE_RB):
+            rb = min(TILE_RB, R - r0)
+            seen = min(nk, first_pos + (r0 + rb - 1) // group + 1 - c0)
+            if seen > 0:
+                _tile_pv(sc, r0 * scw, scw, rb, seen, value_cache, ko, D, acc, r0 * D, D)
+
+
+@njit(cache=True, fastmath=True)
 def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                 s, h0, t0, t1, qs, kb, vb, sc, acc, m, l):
+                 s, h0, t0, t1, qs, kb, vb, ko, sc, acc, m, l):
     # Tokens t0..t1 (a prefill tile: at least TILE_MIN_ROWS rows) of sequence s, KV head h0. Row
     # r = (t - t0) * group + g: query head h0 * group + g of token t.
     H, D = q.shape[1], q.shape[2]
@@ -334,6 +394,11 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
     first_pos = _init_rows(q, qscale, seq_lens, query_start_loc, s, h0, h0 + 1, t0, t1, group, qs, acc, m, l)
     n_keys = first_pos + (t1 - t0)             # the last token sees keys 0 .. n_keys - 1
     CH = kb.shape[0]                            # whole blocks
+    if TILE_VECTOR and D % _W == 0 and CH % _W == 0:
+        _tile_chunks(key_cache, value_cache, block_tables, s, h0, R, n_keys, first_pos, group, qs, kb, ko, sc, acc,
+                     m, l)
+        _write_rows(h0, h0 + 1, t0, t1, group, acc, l, out)
+        return
     for c0 in range(0, n_keys, CH):
         nk = min(CH, n_keys - c0)
         # the chunk's keys and values as [nk, D] matrices: in place when its blocks are
@@ -433,11 +498,11 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
 
 @njit(cache=True)
 def _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
-              qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc):
+              qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc):
     group = q.shape[1] // key_cache.shape[2]
     if (items[i, 4] - items[i, 3]) * group >= TILE_MIN_ROWS:
         _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
-                     items[i, 0], items[i, 1], items[i, 3], items[i, 4], qs, kb, vb, sc, acc, m, l)
+                     items[i, 0], items[i, 1], items[i, 3], items[i, 4], qs, kb, vb, ko, sc, acc, m, l)
     else:
         _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
                      items[i, 0], items[i, 1], items[i, 2], items[i, 3], items[i, 4], items[i, 5], items[i, 6],
@@ -480,6 +545,7 @@ def _scratch(tasks, num_heads, num_kv_heads, head_dim, bs, n_parts):
     chunk = max(1, CHUNK_KEYS // bs) * bs
     D = head_dim
     return (np.empty((tasks, rows, D), _F32), np.empty((tasks, chunk, D), _F32), np.empty((tasks, chunk, D), _F32),
+            np.empty((tasks, chunk), np.int64),
             np.empty((tasks, rows, chunk), _F32), np.empty((tasks, rows, D), _F32), np.empty((tasks, rows), _F32),
             np.empty((tasks, rows), _F32), np.empty((tasks, rows), _F32),
             np.empty((n_parts, TILE_MIN_ROWS * num_kv_heads), _F32),
@@ -492,10 +558,10 @@ def _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_s
                       n_parts):
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
-    qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc = _scratch(1, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(1, H, Hkv, D, bs, n_parts)
     for i in range(items.shape[0]):
         _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
-                  qs[0], kb[0], vb[0], sc[0], acc[0], m[0], l[0], bm[0], pm, pl, pacc)
+                  qs[0], kb[0], vb[0], ko[0], sc[0], acc[0], m[0], l[0], bm[0], pm, pl, pacc)
     finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
 
 
@@ -504,7 +570,7 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
                         n_parts, n_tasks):
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
-    qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
     counter = np.zeros(1, np.int64)
     for w in prange(n_tasks):
         while True:
@@ -512,7 +578,7 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
             if i >= items.shape[0]:
                 break
             _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
-                      qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
+                      qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
     finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
 
 

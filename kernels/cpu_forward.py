@@ -106,7 +106,7 @@ def _wait_done(done, k, n):
 @njit(cache=True)
 def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
                 gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
-                seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, sc,
+                seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc,
                 acc, m, l, bm, pm, pl, pacc):
     # item i of one phase of one layer, on task w's scratch
     T = residual.shape[0]
@@ -122,7 +122,7 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
         _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
     elif phase == _P_ATTN:
         _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
-                  qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
+                  qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
     elif phase == _P_MERGE:
         finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
     elif phase == _P_O:
@@ -158,7 +158,7 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     n_items[_P_DOWN] = linear_items(T, down_w.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
-    qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
                                                        key_caches[0].shape[1], n_parts)
     for w in prange(n_tasks):
         for layer in range(L):
@@ -171,7 +171,7 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                     _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1,
                                 qkv_w, o_w, ln2, gate_up_w, down_w, key_caches[layer], value_caches[layer],
                                 positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H,
-                                Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, sc, acc, m, l, bm,
+                                Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc, m, l, bm,
                                 pm, pl, pacc)
                     atomic_add(done, k, 1)
                 _wait_done(done, k, n_items[phase])

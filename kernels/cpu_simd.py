@@ -230,3 +230,216 @@ def exp2_sum16(typingctx, s, soff, m):
         return _call(builder, f"llvm.vector.reduce.fadd.v{W}f32", [ir.Constant(_F32, 0.0), total], ret=_F32,
                      fast=True)
     return sig, codegen
+
+
+# Register blocking of the prefill tiles' products (tile_scores, tile_pv): TILE_RB rows at a
+# time, each against _QK_CB vectors of keys (scores) or _PV_DB vectors of head_dim (P V):
+# 4 x 4 = 16 accumulators of the 32 AVX-512 registers, 4 x 2 = 8 of AVX2's 16.
+TILE_RB = 6
+_QK_CB = 4 if W == 16 else 2
+_PV_DB = 4 if W == 16 else 2
+
+
+def _row_blocks(builder, rows, emit):
+    # emit(r0, nr) for row blocks of TILE_RB rows, then the remaining rows one at a time
+    full = builder.udiv(rows, ir.Constant(_I64, TILE_RB))
+    with cgutils.for_range(builder, full) as loop:
+        emit(builder.mul(loop.index, ir.Constant(_I64, TILE_RB)), TILE_RB)
+    done = builder.mul(full, ir.Constant(_I64, TILE_RB))
+    with cgutils.for_range(builder, builder.sub(rows, done)) as loop:
+        emit(builder.add(done, loop.index), 1)
+
+
+def _vector_groups(builder, nvec, width, emit):
+    # emit(c0, nv) over nvec vectors: groups of width vectors (c0 in elements), then single ones
+    full = builder.udiv(nvec, ir.Constant(_I64, width))
+    with cgutils.for_range(builder, full) as loop:
+        emit(builder.mul(loop.index, ir.Constant(_I64, width * W)), width)
+    done = builder.mul(full, ir.Constant(_I64, width))
+    with cgutils.for_range(builder, builder.sub(nvec, done)) as loop:
+        emit(builder.mul(builder.add(done, loop.index), ir.Constant(_I64, W)), 1)
+
+
+@intrinsic
+def tile_scores(typingctx, q, qoff, ldq, rows, kt, ktoff, ldkt, ncols, D, s, soff, lds):
+    """``s[soff + r lds + c] = sum_{d < D} q[qoff + r ldq + d] * kt[ktoff + d ldkt + c]`` for ``r <
+    rows``, ``c < ncols`` (a multiple of ``W``): a prefill tile's ``S = Q K^T`` with the keys
+    transposed (``kt [D, ldkt]``, keys along the vectors), ``TILE_RB`` rows x ``4 W`` keys of
+    ``S`` in registers while ``d`` runs, each ``q`` element broadcast (no horizontal sums)."""
+    if not _f32_arrays(q, kt, s):
+        return None
+    i64 = types.int64
+    sig = types.none(q, i64, i64, i64, kt, i64, i64, i64, i64, s, i64, i64)
+
+    def codegen(context, builder, sg, args):
+        qa, qo, lq, rows_, ka, kto, lk, nc, d, sa, so, ls = args
+        qd, kd, sd = (_data(context, builder, sg.args[i], a) for i, a in ((0, qa), (4, ka), (9, sa)))
+
+        def block(r0, nr, c0, nv):
+            slots = [[cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(nv)] for _ in range(nr)]
+            qrow = [builder.add(qo, builder.mul(builder.add(r0, ir.Constant(_I64, i)), lq)) for i in range(nr)]
+            with cgutils.for_range(builder, d) as loop:
+                kbase = builder.add(builder.add(builder.mul(loop.index, lk), c0), kto)
+                kv = [_vload(builder, kd, _offset(builder, kbase, j * W)) for j in range(nv)]
+                for i in range(nr):
+                    qb = _splat(builder, builder.load(builder.gep(qd, [builder.add(qrow[i], loop.index)])))
+                    for j in range(nv):
+                        builder.store(_fma(builder, qb, kv[j], builder.load(slots[i][j])), slots[i][j])
+            for i in range(nr):
+                srow = builder.add(so, builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), ls), c0))
+                for j in range(nv):
+                    _vstore(builder, builder.load(slots[i][j]), sd, _offset(builder, srow, j * W))
+
+        def rows_block(r0, nr):
+            _vector_groups(builder, builder.udiv(nc, ir.Constant(_I64, W)), _QK_CB,
+                           lambda c0, nv: block(r0, nr, c0, nv))
+        _row_blocks(builder, rows_, rows_block)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def tile_pv(typingctx, p, poff, ldp, rows, n, v, voffs, D, acc, aoff, lda):
+    """``acc[aoff + r lda + d] += sum_{j < n} p[poff + r ldp + j] * v[voffs[j] + d]`` for ``r <
+    rows``, ``d < D`` (a multiple of ``W``): a prefill tile's ``acc += P V`` with the value rows
+    read in place (``voffs``: int64 flat offset of key ``j``'s value row), ``TILE_RB`` rows x
+    ``4 W`` coordinates of ``acc`` in registers over the ``n`` keys, each weight broadcast."""
+    if not (_f32_arrays(p, v, acc) and isinstance(voffs, types.Array) and voffs.dtype == types.int64):
+        return None
+    i64 = types.int64
+    sig = types.none(p, i64, i64, i64, i64, v, voffs, i64, acc, i64, i64)
+
+    def codegen(context, builder, sg, args):
+        pa, po, lp, rows_, nn, va, oa, d, aa, ao, la = args
+        pd, vd, ad = (_data(context, builder, sg.args[i], a) for i, a in ((0, pa), (5, va), (8, aa)))
+        od = _data(context, builder, sg.args[6], oa)
+
+        def block(r0, nr, c0, nv):
+            arow = [builder.add(ao, builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), la), c0))
+                    for i in range(nr)]
+            prow = [builder.add(po, builder.mul(builder.add(r0, ir.Constant(_I64, i)), lp)) for i in range(nr)]
+            slots = [[cgutils.alloca_once_value(builder, _vload(builder, ad, _offset(builder, arow[i], j * W)))
+                      for j in range(nv)] for i in range(nr)]
+            with cgutils.for_range(builder, nn) as loop:
+                vbase = builder.add(builder.load(builder.gep(od, [loop.index])), c0)
+                vv = [_vload(builder, vd, _offset(builder, vbase, j * W)) for j in range(nv)]
+                for i in range(nr):
+                    w = _splat(builder, builder.load(builder.gep(pd, [builder.add(prow[i], loop.index)])))
+                    for j in range(nv):
+                        builder.store(_fma(builder, w, vv[j], builder.load(slots[i][j])), slots[i][j])
+            for i in range(nr):
+                for j in range(nv):
+                    _vstore(builder, builder.load(slots[i][j]), ad, _offset(builder, arow[i], j * W))
+
+        def rows_block(r0, nr):
+            _vector_groups(builder, builder.udiv(d, ir.Constant(_I64, W)), _PV_DB,
+                           lambda c0, nv: block(r0, nr, c0, nv))
+        _row_blocks(builder, rows_, rows_block)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _transpose(builder, rows):
+    """The ``W x W`` transpose of ``W`` vectors: for each bit ``h`` of the lane index, rows ``i``
+    and ``i + h`` (``i & h == 0``) exchange their off-diagonal ``h``-lane blocks (element ``(i,
+    k + h)`` with ``(i + h, k)``); after every bit, vector ``i`` holds lane ``i`` of each row."""
+    rows, h = list(rows), 1
+    while h < W:
+        lo = ir.Constant(ir.VectorType(_I32, W), [k if k & h == 0 else W + k - h for k in range(W)])
+        hi = ir.Constant(ir.VectorType(_I32, W), [k + h if k & h == 0 else W + k for k in range(W)])
+        for i in range(W):
+            if i & h == 0:
+                a, b = rows[i], rows[i + h]
+                rows[i], rows[i + h] = builder.shuffle_vector(a, b, lo), builder.shuffle_vector(a, b, hi)
+        h *= 2
+    return rows
+
+
+@intrinsic
+def transpose_rows(typingctx, src, offs, n, D, dst, ldd):
+    """``dst[d ldd + j] = src[offs[j] + d]`` for ``j < n`` (a multiple of ``W``) and ``d < D`` (a
+    multiple of ``W``): rows scattered in ``src`` (int64 flat offsets ``offs``) into the columns
+    of ``dst``, ``W x W`` blocks transposed in registers (``W`` loads, ``W log2 W`` two-input
+    shuffles and ``W`` stores per block) where element-wise copies cost a store per element and,
+    with ``ldd`` a multiple of 512 bytes, kept every store in the same few L1 sets."""
+    if not (_f32_arrays(src, dst) and isinstance(offs, types.Array) and offs.dtype == types.int64):
+        return None
+    i64 = types.int64
+    sig = types.none(src, offs, i64, i64, dst, i64)
+
+    def codegen(context, builder, sg, args):
+        sa, oa, nn, d, da, ld = args
+        sd, od, dd = (_data(context, builder, sg.args[i], a) for i, a in ((0, sa), (1, oa), (4, da)))
+        wc = ir.Constant(_I64, W)
+        with cgutils.for_range(builder, builder.udiv(nn, wc)) as jl:
+            j0 = builder.mul(jl.index, wc)
+            bases = [builder.load(builder.gep(od, [_offset(builder, j0, i)])) for i in range(W)]
+            with cgutils.for_range(builder, builder.udiv(d, wc)) as dl:
+                d0 = builder.mul(dl.index, wc)
+                cols = _transpose(builder, [_vload(builder, sd, builder.add(b, d0)) for b in bases])
+                for k, v in enumerate(cols):
+                    _vstore(builder, v, dd, builder.add(builder.mul(_offset(builder, d0, k), ld), j0))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _lane_mask(builder, start, n):
+    # lanes start + k < n of a vector starting at element start
+    idx = builder.add(_splat_i64(builder, start), ir.Constant(ir.VectorType(_I64, W), list(range(W))))
+    return builder.icmp_signed("<", idx, _splat_i64(builder, n))
+
+
+def _splat_i64(builder, x):
+    vt = ir.VectorType(_I64, W)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
+
+
+@intrinsic
+def row_max(typingctx, s, soff, n, init):
+    """``max(init, s[soff], ..., s[soff + n - 1])`` (float32) in vectors of ``W``; the last
+    vector's lanes past ``n`` are read (they must lie in the array) and ignored."""
+    if not _f32_arrays(s):
+        return None
+    sig = types.float32(s, types.int64, types.int64, types.float32)
+
+    def codegen(context, builder, sg, args):
+        sa, so, nn, init = args
+        sd = _data(context, builder, sg.args[0], sa)
+        wc = ir.Constant(_I64, W)
+        acc = cgutils.alloca_once_value(builder, _splat(builder, init))
+        nvec = builder.udiv(builder.add(nn, ir.Constant(_I64, W - 1)), wc)
+        with cgutils.for_range(builder, nvec) as loop:
+            c = builder.mul(loop.index, wc)
+            x = builder.select(_lane_mask(builder, c, nn), _vload(builder, sd, builder.add(so, c)), _splat(builder, init))
+            builder.store(_call(builder, f"llvm.maxnum.v{W}f32", [builder.load(acc), x]), acc)
+        return _call(builder, f"llvm.vector.reduce.fmax.v{W}f32", [builder.load(acc)], ret=_F32, fast=True)
+    return sig, codegen
+
+
+@intrinsic
+def row_exp2(typingctx, s, soff, nv, n, m):
+    """``s[soff + j] = 2^(s[soff + j] - m)`` for ``j < nv`` and ``0`` for ``nv <= j < n``, in
+    vectors of ``W`` (``cpu_math.exp2`` lane-wise; the last vector is written whole: the
+    array must extend to ``n`` rounded up to ``W``); returns the float32 sum of the weights."""
+    if not _f32_arrays(s):
+        return None
+    sig = types.float32(s, types.int64, types.int64, types.int64, types.float32)
+
+    def codegen(context, builder, sg, args):
+        sa, so, nvv, nn, mv = args
+        sd = _data(context, builder, sg.args[0], sa)
+        wc = ir.Constant(_I64, W)
+        mvec = _splat(builder, mv)
+        total = cgutils.alloca_once_value(builder, _const(0.0))
+        nvec = builder.udiv(builder.add(nn, ir.Constant(_I64, W - 1)), wc)
+        with cgutils.for_range(builder, nvec) as loop:
+            c = builder.mul(loop.index, wc)
+            off = builder.add(so, c)
+            w = builder.select(_lane_mask(builder, c, nvv), _exp2(builder, builder.fsub(_vload(builder, sd, off), mvec)),
+                               _const(0.0))
+            _vstore(builder, w, sd, off)
+            builder.store(builder.fadd(builder.load(total), w, flags=("fast",)), total)
+        return _call(builder, f"llvm.vector.reduce.fadd.v{W}f32", [ir.Constant(_F32, 0.0), builder.load(total)],
+                     ret=_F32, fast=True)
+    return sig, codegen

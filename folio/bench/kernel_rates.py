@@ -222,7 +222,7 @@ def _attention_region(q, key_caches, value_caches, block_tables, seq_lens, query
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_caches[0].shape[1], key_caches[0].shape[2]
     L = len(key_caches)
-    qs, kb, vb, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
     n_items = np.array([items.shape[0], 1], np.int64)
     claims = np.zeros(2 * L, np.int64)
     done = np.zeros(2 * L, np.int64)
@@ -236,8 +236,8 @@ def _attention_region(q, key_caches, value_caches, block_tables, seq_lens, query
                         break
                     if p == 0:
                         _run_item(q, key_caches[layer], value_caches[layer], block_tables, seq_lens, query_start_loc,
-                                  qscale, out, items, i, qs[w], kb[w], vb[w], sc[w], acc[w], m[w], l[w], bm[w], pm,
-                                  pl, pacc)
+                                  qscale, out, items, i, qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w],
+                                  pm, pl, pacc)
                     else:
                         finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
                     atomic_add(done, k, 1)
