@@ -69,7 +69,7 @@ __all__ = ["paged_attention", "attention_items", "attention_into", "finish_atten
 
 _F32 = np.float32
 TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
-TILE_MIN_ROWS = 8      # fewer rows: the loop path (decode)
+TILE_MIN_ROWS = 12     # fewer rows: the loop path (decode)
 CHUNK_KEYS = 128       # keys per online-softmax step (rounded down to whole blocks)
 _PARALLEL_MIN_WORK = 1 << 18   # multiply-adds below which a step runs on the calling thread
 SPLIT_MIN_KEYS = 128  # shortest key range of a partitioned decode (FlashDecoding)
