@@ -11,13 +11,20 @@ limit (key positions ``<= their own``); chunks past the last row's limit are nev
 
 Two ways to compute an item, chosen by its number of rows:
 
-* **Tiles** (``rows >= TILE_MIN_ROWS``: prefill chunks): the chunk's keys and values are read
-  in place when its blocks are consecutive in the cache (one matrix with row stride
-  ``num_kv_heads * head_dim``), else gathered into contiguous ``[chunk, head_dim]`` buffers; then
-  ``S = Q K^T`` and
-  ``acc += P V`` are two single-threaded BLAS ``sgemm`` calls on ``[rows, head_dim] x [head_dim,
-  chunk]`` and ``[rows, chunk] x [chunk, head_dim]`` (dense products at the sgemm rate); the
-  softmax between them is a vectorised loop per row.
+* **Tiles** (``rows >= TILE_MIN_ROWS``: prefill chunks), in explicit vector code
+  (``kernels.cpu_simd``) where ``head_dim`` and the chunk are multiples of the vector width:
+  per chunk of ``CHUNK_KEYS`` keys, the keys transposed into ``[head_dim, chunk]`` (``W x W``
+  blocks in registers), then ``S = Q K^T`` as broadcast FMAs, ``TILE_RB`` rows x 4 vectors of
+  keys in registers (keys outer, so their slice stays in L1 across the row blocks), each row block
+  only up to the keys its last row sees (the diagonal chunk's masked triangle skipped), the
+  online softmax per row in masked vectors, and ``acc += P V`` with the values read in place
+  through their row offsets. Otherwise the chunk's keys and values are read in place when its
+  blocks are consecutive in the cache (row stride ``num_kv_heads * head_dim``), else gathered
+  into contiguous ``[chunk, head_dim]`` buffers, and ``S = Q K^T`` and ``acc += P V`` are two
+  single-threaded BLAS ``sgemm`` calls; the softmax between them is a vectorised loop per row.
+  The vector tiles were 1.6-2.1x the sgemm ones at the default model's shapes and 1.5-1.7x at
+  Llama-3's (OpenBLAS with the AVX2 kernels this project's environment selects, on short
+  inner dimensions; perf/RESULTS.md, eleventh pass).
 * **Decodes** (fewer rows: one token, or a few, times the ``group``): one KV block at a time,
   the scores of every row against the block's keys, each row's largest score, the
   online-softmax update, then the block's values. Where the block size is a multiple of 16
@@ -69,7 +76,9 @@ __all__ = ["paged_attention", "attention_items", "attention_into", "finish_atten
 
 _F32 = np.float32
 TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
-TILE_MIN_ROWS = 12     # fewer rows: the loop path (decode)
+# Fewer rows per KV head: the loop path (decode). 8-11 rows (2-3 token decodes at GQA 3-4) were
+# 1.03-1.34x faster there than on the vector tiles, 12 about even, 18 and more slower.
+TILE_MIN_ROWS = 12
 CHUNK_KEYS = 128       # keys per online-softmax step (rounded down to whole blocks)
 _PARALLEL_MIN_WORK = 1 << 18   # multiply-adds below which a step runs on the calling thread
 SPLIT_MIN_KEYS = 128  # shortest key range of a partitioned decode (FlashDecoding)
@@ -78,7 +87,11 @@ SPLIT_MIN_KEYS = 128  # shortest key range of a partitioned decode (FlashDecodin
 # threads against 1 item: ~1.0x at 330 keys (the region's wake-up eats the gain), 1.3-1.5x at
 # 600-1000, 1.8x at 4000 (default model); Llama-3 shapes 1.2-1.7x.
 SPLIT_MIN_THREADS = 2
-TILE_VECTOR = True     # prefill tiles in explicit vector code (else two sgemm calls per chunk)
+# Prefill tiles in explicit vector code (else two sgemm calls per chunk) where head_dim and the
+# chunk are multiples of the lanes; with 8 lanes (AVX2) only up to head_dim 64: compiled for
+# Haswell on the Zen 5 VM, the vector tiles were 1.14-1.41x sgemm's at head_dim 64 and
+# 0.83-1.05x at 128 (perf/RESULTS.md, eleventh pass).
+TILE_VECTOR = True
 _SCORE_KEYS = 64       # keys per pass of a tile's scores over its row blocks
 _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastmath assumes no inf)
 
@@ -351,7 +364,9 @@ def _tile_chunks(key_cache, value_cache, block_tables, s, h0, R, n_keys, first_p
             b = block_tables[s, (c0 + j) // bs]
             for d in range(D):
                 kt[d, j] = key_cache[b, (c0 + j) % bs, h0, d]
-        for j in range(nk, (nk + _W - 1) // _W * _W):    # the last vector's padding: finite scores
+        # the last vector's lanes past nk: never read as scores (the softmax masks them), zeroed
+        # so that the products never meet uninitialised subnormals (slow on some cores)
+        for j in range(nk, (nk + _W - 1) // _W * _W):
             for d in range(D):
                 kt[d, j] = 0.0
         for g0 in range(0, nk, _SCORE_KEYS):       # keys outer: their [D, _SCORE_KEYS] slice stays in L1
@@ -394,7 +409,7 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
     first_pos = _init_rows(q, qscale, seq_lens, query_start_loc, s, h0, h0 + 1, t0, t1, group, qs, acc, m, l)
     n_keys = first_pos + (t1 - t0)             # the last token sees keys 0 .. n_keys - 1
     CH = kb.shape[0]                            # whole blocks
-    if TILE_VECTOR and D % _W == 0 and CH % _W == 0:
+    if TILE_VECTOR and D % _W == 0 and CH % _W == 0 and (_W == 16 or D <= 64):
         _tile_chunks(key_cache, value_cache, block_tables, s, h0, R, n_keys, first_pos, group, qs, kb, ko, sc, acc,
                      m, l)
         _write_rows(h0, h0 + 1, t0, t1, group, acc, l, out)

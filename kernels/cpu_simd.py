@@ -1,4 +1,4 @@
-"""Explicit vector code for the decode attention's per-block work, as LLVM IR from Numba.
+"""Explicit vector code for paged attention's inner loops (decode blocks, prefill tiles), as LLVM IR from Numba.
 
 Numba has no vector types: its loops become vector code only where LLVM's loop vectoriser
 manages it, and for a decode's work on one 16-key block it does not. A score is a ``head_dim``
@@ -18,13 +18,28 @@ the Numba caller like any ``@intrinsic`` (no call, no reference counting of the 
 * ``pv``: a row's ``acc += P V`` over ``n`` keys, ``4 W`` coordinates of ``acc`` held in
   registers across the keys (one load and store of ``acc`` per block, not per key).
 
+For the prefill tiles (many query rows against a chunk of keys), small dense products with
+register blocking as in a GEMM microkernel, where OpenBLAS's AVX2 kernels on inner dimensions
+of 64-128 reached about half of this core's rate:
+
+* ``transpose_rows``: a chunk's key rows (scattered over the cache's blocks) into the columns
+  of a ``[head_dim, chunk]`` buffer, ``W x W`` blocks transposed in registers.
+* ``tile_scores``: ``S = Q K^T`` on the transposed keys, ``TILE_RB`` rows x 4 vectors of keys
+  in accumulators (2 with AVX2's 16 registers), one broadcast ``q`` element per row and the key
+  vectors per step of ``head_dim``.
+* ``tile_pv``: ``acc += P V``, ``TILE_RB`` rows x 4 vectors (2 with AVX2) of ``acc`` in
+  registers over the keys, the value rows read in place through their offsets.
+* ``row_max`` / ``row_exp2``: a row's online-softmax maximum and weights in masked vectors.
+
 Arguments are arrays with flat element offsets (C-contiguous data from the offset on, as the
 kernels' caches and per-task buffers are) of float32 (another dtype fails to compile);
 ``head_dim`` must be a multiple of ``W``, which the caller checks. Sums are in float32 in a
 blocked order (``head_dim / W`` terms per lane, then the tree), within the any-order bounds of
 the tests.
 
-Sources: LLVM Language Reference (vector types, ``shufflevector``, ``llvm.fma``,
+Sources: the register-blocked microkernel of BLIS / GotoBLAS (Goto & van de Geijn, "Anatomy of
+High-Performance Matrix Multiplication", ACM TOMS 2008; Van Zee & van de Geijn, "BLIS", 2015);
+LLVM Language Reference (vector types, ``shufflevector``, ``llvm.fma``,
 ``llvm.vector.reduce.fadd``); Numba's ``@intrinsic`` (numba.readthedocs.io, "Low-level extension
 API"); the transposed reduction of several dot products is the usual SIMD idiom of BLAS ``gemv``
 kernels (e.g. OpenBLAS's ``sgemv_t`` microkernels).
@@ -39,7 +54,8 @@ from numba.extending import intrinsic
 
 from .cpu_math import _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7
 
-__all__ = ["compiles_avx512", "W", "qk16", "pv", "exp2_sum16"]
+__all__ = ["compiles_avx512", "W", "TILE_RB", "qk16", "pv", "exp2_sum16", "transpose_rows", "tile_scores", "tile_pv",
+           "row_max", "row_exp2"]
 
 
 def compiles_avx512() -> bool:
@@ -91,8 +107,10 @@ def _vstore(builder, val, base, off):
 
 
 def _splat(builder, x):
-    v = builder.insert_element(ir.Constant(_vec(W), ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(_vec(W), ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
+    # a vector of W copies of the scalar x (of any type)
+    vt = ir.VectorType(x.type, W)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
 
 
 def _call(builder, name, args, ret=None, fast=False):
@@ -385,14 +403,8 @@ def transpose_rows(typingctx, src, offs, n, D, dst, ldd):
 
 def _lane_mask(builder, start, n):
     # lanes start + k < n of a vector starting at element start
-    idx = builder.add(_splat_i64(builder, start), ir.Constant(ir.VectorType(_I64, W), list(range(W))))
-    return builder.icmp_signed("<", idx, _splat_i64(builder, n))
-
-
-def _splat_i64(builder, x):
-    vt = ir.VectorType(_I64, W)
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
+    idx = builder.add(_splat(builder, start), ir.Constant(ir.VectorType(_I64, W), list(range(W))))
+    return builder.icmp_signed("<", idx, _splat(builder, n))
 
 
 @intrinsic
@@ -411,7 +423,8 @@ def row_max(typingctx, s, soff, n, init):
         nvec = builder.udiv(builder.add(nn, ir.Constant(_I64, W - 1)), wc)
         with cgutils.for_range(builder, nvec) as loop:
             c = builder.mul(loop.index, wc)
-            x = builder.select(_lane_mask(builder, c, nn), _vload(builder, sd, builder.add(so, c)), _splat(builder, init))
+            x = builder.select(_lane_mask(builder, c, nn), _vload(builder, sd, builder.add(so, c)),
+                               _splat(builder, init))
             builder.store(_call(builder, f"llvm.maxnum.v{W}f32", [builder.load(acc), x]), acc)
         return _call(builder, f"llvm.vector.reduce.fmax.v{W}f32", [builder.load(acc)], ret=_F32, fast=True)
     return sig, codegen
@@ -436,8 +449,8 @@ def row_exp2(typingctx, s, soff, nv, n, m):
         with cgutils.for_range(builder, nvec) as loop:
             c = builder.mul(loop.index, wc)
             off = builder.add(so, c)
-            w = builder.select(_lane_mask(builder, c, nvv), _exp2(builder, builder.fsub(_vload(builder, sd, off), mvec)),
-                               _const(0.0))
+            e = _exp2(builder, builder.fsub(_vload(builder, sd, off), mvec))
+            w = builder.select(_lane_mask(builder, c, nvv), e, _const(0.0))
             _vstore(builder, w, sd, off)
             builder.store(builder.fadd(builder.load(total), w, flags=("fast",)), total)
         return _call(builder, f"llvm.vector.reduce.fadd.v{W}f32", [ir.Constant(_F32, 0.0), builder.load(total)],

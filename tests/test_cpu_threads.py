@@ -158,9 +158,10 @@ def test_kernels_compiled_for_avx2(tmp_path):
     # kernels are compiled for; on an AVX-512 machine the suite runs the wide configuration, so
     # here the kernels are compiled for AVX2 (Haswell's features, no AVX-512) in a fresh
     # interpreter with its own cache. Products: every T to past its bound, on one thread and on
-    # two (a weight large enough for the parallel blocks), against the exact product. Decode
-    # attention: head_dim 24 (a multiple of 8 lanes, not of 16: the vector path only here),
-    # 64 and 128, block sizes 16 and 32, against the reference within its bound.
+    # two (a weight large enough for the parallel blocks), against the exact product. Decodes
+    # and prefill tiles: head_dim 24 (a multiple of 8 lanes, not of 16: the vector code only
+    # here), 64 and 128 (sgemm tiles with 8 lanes), block sizes 16 and 32, against the
+    # reference within its bound.
     code = """
 import numpy as np
 from kernel_cases import paged_attention_case
@@ -168,8 +169,8 @@ from numerics import attention_bound, dot_bound
 from folio.kernels import cpu, cpu_linear, cpu_simd, cpu_threads, reference
 assert (cpu_linear.TOKENS_PER_PASS, cpu_linear.GEMV_MAX_ROWS, cpu_simd.W) == (2, 24, 8)
 for seed, (D, bs) in enumerate(((24, 16), (64, 32), (128, 16))):
-    case = paged_attention_case(seed, [(300, 1), (47, 3), (16, 1), (33, 2)], num_heads=6, num_kv_heads=2, head_dim=D,
-                                block_size=bs)
+    case = paged_attention_case(seed, [(300, 1), (47, 3), (16, 1), (33, 2), (150, 150), (200, 41)], num_heads=6,
+                                num_kv_heads=2, head_dim=D, block_size=bs)
     err = np.abs(cpu.paged_attention(**case) - reference.paged_attention(**case))
     assert np.all(err <= attention_bound(case)), (D, bs)
 rng = np.random.default_rng(0)

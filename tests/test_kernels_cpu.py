@@ -81,6 +81,119 @@ def test_paged_attention_decode_regimes(regime):
     assert np.all(err <= attention_bound(case)), float(np.max(err - attention_bound(case)))
 
 
+# prefill tiles (TILE_MIN_ROWS rows or more per KV head): the vector tiles (cpu_simd's
+# tile_scores / tile_pv / transpose_rows / row_max / row_exp2) over several chunks of keys, a
+# chunk's last keys short of a vector (the element-wise transposition and the zeroed padding),
+# row counts that are not a multiple of TILE_RB, head_dim with a single-vector remainder, a
+# block size whose chunk (96 keys) is not 128; and the sgemm tiles where the vector code does
+# not apply (head_dim 24 with 16 lanes, a 125-key chunk from 5-token blocks)
+TILE_REGIMES = {
+    "llama3_shapes_chunks": lambda: paged_attention_case(71, [(300, 300), (180, 37)], num_heads=8, num_kv_heads=2,
+                                                         head_dim=128),
+    "head_dim_80_rows_20": lambda: paged_attention_case(72, [(45, 5), (140, 13)], num_heads=8, num_kv_heads=2,
+                                                        head_dim=80),
+    "block_size_48": lambda: paged_attention_case(73, [(250, 250), (100, 30)], num_heads=6, num_kv_heads=2,
+                                                  head_dim=32, block_size=48),
+    "block_size_5": lambda: paged_attention_case(74, [(130, 40), (64, 64)], num_heads=6, num_kv_heads=2,
+                                                 head_dim=32, block_size=5),
+    "head_dim_24": lambda: paged_attention_case(75, [(150, 150), (90, 20)], num_heads=4, num_kv_heads=1, head_dim=24),
+    "wide_score_range": lambda: (lambda c: {**c, "q": c["q"] * np.float32(30.0)})(
+        paged_attention_case(76, [(260, 260)], num_heads=9, num_kv_heads=3, head_dim=64)),
+    "max_grows_every_block": lambda: _growing_keys(
+        paged_attention_case(77, [(200, 200), (90, 41)], num_heads=6, num_kv_heads=2, head_dim=32)),
+    "chunk_after_long_context": lambda: paged_attention_case(78, [(700, 60), (300, 129)], num_heads=9,
+                                                             num_kv_heads=3, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("regime", sorted(TILE_REGIMES))
+def test_paged_attention_tile_regimes(regime):
+    case = TILE_REGIMES[regime]()
+    want = reference.paged_attention(**case)
+    got = cpu.paged_attention(**case)
+    assert np.isfinite(got).all()
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= attention_bound(case)), float(np.max(err - attention_bound(case)))
+
+
+@numba.njit(fastmath=True)
+def _tile_calls(q, ldq, rows, kt, ktoff, ldkt, nc, D, s, lds, p, ldp, n, v, voffs, acc, lda):
+    cpu_simd.tile_scores(q, 2, ldq, rows, kt, ktoff, ldkt, nc, D, s, 4, lds)
+    cpu_simd.tile_pv(p, 1, ldp, rows, n, v, voffs, D, acc, 5, lda)
+
+
+@numba.njit(fastmath=True)
+def _row_calls(src, offs, n, D, dst, ldd, s, nv, nk, init):
+    cpu_simd.transpose_rows(src, offs, n, D, dst, ldd)
+    mx = cpu_simd.row_max(s, 3, nv, init)
+    return mx, cpu_simd.row_exp2(s, 3, nv, nk, mx)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 4, 5, 8])
+def test_simd_tile_code_against_numpy(lanes):
+    # the prefill tiles' vector code on its own, at offsets and strides as _tile_chunks uses them
+    # (head_dim = lanes x W; rows across TILE_RB blocks and the single-row remainder; key counts
+    # across column groups and single vectors). Bounds for any summation order: gamma(D + 1)
+    # sum |q k| per score, gamma(n + 1) (|acc| + sum |p v|) per acc element; the transposition and
+    # the maximum exact; each weight within exp2's relative bound of 2^(s - m) for its float32
+    # score plus the rounding of s - m, zeros from nv to nk; the sum within gamma(nk) of the
+    # weights' sum. Nothing is written outside the rows' ranges.
+    rng = np.random.default_rng(100 + lanes)
+    W = cpu_simd.W
+    D = lanes * W
+    for rows in (1, 5, cpu_simd.TILE_RB, cpu_simd.TILE_RB + 1, 2 * cpu_simd.TILE_RB + 3):
+        for nc in (W, 3 * W, 5 * W, 8 * W):
+            ldq, ldkt, lds, ktoff = D + 3, nc + 2 * W + 5, nc + 7, W + 1
+            q = rng.standard_normal(2 + rows * ldq).astype(np.float32)
+            kt = rng.standard_normal(ktoff + D * ldkt).astype(np.float32)
+            s = np.full(4 + rows * lds, np.nan, np.float32)
+            n = nc - 3                                 # keys of P V: not a multiple of W
+            ldp, lda = n + 3, D + 2
+            p = rng.standard_normal(1 + rows * ldp).astype(np.float32)
+            v = rng.standard_normal(200 * 3 * D).astype(np.float32)
+            voffs = (rng.choice(200, n, replace=False) * 3 * D + D).astype(np.int64)
+            acc0 = rng.standard_normal(5 + rows * lda).astype(np.float32)
+            acc = acc0.copy()
+            _tile_calls(q, ldq, rows, kt, ktoff, ldkt, nc, D, s, lds, p, ldp, n, v, voffs, acc, lda)
+            Q = np.stack([q[2 + r * ldq:2 + r * ldq + D] for r in range(rows)]).astype(np.float64)
+            KT = np.stack([kt[ktoff + d * ldkt:ktoff + d * ldkt + nc] for d in range(D)]).astype(np.float64)
+            S = np.stack([s[4 + r * lds:4 + r * lds + nc] for r in range(rows)])
+            assert np.all(np.abs(S - Q @ KT) <= gamma(D + 1) * (np.abs(Q) @ np.abs(KT)))
+            written = np.zeros(s.shape, bool)
+            for r in range(rows):
+                written[4 + r * lds:4 + r * lds + nc] = True
+            assert np.isnan(s[~written]).all()
+            P = np.stack([p[1 + r * ldp:1 + r * ldp + n] for r in range(rows)]).astype(np.float64)
+            V = np.stack([v[o:o + D] for o in voffs]).astype(np.float64)
+            A0 = np.stack([acc0[5 + r * lda:5 + r * lda + D] for r in range(rows)]).astype(np.float64)
+            A = np.stack([acc[5 + r * lda:5 + r * lda + D] for r in range(rows)])
+            assert np.all(np.abs(A - (A0 + P @ V)) <= gamma(n + 1) * (np.abs(A0) + np.abs(P) @ np.abs(V)))
+            untouched = np.ones(acc.shape, bool)
+            for r in range(rows):
+                untouched[5 + r * lda:5 + r * lda + D] = False
+            assert np.array_equal(acc[untouched], acc0[untouched])
+    for n in (0, W, 2 * W, 8 * W):
+        src = rng.standard_normal(200 * 2 * D).astype(np.float32)
+        offs = (rng.choice(200, n, replace=False) * 2 * D + D).astype(np.int64)
+        ldd = n + 2 * W
+        dst = np.full(D * ldd, np.nan, np.float32)
+        for nv, nk in ((0, 5), (1, 1), (W - 1, W + 2), (2 * W + 3, 4 * W), (4 * W, 4 * W)):
+            s = np.full(3 + (nk + W - 1) // W * W + 2, np.nan, np.float32)
+            s[3:3 + nv] = rng.standard_normal(nv).astype(np.float32) * 4
+            s0 = s.copy()
+            mx, total = _row_calls(src, offs, n, D, dst, ldd, s, nv, nk, np.float32(-1.5))
+            assert mx == max([np.float32(-1.5)] + list(s0[3:3 + nv]))
+            want_w = np.exp2(s0[3:3 + nv].astype(np.float64) - mx)
+            rel = exp2_rel_bound() + math.log(2.0) * np.abs(s0[3:3 + nv] - mx) * U32 + U32
+            assert np.all(np.abs(s[3:3 + nv] - want_w) <= rel * want_w)
+            assert not s[3 + nv:3 + nk].any() and np.isnan(s[:3]).all()
+            assert abs(total - s[3:3 + nk].astype(np.float64).sum()) <= gamma(max(nk, 1)) * s[3:3 + nk].sum()
+        M = dst.reshape(D, ldd)
+        for j in range(n):
+            assert np.array_equal(M[:, j], src[offs[j]:offs[j] + D])
+        assert np.isnan(M[:, n:]).all()
+
+
 @numba.njit(fastmath=True)
 def _simd_calls(q, k, ks, D, s, p, n, acc, m):
     cpu_simd.qk16(q, 3, k, 5, ks, D, s, 2)

@@ -33,8 +33,9 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
   against sgemm on ``[ctx, 576] x [576, 3072]`` and against *sgemm at the tile's shapes*: each
   thread's own single-threaded BLAS calls ``[R, 64] x [64, C]`` and ``[R, C] x [C, 64]`` (a
   full tile's two products per chunk of keys, ``(R, C) = tile_shape()``; the inner dimensions
-  64 and ``C`` are short for a packed GEMM), the rate the tile path's building block reaches
-  here. Decode and prefill are timed as the forward pass calls them: ``attention_into`` per
+  64 and ``C`` are short for a packed GEMM), what BLAS reaches on a tile's own products (the
+  sgemm tiles' building block; the vector tiles of ``cpu_simd`` replace those calls where they
+  apply). Decode and prefill are timed as the forward pass calls them: ``attention_into`` per
   layer, the step's work items planned once (the forward plans once per step for all its
   layers); the planning is timed on its own.
 
