@@ -14,11 +14,16 @@ Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads
   perf/RESULTS.md). Float32, vectorised by LLVM into 8- or 16-lane partial sums added at the
   end, a blocked summation whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks
   take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
-* **More rows** (prefill chunks, decode steps of more sequences): BLAS ``sgemm`` on 2-D tiles
-  of the output (``tile_m`` tokens x ``tile_n`` weight rows), each tile one single-threaded
-  call, tiles taken by the threads from a shared counter. Each call packs its own weight tile;
-  tiles are large enough (>= 64 x 64 outputs over the whole ``K``) that the packing stays a
-  small share.
+* **More rows** (prefill chunks, decode steps of more sequences): where the streaming kernel
+  takes up to 64 tokens (AVX-512, ``STREAM_TILES``), the same kernel on tiles of
+  ``GEMV_BLOCK_ROWS`` weight rows x a chunk of at most ``GEMV_MAX_ROWS`` tokens (chunks of
+  equal size), the tiles of one weight block consecutive so that it is read from L2: its 4 x 4
+  register block in AVX-512 code ran at 1.22-1.44x the sgemm tiles from T = 65 to 512 with the
+  AVX2 OpenBLAS kernels this project's environment selects (perf/RESULTS.md, eleventh pass).
+  Otherwise BLAS ``sgemm`` on 2-D tiles of the output (``tile_m`` tokens x ``tile_n`` weight
+  rows), each tile one single-threaded call, tiles taken by the threads from a shared counter.
+  Each call packs its own weight tile; tiles are large enough (>= 64 x 64 outputs over the
+  whole ``K``) that the packing stays a small share.
 
 Source: the GotoBLAS/BLIS layered GEMM (Goto & van de Geijn 2008, "Anatomy of High-Performance
 Matrix Multiplication") for why tiles of the output are independent units of work.
@@ -55,6 +60,9 @@ TOKENS_PER_PASS = 4 if _WIDE else 2
 # T = 96-128 AVX-512 OpenBLAS catches up (0.84-1.19x)
 GEMV_MAX_ROWS = 64 if _WIDE else 24
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
+# above GEMV_MAX_ROWS tokens: the streaming kernel on tiles of GEMV_BLOCK_ROWS weight rows x at
+# most GEMV_MAX_ROWS tokens (where it is used up to 64 tokens), else sgemm tiles
+STREAM_TILES = GEMV_MAX_ROWS >= 64
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 
 
@@ -150,30 +158,46 @@ def _dot1(x, t, weight, r, out):
 
 
 @njit(cache=True, fastmath=True)
-def _gemv_rows(x, weight, out, r0, r1):
-    # out[:, r0:r1] = x @ weight[r0:r1].T. Four weight rows at a time, read as interleaved
-    # streams (rows r0 + i, r0 + i + n/4, ...: one core then keeps more memory reads in flight
-    # than with one sequential stream, measured +50% GB/s for one token on the shared EPYC),
-    # against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 or L2 for the
-    # later passes), then pairs, then one
-    T = x.shape[0]
+def _gemv_rows(x, weight, out, r0, r1, t0, t1):
+    # out[t0:t1, r0:r1] = x[t0:t1] @ weight[r0:r1].T. Four weight rows at a time, read as
+    # interleaved streams (rows r0 + i, r0 + i + n/4, ...: one core then keeps more memory reads
+    # in flight than with one sequential stream, measured +50% GB/s for one token on the shared
+    # EPYC), against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 or L2 for
+    # the later passes), then pairs, then one
     n = r1 - r0
     q = n // 4
     for i in range(q):
         ra, rb, rc, rd = r0 + i, r0 + q + i, r0 + 2 * q + i, r0 + 3 * q + i
-        t = 0
+        t = t0
         if TOKENS_PER_PASS == 4:
-            while T - t >= 4:
+            while t1 - t >= 4:
                 _dot4x4(x, t, weight, ra, rb, rc, rd, out)
                 t += 4
-        while T - t >= 2:
+        while t1 - t >= 2:
             _dot2x4(x, t, weight, ra, rb, rc, rd, out)
             t += 2
-        if T - t == 1:
+        if t1 - t == 1:
             _dot1x4(x, t, weight, ra, rb, rc, rd, out)
     for r in range(r0 + 4 * q, r1):
-        for t in range(T):
+        for t in range(t0, t1):
             _dot1(x, t, weight, r, out)
+
+
+@njit(cache=True)
+def _stream_chunks(T):
+    # token chunks of the streaming kernel above GEMV_MAX_ROWS tokens: the fewest of at most
+    # GEMV_MAX_ROWS, of equal size within one token
+    return (T + GEMV_MAX_ROWS - 1) // GEMV_MAX_ROWS
+
+
+@njit(cache=True)
+def _stream_tile(x, weight, out, i, n_chunks):
+    # item i of a streamed product of more than GEMV_MAX_ROWS tokens: weight block i // n_chunks
+    # (GEMV_BLOCK_ROWS rows; consecutive items share it, from L2) against token chunk i % n_chunks
+    T, N = x.shape[0], weight.shape[0]
+    b, c = i // n_chunks, i % n_chunks
+    _gemv_rows(x, weight, out, b * GEMV_BLOCK_ROWS, min(N, (b + 1) * GEMV_BLOCK_ROWS), T * c // n_chunks,
+               T * (c + 1) // n_chunks)
 
 
 @njit(cache=True)
@@ -194,6 +218,8 @@ def linear_items(T, N, tasks, tile_m, tile_n):
         return 1
     if T <= GEMV_MAX_ROWS:
         return (N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS
+    if STREAM_TILES:
+        return _stream_chunks(T) * ((N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS)
     return ((T + tile_m - 1) // tile_m) * ((N + tile_n - 1) // tile_n)
 
 
@@ -203,11 +229,17 @@ def linear_item(x, weight, out, tasks, tile_m, tile_n, i):
     T, N = x.shape[0], weight.shape[0]
     if tasks == 1:
         if T <= GEMV_MAX_ROWS:
-            _gemv_rows(x, weight, out, 0, N)
+            _gemv_rows(x, weight, out, 0, N, 0, T)
+        elif STREAM_TILES:
+            n_chunks = _stream_chunks(T)
+            for j in range(n_chunks * ((N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS)):
+                _stream_tile(x, weight, out, j, n_chunks)
         else:
             _gemm_tile(x, weight, out, 0, T, 0, N)
     elif T <= GEMV_MAX_ROWS:
-        _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(N, (i + 1) * GEMV_BLOCK_ROWS))
+        _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(N, (i + 1) * GEMV_BLOCK_ROWS), 0, T)
+    elif STREAM_TILES:
+        _stream_tile(x, weight, out, i, _stream_chunks(T))
     else:
         n_m = (T + tile_m - 1) // tile_m
         jn = i // n_m   # column-tile major: consecutive items share one weight tile

@@ -117,7 +117,9 @@ def test_linear_tiles_cover_the_output(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)
     rng = np.random.default_rng(1)
     w = rng.standard_normal((200, 70)).astype(np.float32)
-    for T in (7, 9, 600):   # streamed weight-row blocks (passes of 4, 2, 1 tokens), sgemm tiles
+    # streamed weight-row blocks (passes of 4, 2, 1 tokens); above GEMV_MAX_ROWS streamed tiles
+    # of equal token chunks (STREAM_TILES, AVX-512: 130 = 44 + 43 + 43) or sgemm tiles
+    for T in (7, 9, 130, 600):
         x = rng.standard_normal((T, 70)).astype(np.float32)
         with cpu_threads.numba_threads(min(2, numba.config.NUMBA_NUM_THREADS)):
             y = cpu.linear(x, w)
