@@ -15,12 +15,13 @@ Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads
   end, a blocked summation whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks
   take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
 * **More rows** (prefill chunks, decode steps of more sequences): where the streaming kernel
-  takes up to 64 tokens (AVX-512, ``STREAM_TILES``), the same kernel on tiles of
-  ``GEMV_BLOCK_ROWS`` weight rows x a chunk of at most ``GEMV_MAX_ROWS`` tokens (chunks of
-  equal size), the tiles of one weight block consecutive so that it is read from L2: its 4 x 4
-  register block in AVX-512 code ran at 1.22-1.44x the sgemm tiles from T = 65 to 512 with the
-  AVX2 OpenBLAS kernels this project's environment selects (perf/RESULTS.md, eleventh pass).
-  Otherwise BLAS ``sgemm`` on 2-D tiles of the output (``tile_m`` tokens x ``tile_n`` weight
+  takes up to 64 tokens (AVX-512) and BLAS runs no AVX-512 kernels (``STREAM_TILES``), the
+  same kernel on tiles of ``GEMV_BLOCK_ROWS`` weight rows x a chunk of at most
+  ``GEMV_MAX_ROWS`` tokens (chunks of equal size), the tiles of one weight block consecutive
+  so that it is read from L2: its 4 x 4 register block in AVX-512 code ran at 1.22-1.44x the
+  sgemm tiles from T = 65 to 512 with the AVX2 OpenBLAS kernels this project's environment
+  selects, and at 0.60-0.90x OpenBLAS's AVX-512 kernels from T = 128 (perf/RESULTS.md,
+  eleventh pass). Otherwise BLAS ``sgemm`` on 2-D tiles of the output (``tile_m`` tokens x ``tile_n`` weight
   rows), each tile one single-threaded call, tiles taken by the threads from a shared counter.
   Each call packs its own weight tile; tiles are large enough (>= 64 x 64 outputs over the
   whole ``K``) that the packing stays a small share.
@@ -60,9 +61,22 @@ TOKENS_PER_PASS = 4 if _WIDE else 2
 # T = 96-128 AVX-512 OpenBLAS catches up (0.84-1.19x)
 GEMV_MAX_ROWS = 64 if _WIDE else 24
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
-# above GEMV_MAX_ROWS tokens: the streaming kernel on tiles of GEMV_BLOCK_ROWS weight rows x at
-# most GEMV_MAX_ROWS tokens (where it is used up to 64 tokens), else sgemm tiles
-STREAM_TILES = GEMV_MAX_ROWS >= 64
+
+
+def _blas_runs_avx512() -> bool:
+    # whether the loaded OpenBLAS runs its AVX-512 kernels (its core type, as threadpoolctl
+    # reports it; OPENBLAS_CORETYPE, where set, decides it); False for another BLAS or none
+    from threadpoolctl import threadpool_info
+    arch = next((i.get("architecture") for i in threadpool_info() if i.get("internal_api") == "openblas"), None)
+    return (arch or "").lower() in ("skylakex", "cooperlake", "sapphirerapids")
+
+
+# Above GEMV_MAX_ROWS tokens: the streaming kernel on tiles of GEMV_BLOCK_ROWS weight rows x
+# token chunks of at most GEMV_MAX_ROWS where it takes 64 tokens (AVX-512) and sgemm does not
+# run AVX-512 kernels, else sgemm tiles. On the Zen 5 VM (perf/RESULTS.md, eleventh pass), T =
+# 65-512: 1.22-1.44x OpenBLAS's AVX2 (Haswell) tiles, 0.60-0.90x its AVX-512 (SkylakeX) ones
+# from T = 128 (about 135 GFLOP/s per thread against 200)
+STREAM_TILES = GEMV_MAX_ROWS >= 64 and not _blas_runs_avx512()
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 
 
@@ -211,14 +225,15 @@ def _gemm_tile(x, weight, out, m0, m1, n0, n1):
 def linear_items(T, N, tasks, tile_m, tile_n):
     """Work items of ``out [T, N] = x @ weight.T`` as planned by ``linear_plan``: 1 on the calling
     thread (``tasks == 1``), else blocks of ``GEMV_BLOCK_ROWS`` weight rows (up to
-    ``GEMV_MAX_ROWS`` tokens) or ``tile_m x tile_n`` sgemm tiles; 0 when ``T == 0``."""
+    ``GEMV_MAX_ROWS`` tokens), streamed tiles (``tile_m == 0``: weight blocks x token chunks) or
+    ``tile_m x tile_n`` sgemm tiles; 0 when ``T == 0``."""
     if T == 0:
         return 0
     if tasks == 1:
         return 1
     if T <= GEMV_MAX_ROWS:
         return (N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS
-    if STREAM_TILES:
+    if tile_m == 0:
         return _stream_chunks(T) * ((N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS)
     return ((T + tile_m - 1) // tile_m) * ((N + tile_n - 1) // tile_n)
 
@@ -230,7 +245,7 @@ def linear_item(x, weight, out, tasks, tile_m, tile_n, i):
     if tasks == 1:
         if T <= GEMV_MAX_ROWS:
             _gemv_rows(x, weight, out, 0, N, 0, T)
-        elif STREAM_TILES:
+        elif tile_m == 0:
             n_chunks = _stream_chunks(T)
             for j in range(n_chunks * ((N + GEMV_BLOCK_ROWS - 1) // GEMV_BLOCK_ROWS)):
                 _stream_tile(x, weight, out, j, n_chunks)
@@ -238,7 +253,7 @@ def linear_item(x, weight, out, tasks, tile_m, tile_n, i):
             _gemm_tile(x, weight, out, 0, T, 0, N)
     elif T <= GEMV_MAX_ROWS:
         _gemv_rows(x, weight, out, i * GEMV_BLOCK_ROWS, min(N, (i + 1) * GEMV_BLOCK_ROWS), 0, T)
-    elif STREAM_TILES:
+    elif tile_m == 0:
         _stream_tile(x, weight, out, i, _stream_chunks(T))
     else:
         n_m = (T + tile_m - 1) // tile_m
@@ -263,26 +278,27 @@ def linear_into(x, weight, out, tasks, tile_m, tile_n):
     """``out[:] = x @ weight.T`` from compiled code (``linear`` and the fused forward of
     ``cpu_forward``), as planned by ``linear_plan``: C-contiguous float32 ``x [T, in]``,
     ``weight [out, in]``, ``out [T, out]``; ``tasks`` 1 (the calling thread) or the threads of
-    the region; ``(tile_m, tile_n)`` the sgemm tiles of a parallel product of more than
-    ``GEMV_MAX_ROWS`` rows."""
+    the region; ``(tile_m, tile_n)`` how a product of more than ``GEMV_MAX_ROWS`` rows is cut
+    (``linear_plan``)."""
     if x.shape[0] == 0:
         return
     if tasks > 1:
         _linear_parallel(x, weight, out, tile_m, tile_n, tasks, np.zeros(1, np.int64))
     else:
-        linear_item(x, weight, out, 1, 0, 0, 0)
+        linear_item(x, weight, out, 1, tile_m, tile_n, 0)
 
 
 def linear_plan(T: int, weight_shape: tuple, threads: int) -> tuple[int, int, int]:
     """``(tasks, tile_m, tile_n)`` of ``linear_into`` for ``T`` rows against a weight of
     ``weight_shape`` on ``threads`` threads: one task (the calling thread) for weights under
-    ``_PARALLEL_MIN_WEIGHTS`` elements, sgemm tiles from ``gemm_tiles`` above ``GEMV_MAX_ROWS``."""
+    ``_PARALLEL_MIN_WEIGHTS`` elements; above ``GEMV_MAX_ROWS`` rows ``tile_m == 0`` for the
+    streamed tiles (``STREAM_TILES``), else sgemm tiles (``gemm_tiles``; the whole output on one
+    task)."""
     N, K = weight_shape
-    if threads < 2 or N * K < _PARALLEL_MIN_WEIGHTS:
-        return 1, 0, 0
-    if T <= GEMV_MAX_ROWS:
-        return threads, 0, 0
-    return (threads,) + gemm_tiles(T, N, threads)
+    tasks = 1 if threads < 2 or N * K < _PARALLEL_MIN_WEIGHTS else threads
+    if T <= GEMV_MAX_ROWS or STREAM_TILES:
+        return tasks, 0, 0
+    return (tasks,) + (gemm_tiles(T, N, threads) if tasks > 1 else (max(1, T), max(1, N)))
 
 
 @functools.lru_cache(maxsize=4096)  # called per product; the answer depends on these three only

@@ -124,6 +124,16 @@ def test_linear_tiles_cover_the_output(monkeypatch):
         with cpu_threads.numba_threads(min(2, numba.config.NUMBA_NUM_THREADS)):
             y = cpu.linear(x, w)
         assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w))
+    # both ways to cut a product above GEMV_MAX_ROWS rows, whichever linear_plan picks here
+    # (streamed tiles where the streaming kernel takes 64 tokens and BLAS runs no AVX-512
+    # kernels): streamed tiles (tile_m 0), sgemm tiles, each on 1 task and on 2
+    for T in (cpu_linear.GEMV_MAX_ROWS + 1, 130, 600):
+        x = rng.standard_normal((T, 70)).astype(np.float32)
+        for plan in ((1, 0, 0), (2, 0, 0), (1, T, 200), (2,) + cpu_linear.gemm_tiles(T, 200, 2)):
+            y = np.full((T, 200), np.nan, np.float32)
+            with cpu_threads.numba_threads(min(2, numba.config.NUMBA_NUM_THREADS)):
+                cpu_linear.linear_into(x, w, y, *plan)
+            assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w)), (T, plan)
     tile_m, tile_n = cpu_linear.gemm_tiles(600, 200, 2)
     assert 64 <= tile_m <= 512 and tile_n % 16 == 0 and -(-600 // tile_m) * -(-200 // tile_n) >= 4 * 2
     # as square as the output allows: a 512-token batch against 576 weight rows is not cut into
