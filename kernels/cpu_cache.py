@@ -8,7 +8,11 @@ of them ``cpu_math``'s ``exp2`` and ``cpu_threads``' atomics), so a change to on
 upgrade, a checkout) would leave its callers running machine code built from the old source:
 this was seen when ``GEMV_MAX_ROWS`` changed in ``cpu_linear`` and the cached layer loop kept
 the old threshold. Here every CPU kernel module's cache entries carry one stamp, the SHA-256 of
-all those modules' source, so a change to any of them recompiles all of them.
+all those modules' source, so a change to any of them recompiles all of them. A module outside
+this folder whose cached functions call the kernels (``folio.bench.kernel_rates``' regions) asks
+for the same with ``cover(__file__)`` before it defines them: its entries then carry the stamp
+and the digest of its own source (a stale benchmark region, compiled against a ``linear_item``
+without its streamed tiles, once divided by a ``tile_m`` of 0).
 
 How: Numba picks a cache locator per function from ``CacheImpl._locator_classes`` (its own
 classes: ``NUMBA_CACHE_DIR``, beside the source, the user-wide cache, ...); ``install`` puts in
@@ -34,7 +38,7 @@ import tempfile
 
 from numba.core import caching
 
-__all__ = ["install", "sources_digest", "KERNEL_MODULES"]
+__all__ = ["install", "cover", "sources_digest", "KERNEL_MODULES"]
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 KERNEL_MODULES = tuple(sorted(n for n in os.listdir(_DIR) if n.startswith("cpu") and n.endswith(".py")))
@@ -52,6 +56,18 @@ def sources_digest() -> str:
 
 
 _STAMP = ("folio-cpu-kernels", sources_digest())
+_COVERED: dict[str, tuple] = {}   # absolute path of a covered caller module -> its stamp
+
+
+def cover(py_file: str) -> tuple:
+    """Key the cached Numba functions of ``py_file`` (a module outside this folder that calls the
+    kernels; call this before its ``@njit(cache=True)`` definitions) on the kernels' sources and
+    its own: returns its stamp, ``_STAMP`` plus the SHA-256 of the file. Raises OSError if the
+    file cannot be read."""
+    path = os.path.abspath(py_file)
+    with open(path, "rb") as f:
+        _COVERED[path] = _STAMP + (hashlib.sha256(f.read()).hexdigest(),)
+    return _COVERED[path]
 
 
 def _for_kernels(locator_cls):
@@ -60,12 +76,16 @@ def _for_kernels(locator_cls):
     class KernelsLocator(locator_cls):
         @classmethod
         def from_function(cls, py_func, py_file):
-            if os.path.dirname(os.path.abspath(py_file)) != _DIR:
+            path = os.path.abspath(py_file)
+            if os.path.dirname(path) != _DIR and path not in _COVERED:
                 return None
-            return super().from_function(py_func, py_file)
+            self = super().from_function(py_func, py_file)
+            if self is not None:
+                self._folio_stamp = _COVERED.get(path, _STAMP)
+            return self
 
         def get_source_stamp(self):
-            return _STAMP
+            return self._folio_stamp
 
     KernelsLocator.__name__ = KernelsLocator.__qualname__ = "FolioKernels" + locator_cls.__name__
     return KernelsLocator

@@ -29,6 +29,52 @@ def test_functions_outside_the_kernels_keep_numba_locators(tmp_path):
     assert mod.f(1) == 2
 
 
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_covered_caller_is_keyed_on_the_kernels_and_its_own_source(tmp_path):
+    # a module outside the kernels' folder that calls them (the benchmark regions of
+    # folio.bench.kernel_rates): its entries must go stale when a kernel or it changes
+    code = ("from folio.kernels import cpu_cache, cpu_math\nfrom numba import njit\n"
+            "cpu_cache.cover(__file__)\n\n@njit(cache=True)\ndef f(x):\n    return cpu_math.exp2(x)\n")
+    src = tmp_path / "caller_a.py"
+    src.write_text(code)
+    mod = _load(src, "caller_a")
+    stamp = mod.f._cache._impl.locator.get_source_stamp()
+    assert stamp[:2] == ("folio-cpu-kernels", cpu_cache.sources_digest()) and len(stamp) == 3
+    assert mod.f(3.0) == 8.0
+    other = tmp_path / "caller_b.py"
+    other.write_text(code + "# one more line\n")
+    assert _load(other, "caller_b").f._cache._impl.locator.get_source_stamp() != stamp
+
+
+def test_the_benchmark_regions_are_covered():
+    import hashlib
+
+    from folio.bench import kernel_rates
+    own = hashlib.sha256(open(kernel_rates.__file__, "rb").read()).hexdigest()
+    for fn in (kernel_rates._products_region, kernel_rates._attention_region):
+        assert fn._cache._impl.locator.get_source_stamp() == cpu_cache._STAMP + (own,), fn
+
+
+def test_every_cached_function_outside_the_kernels_is_covered():
+    # the package's modules that cache Numba functions outside kernels/ must call cover()
+    import folio
+    root = os.path.dirname(os.path.abspath(folio.__file__))
+    for folder, _, files in os.walk(root):
+        if os.path.abspath(folder) == os.path.abspath(cpu_cache._DIR) or "__pycache__" in folder:
+            continue
+        for n in files:
+            if n.endswith(".py"):
+                text = open(os.path.join(folder, n)).read()
+                if "cache=True" in text:
+                    assert "cpu_cache.cover(__file__)" in text, os.path.join(folder, n)
+
+
 def test_a_change_to_any_kernel_module_changes_the_stamp(tmp_path, monkeypatch):
     src = cpu_cache._DIR
     for name in cpu_cache.KERNEL_MODULES:

@@ -61,11 +61,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit, prange
 
+from ..kernels import cpu_cache
 from ..kernels.cpu_attention import _run_item, _scratch, finish_attention, plan
 from ..kernels.cpu_forward import _wait_done
 from ..kernels.cpu_linear import linear_item, linear_items, linear_plan
 from ..kernels.cpu_math import LOG2E
 from ..kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, atomic_add, ptr, sgemm
+
+# the regions below link kernels of other files: their cache entries must follow those sources
+cpu_cache.cover(__file__)
 
 _MODEL = dict(hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
 
