@@ -21,7 +21,8 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
   of weights read against the copy bandwidth;
 * **batched products** (``T`` = 64, 512, 2048 rows; the lm_head at 64): GFLOP/s against sgemm on
   the same shape and threads (at 64 rows folio runs its streaming kernel where the kernels are
-  compiled with AVX-512, ``GEMV_MAX_ROWS``; otherwise, and above, its own sgemm tiles);
+  compiled with AVX-512, ``GEMV_MAX_ROWS``; above, the same kernel on streamed tiles where BLAS
+  runs no AVX-512 kernels, ``STREAM_TILES``; otherwise its own sgemm tiles);
 * **paged attention**, the default model's geometry (9 query heads, 3 KV heads, head_dim 64,
   blocks of 16, shuffled block tables): *decode* = 16 sequences of one new token each after
   ``ctx`` cached tokens, caches of enough layers to exceed four times the last-level cache,
@@ -302,8 +303,9 @@ def decode_products(threads: int, rows=(1, 2, 4, 8), repeat: int = 5, weights=No
 
 
 def batched_products(threads: int, repeat: int = 5) -> list[dict]:
-    """folio's products (the streaming kernel up to ``GEMV_MAX_ROWS`` rows: T = 64 with AVX-512;
-    above, sgemm tiles) against BLAS's own threading, same shapes and threads."""
+    """folio's products as ``linear_plan`` cuts them (the streaming kernel up to ``GEMV_MAX_ROWS``
+    rows, T = 64 with AVX-512; above, its streamed tiles or sgemm tiles, ``STREAM_TILES``) against
+    BLAS's own threading, same shapes and threads."""
     from ..kernels.cpu import linear
     m = _MODEL
     H, Hkv, D, hid, inter = m["heads"], m["kv_heads"], m["head_dim"], m["hidden"], m["inter"]
