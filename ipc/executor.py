@@ -63,22 +63,26 @@ class ZmqExecutor:
         self._submitted: deque[tuple[int, float]] = deque()  # (step_id, time sent), oldest first
         self._last_result_time = 0.0
         self._ctx = zmq.Context.instance()
-        self._addr = private_ipc_address("worker")
-        self._hb_addr = private_ipc_address("heartbeat")
-        self._sock = make_socket(self._ctx, zmq.DEALER)
-        self._sock.bind(self._addr)
-        self._hb = make_socket(self._ctx, zmq.PULL, hwm=8)   # stale beats are dropped, not hoarded
-        self._hb.bind(self._hb_addr)
+        self._addr = self._hb_addr = self._sock = self._hb = self.proc = None
         self._closed = False
-        cmd = [sys.executable, "-m", "folio.ipc.worker", "--address", self._addr,
-               "--heartbeat-address", self._hb_addr, "--runner", runner,
-               "--max-message-bytes", str(max_message_bytes), "--parent-pid", str(os.getpid())]
-        # its own session: a terminal's Ctrl-C or a signal to folio serve's process group reaches only
-        # the scheduler, which then stops the worker in order (a worker still importing would print a
-        # traceback); PR_SET_PDEATHSIG still ties it to the scheduler
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        self._last_beat = time.monotonic()
+        # everything from the first private folder on is undone if start-up fails or is
+        # interrupted (a signal to folio serve's group while the worker is being spawned raises
+        # here): the worker killed, the sockets closed, their folders removed
         try:
+            self._addr = private_ipc_address("worker")
+            self._hb_addr = private_ipc_address("heartbeat")
+            self._sock = make_socket(self._ctx, zmq.DEALER)
+            self._sock.bind(self._addr)
+            self._hb = make_socket(self._ctx, zmq.PULL, hwm=8)   # stale beats are dropped, not hoarded
+            self._hb.bind(self._hb_addr)
+            cmd = [sys.executable, "-m", "folio.ipc.worker", "--address", self._addr,
+                   "--heartbeat-address", self._hb_addr, "--runner", runner,
+                   "--max-message-bytes", str(max_message_bytes), "--parent-pid", str(os.getpid())]
+            # its own session: a terminal's Ctrl-C or a signal to folio serve's process group reaches
+            # only the scheduler, which then stops the worker in order (a worker still importing would
+            # print a traceback); PR_SET_PDEATHSIG still ties it to the scheduler
+            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            self._last_beat = time.monotonic()
             send_frames(self._sock, M.encode("init", config=M.config_to_dict(config), parent_pid=os.getpid()))
             # start-up (imports, weights, JIT compiles) gets a longer silence allowance than a step
             msg_type, fields = self._wait_reply(startup_timeout, what="start-up",
@@ -88,7 +92,8 @@ class ZmqExecutor:
             if msg_type != "ready":
                 raise WorkerDiedError(f"worker answered {msg_type} to init")
         except BaseException:
-            self._kill()
+            if self.proc is not None:
+                self._kill()
             self._close_sockets()
             raise
         self.num_blocks = int(fields["num_blocks"])
@@ -249,10 +254,12 @@ class ZmqExecutor:
         if self._closed:
             return
         self._closed = True
-        self._sock.close(0)
-        self._hb.close(0)
-        cleanup_ipc_address(self._addr)
-        cleanup_ipc_address(self._hb_addr)
+        for sock in (self._sock, self._hb):
+            if sock is not None:
+                sock.close(0)
+        for address in (self._addr, self._hb_addr):
+            if address is not None:
+                cleanup_ipc_address(address)
 
     def __del__(self):
         try:

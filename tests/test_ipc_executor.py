@@ -98,6 +98,37 @@ def test_start_up_failure_is_reported():
         ZmqExecutor(EngineConfig(extra={"fail_init": True}), runner=RUNNER, env=ENV, startup_timeout=60)
 
 
+@pytest.mark.parametrize("where", ["spawn", "bind"])
+def test_an_interrupted_start_up_leaves_no_folders(tmp_path, monkeypatch, where):
+    # folio serve turns a stop signal during start-up into an exception that can arrive anywhere in
+    # the constructor; seen in the CLI signal test: SIGTERM while the worker was being spawned left
+    # the two private socket folders behind. Raise at the spawn, and at the second socket's bind.
+    import folio.ipc.executor as executor
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    class Interrupt(BaseException):
+        pass
+
+    def boom(*a, **k):
+        raise Interrupt()
+    if where == "spawn":
+        monkeypatch.setattr(executor.subprocess, "Popen", boom)
+    else:
+        real = executor.make_socket
+        made = []
+
+        def make_socket(*a, **k):
+            made.append(1)
+            sock = real(*a, **k)
+            if len(made) == 2:
+                sock.bind = boom
+            return sock
+        monkeypatch.setattr(executor, "make_socket", make_socket)
+    with pytest.raises(Interrupt):
+        ZmqExecutor(EngineConfig(), runner=RUNNER, env=ENV)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("sig, hb_timeout, needle", [(signal.SIGKILL, 10.0, "died"),
                                                      (signal.SIGSTOP, 1.0, "stopped answering")])
 def test_worker_death_or_silence_raises_quickly(sig, hb_timeout, needle):
