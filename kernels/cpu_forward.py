@@ -11,8 +11,8 @@ were several milliseconds of a ~35 ms single-sequence decode step.
 ``decoder_layers`` runs the same kernels (the bodies of ``cpu``, ``cpu_linear`` and
 ``cpu_attention``, unchanged) in the same order from one ``@njit`` function that loops over the
 layers. Everything that depends only on the step's shapes is planned once per step in Python:
-the tasks and tiles (``linear_plan``) of the four matrix products, the tasks of the row kernels, and the
-attention work items (the same for every layer: the same sequences and lengths), so the
+the tasks and tiles (``linear_plan``) of the four matrix products, the tasks of the row kernels,
+and the attention work items (the same for every layer: the same sequences and lengths), so the
 thresholds stay the module constants the kernel tests set. The layers' weights are stacked per
 kind (``[num_layers, ...]``, ``LlamaForCausalLM.layer_stacks``) and the KV caches passed as
 tuples, so the compiled loop can index them by layer.
@@ -22,9 +22,9 @@ kernel call is ~120 regions per decode step, each waking the pool's sleeping thr
 passive wait, ``kernels/cpu_threads``). ``_layers_region`` instead opens one ``prange`` region
 whose tasks all walk the same phases of every layer (norm, QKV product, RoPE and cache append,
 attention items, their merge, o_proj, norm, gate/up product, SwiGLU, down product). A phase's
-work items (``cpu_linear.linear_items``: the weight-row blocks, streamed tiles or sgemm tiles of ``linear_into``'s
-own region, row blocks of ``_ROWS_PER_ITEM``, attention items) are claimed from the phase's counter; each finished item
-is counted (``atomic_add``, acquire-release), and a task that finds no item left waits until
+work items (``cpu_linear.linear_items``: the weight-row blocks, streamed tiles or sgemm tiles of
+``linear_into``'s own region, row blocks of ``_ROWS_PER_ITEM``, attention items) are claimed from
+the phase's counter; each finished item is counted (``atomic_add``, acquire-release), and a task that finds no item left waits until
 the phase's count is complete before it starts the next phase (``atomic_load``, acquire). It
 never waits for an item nobody has claimed, so the region cannot deadlock when its tasks run
 one after another (a pool smaller than the plan, a nested call); the wait spins a little, then

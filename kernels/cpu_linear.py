@@ -333,9 +333,10 @@ def linear(x, weight, out=None):
     given, else a new C-contiguous array).
 
     ``T <= GEMV_MAX_ROWS``: the weight-streaming kernel; more rows: the same kernel on streamed
-    tiles (``STREAM_TILES``) or sgemm tiles (see the module docstring). ``weight`` must be C-contiguous float32 (``prepare_weight``); ``x`` may be any
-    float32 view (copied to contiguous rows if needed); ``out``, when given, ``[T, out]`` float32
-    (a buffer that is not C-contiguous gets the result copied in).
+    tiles (``STREAM_TILES``) or sgemm tiles (see the module docstring). ``weight`` must be
+    C-contiguous float32 (``prepare_weight``); ``x`` may be any float32 view (copied to contiguous
+    rows if needed); ``out``, when given, ``[T, out]`` float32 (a buffer that is not C-contiguous
+    gets the result copied in).
     """
     x = np.ascontiguousarray(x, dtype=_F32)
     T, N = x.shape[0], weight.shape[0]

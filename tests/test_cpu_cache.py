@@ -10,6 +10,13 @@ import shutil
 from folio.kernels import cpu_attention, cpu_cache, cpu_forward, cpu_linear, cpu_threads
 
 
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_every_cached_kernel_carries_the_shared_stamp():
     stamp = ("folio-cpu-kernels", cpu_cache.sources_digest())
     # the layer loop (which links kernels of four other files) and kernels of three other modules
@@ -20,20 +27,11 @@ def test_every_cached_kernel_carries_the_shared_stamp():
 def test_functions_outside_the_kernels_keep_numba_locators(tmp_path):
     src = tmp_path / "other_module.py"
     src.write_text("from numba import njit\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
-    spec = importlib.util.spec_from_file_location("other_module", src)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load(src, "other_module")
     locator = mod.f._cache._impl.locator
     assert not getattr(type(locator), "_folio_kernels", False)
     assert locator.get_source_stamp() != cpu_forward._layers._cache._impl.locator.get_source_stamp()
     assert mod.f(1) == 2
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_a_covered_caller_is_keyed_on_the_kernels_and_its_own_source(tmp_path):
