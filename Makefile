@@ -59,7 +59,7 @@ report: $(PERF_STAMP)
 	$(VENV)/bin/folio bench report --out perf
 
 # Offline throughput with every peer in the same run (issue 3, section 7; issue 9: llama.cpp's
-# server, built by benchmark/Makefile on first use) on every core, then the CPU kernel rates
+# server, built by perf/llama.cpp/Makefile on first use) on every core, then the CPU kernel rates
 bench: $(PERF_STAMP)
 	$(VENV)/bin/folio bench throughput --peer transformers --peer llama-cpp --peer llama-cpp-server
 	$(VENV)/bin/folio bench kernels

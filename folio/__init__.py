@@ -7,10 +7,10 @@ Offline: ``folio.LLM(model).generate(prompts, SamplingParams(...))``. Online: ``
 __version__ = "0.1.0"
 
 from .llm import LLM
-from .runtime.beam_search import BeamSearchOutput, BeamSearchSequence
-from .runtime.config import EngineConfig
-from .runtime.outputs import CompletionOutput, RequestOutput
-from .runtime.sampling_params import BeamSearchParams, SamplingParams
+from .runtime.scheduler.beam_search import BeamSearchOutput, BeamSearchSequence
+from .runtime.common.config import EngineConfig
+from .runtime.common.outputs import CompletionOutput, RequestOutput
+from .runtime.common.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = ["__version__", "LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
            "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]

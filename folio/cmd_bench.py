@@ -1,24 +1,45 @@
-"""``folio bench <name>``: benchmarks, one module per name in ``_BENCH_MODULES``.
+"""``folio bench <name>``: the benchmarks of a source checkout's ``perf/`` folder.
 
-Each module defines ``add_parser(bench_subparsers)``, which adds its parser and sets ``func``
-(like the top-level commands in ``folio/cli.py``).
+The benchmarks are not part of the installed library: they live in ``perf/bench/`` beside the
+package (``perf.bench.serve``, ``cmd_throughput``, ``cmd_kernels``, ``cmd_report``) and call only
+folio's public API. From a source checkout (``pip install -e .``, ``make``) ``folio bench`` finds
+them there and loads them; from any other install it says where to get them. Each module defines
+``add_parser(bench_subparsers)``, which adds its parser and sets ``func`` (like the top-level
+commands in ``folio/cli.py``).
 """
 
 from __future__ import annotations
 
 import importlib
+import pathlib
+import sys
 
 # Benchmark modules, in the order `folio bench --help` lists them.
 _BENCH_MODULES = [
-    "folio.bench_serve",
-    "folio.bench.cmd_throughput",
-    "folio.bench.cmd_kernels",
-    "folio.bench.cmd_report",
+    "perf.bench.serve",
+    "perf.bench.cmd_throughput",
+    "perf.bench.cmd_kernels",
+    "perf.bench.cmd_report",
 ]
+
+CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
+"""The source checkout this package runs from (its ``perf/bench/`` holds the benchmarks), if any."""
+
+
+def _no_checkout(args) -> int:
+    print(f"folio bench: the benchmarks live in a source checkout's perf/ folder, and {CHECKOUT / 'perf'} "
+          "has none; clone the repository and run `make bench` (or `folio bench ...` from its .venv)",
+          file=sys.stderr)
+    return 2
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (folio bench serve, ...)")
+    p = subparsers.add_parser("bench", help="benchmarks (folio bench serve, ...), from a source checkout")
+    if not (CHECKOUT / "perf" / "bench" / "__init__.py").is_file():
+        p.set_defaults(func=_no_checkout)
+        return
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     for name in _BENCH_MODULES:
         importlib.import_module(name).add_parser(sub)

@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from .runtime.config import DEFAULT_MODEL
+from .runtime.common.config import DEFAULT_MODEL
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -21,7 +21,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def _run(args) -> int:
     from .llm import LLM
-    from .runtime.sampling_params import SamplingParams
+    from .runtime.common.sampling_params import SamplingParams
 
     ids_arg = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None  # fail before loading
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,

@@ -18,7 +18,7 @@ SIGINT / SIGTERM / SIGHUP, to this process or to its whole process group, at any
 get a ``shutdown`` error, the front end and the worker stop, temporary socket folders are
 removed, and the process exits 0. The worker and the front end also die with this process
 (``PR_SET_PDEATHSIG``). If the worker dies, this process fails every in-flight request and exits
-with code 3 (see ``ipc/server.py``); if the front end dies, it exits with code 4.
+with code 3 (see ``ipc/scheduler_process.py``); if the front end dies, it exits with code 4.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import argparse
 import signal
 import sys
 
-from .runtime.config import DEFAULT_MODEL, EngineConfig
+from .runtime.common.config import DEFAULT_MODEL, EngineConfig
 
 EXIT_FRONTEND_DIED = 4
 
@@ -105,7 +105,7 @@ def register(subparsers) -> None:
                    help="seconds of worker silence that count as worker death")
     p.add_argument("--exit-grace", type=float, default=2.0,
                    help="after the worker died: seconds to keep answering (unhealthy, errors) before exiting 3")
-    p.add_argument("--worker-runner", default="folio.runtime.model_runner:ModelRunner", help=argparse.SUPPRESS)
+    p.add_argument("--worker-runner", default="folio.runtime.worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -141,7 +141,7 @@ def _run(a: argparse.Namespace) -> int:
     import os
     import time
     from .api.frontend import FrontEndProcess, bind_http, http_url, load_chat_template
-    from .ipc.server import Server
+    from .ipc.scheduler_process import Server
     from .ipc.transport import private_ipc_address
     from .model.config import ModelConfig
     from .model.registry import resolve_model

@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from .runtime.beam_search import BeamSearchOutput
-from .runtime.config import DEFAULT_MODEL, EngineConfig
-from .runtime.engine import LLMEngine
-from .runtime.outputs import RequestOutput
-from .runtime.sampling_params import BeamSearchParams, SamplingParams
+from .runtime.scheduler.beam_search import BeamSearchOutput
+from .runtime.common.config import DEFAULT_MODEL, EngineConfig
+from .runtime.scheduler.engine import LLMEngine
+from .runtime.common.outputs import RequestOutput
+from .runtime.common.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict
 
@@ -34,6 +34,9 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, executor=None, **engine_args):
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if executor is None:
+            from .runtime.worker.model_runner import ModelRunner  # the worker side, in this process
+            executor = ModelRunner(self.config)
         self.llm_engine = LLMEngine(self.config, executor=executor)
         self._counter = itertools.count()
 
@@ -73,7 +76,7 @@ class LLM:
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``; the algorithm, and where
-        folio differs from vLLM, in ``runtime/beam_search.py``). The beams of a prompt are
+        folio differs from vLLM, in ``runtime/scheduler/beam_search.py``). The beams of a prompt are
         sequences of one request sharing KV blocks; all prompts run together.
 
         Args:

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import fields
 
-from .runtime.sampling_params import SamplingParams
+from .runtime.common.sampling_params import SamplingParams
 
 DEFAULT_PARAMS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 256}
 PROMPT = ">>> "

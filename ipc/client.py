@@ -38,7 +38,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from ..runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..runtime.common.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from . import messages as M
 from .transport import DEFAULT_ADDRESS, make_socket, recv_frames, send_frames, wait_for_server
 
@@ -92,7 +92,7 @@ class StreamDelta:
 
 
 def _sampling_dict(sampling_params) -> dict:
-    from ..runtime.sampling_params import SamplingParams
+    from ..runtime.common.sampling_params import SamplingParams
     if sampling_params is None:
         return SamplingParams().to_dict()
     if isinstance(sampling_params, dict):
@@ -216,7 +216,7 @@ class _BeamSearches:
     """
 
     def __init__(self, prompts, params):
-        from ..runtime.sampling_params import BeamSearchParams
+        from ..runtime.common.sampling_params import BeamSearchParams
         if isinstance(params, dict):
             params = BeamSearchParams.from_dict(params)
         if not isinstance(params, BeamSearchParams):
@@ -250,7 +250,7 @@ class _BeamSearches:
         return [(rid, acc.out.finished) for (rid, _), acc in zip(self.requests[:num_sent], self.accs)]
 
     def results(self) -> list:
-        from ..runtime.beam_search import BeamSearchOutput
+        from ..runtime.scheduler.beam_search import BeamSearchOutput
         return [BeamSearchOutput.from_request_output(acc.out) for acc in self.accs]
 
 

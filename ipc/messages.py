@@ -34,7 +34,7 @@ import math
 import msgpack
 import numpy as np
 
-from ..runtime.step import NewSequence, StepPlan, StepResult
+from ..runtime.common.step import NewSequence, StepPlan, StepResult
 
 PROTOCOL_VERSION = 1
 

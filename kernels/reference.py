@@ -1,6 +1,6 @@
 """NumPy specifications of every folio kernel.
 
-This module is the spec: the Numba kernels (``kernels/cpu.py``) and the CUDA kernels
+This module is the spec: the Numba kernels (``kernels/cpu/table.py``) and the CUDA kernels
 (``kernels/cuda/*.cu``) are tested against these functions. They favour clarity over speed
 (plain loops are fine) and compute in float64 internally, returning float32.
 

@@ -22,9 +22,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 
+def to_numpy(a) -> np.ndarray:
+    """A host NumPy array of ``a`` (copied from the device for a CuPy array, as is for NumPy)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
 @runtime_checkable
 class KernelTable(Protocol):
-    """What ``model/llama.py``, ``model/loader.py`` and ``runtime/model_runner.py`` call.
+    """What ``model/llama.py``, ``model/loader.py`` and ``runtime/worker/model_runner.py`` call.
 
     Attributes:
         name: ``"cpu"`` or ``"cuda"``.

@@ -187,7 +187,7 @@ class LlamaForCausalLM:
         residual = k.embedding(input_ids, self.embed_tokens, out=ws["residual"])
         hidden = None
         if self.layer_stacks is not None:
-            # the same layers in one compiled call (kernels/cpu_forward.py)
+            # the same layers in one compiled call (kernels/cpu/forward.py)
             hidden, residual = k.decoder_layers(self.layer_stacks, ws, positions, md, kv_caches, self.cos_sin_cache,
                                                 self.scale, H, Hkv, eps)
             return self._logits(hidden, residual, logits_indices, ws, out)

@@ -2,7 +2,7 @@
 
 It is the bare model's end-to-end check and the baseline of ``perf/bench_forward.py``: one
 sequence, a trivial block table (blocks ``0..n-1``), one prefill step, then one decode step per
-token. Serving goes through ``runtime/engine.py``; this loop exists to test and time the forward.
+token. Serving goes through ``runtime/scheduler/engine.py``; this loop exists to test and time the forward.
 """
 
 from __future__ import annotations

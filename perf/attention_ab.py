@@ -1,9 +1,9 @@
-"""Paged attention of two versions of ``kernels/cpu_attention.py``, interleaved in one process.
+"""Paged attention of two versions of ``kernels/cpu/attention.py``, interleaved in one process.
 
     python perf/attention_ab.py REV [--model smol|llama3] [--threads 1 2] [--cases "16x512x1 1x2048xp"] [--hot]
 
-``REV`` is a git revision whose ``kernels/cpu_attention.py`` is loaded beside the working tree's
-(``folio.kernels.cpu_attention``). Each case ``SEQSxCTXxTOKENS`` is that many sequences (contexts
+``REV`` is a git revision whose ``kernels/cpu/attention.py`` is loaded beside the working tree's
+(``folio.kernels.cpu.attention``). Each case ``SEQSxCTXxTOKENS`` is that many sequences (contexts
 uniform within +-25% of CTX) with TOKENS new tokens each (decodes), or ``p``: the whole context
 is the new tokens (a prompt's prefill), over caches of enough layers to exceed 128 MB (so K/V
 come from memory), shuffled block tables of 16-token blocks. Both versions run the same calls
@@ -26,8 +26,8 @@ import numba
 import numpy as np
 from revision import load_kernel_module
 
-import folio.kernels.cpu_attention as current
-from folio.bench.kernel_rates import attention_case, layers_call
+import folio.kernels.cpu.attention as current
+from perf.bench.kernel_rates import attention_case, layers_call
 
 SHAPES = {"smol": (9, 3, 64), "llama3": (32, 8, 128)}   # (query heads, KV heads, head_dim)
 

@@ -60,8 +60,8 @@ def main(argv=None) -> int:
 def run_corpus(corpus_name, corpus, a, tok) -> None:
     from tokenizers.decoders import DecodeStream
 
-    from folio.runtime.detokenizer import IncrementalDetokenizer, TokenBytes
-    from folio.runtime.sampling_params import SamplingParams
+    from folio.runtime.scheduler.detokenizer import IncrementalDetokenizer, TokenBytes
+    from folio.runtime.common.sampling_params import SamplingParams
     hf, params = tok.hf, SamplingParams()
     for n in a.seqs:
         ids = [[corpus[(37 * i + k) % len(corpus)] for k in range(a.steps)] for i in range(n)]

@@ -51,15 +51,15 @@ def cpu_model() -> str:
 
 
 def make_engine(mode: str, max_seqs: int, tests_dir: str, async_scheduling: bool | None):
-    from folio.runtime.config import EngineConfig
-    from folio.runtime.engine import LLMEngine
+    from folio.runtime.common.config import EngineConfig
+    from folio.runtime.scheduler.engine import LLMEngine
     kw = dict(max_num_seqs=max_seqs, max_model_len=2048, max_num_batched_tokens=4096,
               enable_prefix_caching=True, extra={"num_blocks": 8192, "echo_period": ECHO_PERIOD})
     if async_scheduling is not None and "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["async_scheduling"] = async_scheduling
     cfg = EngineConfig(**kw)
     if mode == "zmq":
-        from folio.ipc.executor import ZmqExecutor
+        from folio.ipc.zmq_executor import ZmqExecutor
         path = tests_dir + os.pathsep + os.environ.get("PYTHONPATH", "")
         executor = ZmqExecutor(cfg, runner="ipc_fake_runner:EchoRunner", env={**os.environ, "PYTHONPATH": path})
     else:
@@ -72,7 +72,7 @@ def measure(engine, n_seqs: int, steps: int, profiler: cProfile.Profile | None =
             ) -> tuple[list[float], list[float]]:
     """(wall seconds, thread CPU seconds) per ``engine.step()`` over ``steps`` decode steps of
     ``n_seqs`` sequences."""
-    from folio.runtime.sampling_params import SamplingParams
+    from folio.runtime.common.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     ids = [f"r{n_seqs}-{i}-{time.monotonic_ns()}" for i in range(n_seqs)]
     for i, rid in enumerate(ids):

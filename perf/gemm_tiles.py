@@ -1,4 +1,4 @@
-"""The tiled sgemm products of kernels/cpu_linear.py at decode-batch size (T = 64 rows), at 1
+"""The tiled sgemm products of kernels/cpu/linear.py at decode-batch size (T = 64 rows), at 1
 thread (one call) and at 2 threads with several tilings: GFLOP/s, best of 30 calls.
 
 Used for issue 9's thread-scaling analysis (perf/RESULTS.md): the same tiles measured minutes

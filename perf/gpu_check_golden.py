@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # cuda_bounds / cuda_shadow: the op-by-
 
 def golden(margin: float, dry: bool) -> dict:
     from folio import LLM, SamplingParams
-    from folio.runtime.config import DEFAULT_MODEL
+    from folio.runtime.common.config import DEFAULT_MODEL
 
     ref = json.load(open(ROOT / "tests" / "data" / "smollm2_135m.json"))
     try:
@@ -106,7 +106,7 @@ def forward(dry: bool) -> dict:
     from gpu_check_bench import SMOLLM2_135M
 
     from folio.kernels import get_kernels
-    from folio.kernels.cuda_ops import bf16_bits_to_float32, float32_to_bf16_bits
+    from folio.kernels.cuda.table import bf16_bits_to_float32, float32_to_bf16_bits
     from folio.model.config import ModelConfig
     from folio.model.llama import LlamaForCausalLM
     from folio.model.loader import allocate_kv_caches

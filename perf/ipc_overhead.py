@@ -46,7 +46,7 @@ def tiny_model_dir(device_vocab_from: str = "smollm2-135m-instruct") -> str:
 
 def decode_plan(step_id: int, n: int, max_blocks: int = 16):
     import numpy as np
-    from folio.runtime.step import StepPlan
+    from folio.runtime.common.step import StepPlan
     return StepPlan(step_id=step_id, input_ids=np.arange(n, dtype=np.int64), positions=np.full(n, 100, np.int64),
                     slot_mapping=np.arange(n, dtype=np.int64), query_start_loc=np.arange(n + 1, dtype=np.int32),
                     seq_lens=np.full(n, 101, np.int32),
@@ -57,8 +57,8 @@ def decode_plan(step_id: int, n: int, max_blocks: int = 16):
 
 def measure_hop(seqs: list[int], steps: int) -> dict:
     """Median / p90 microseconds of one ZmqExecutor round trip with an echoing worker."""
-    from folio.ipc.executor import ZmqExecutor
-    from folio.runtime.config import EngineConfig
+    from folio.ipc.zmq_executor import ZmqExecutor
+    from folio.runtime.common.config import EngineConfig
     tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
     env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
     ex = ZmqExecutor(EngineConfig(), runner="ipc_fake_runner:EchoRunner", env=env)
@@ -81,7 +81,7 @@ def measure_hop(seqs: list[int], steps: int) -> dict:
 
 
 def measure(engine, n_seqs: int, steps: int) -> dict:
-    from folio.runtime.sampling_params import SamplingParams
+    from folio.runtime.common.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(n_seqs):
         engine.add_request(f"r{n_seqs}-{i}", None, sp, prompt_token_ids=[1 + (i % 1000), 2, 3])
@@ -112,9 +112,9 @@ def main(argv=None) -> int:
     measure_hop(a.seqs, max(a.steps, 200))
     if a.hop_only:
         return 0
-    from folio.ipc.executor import ZmqExecutor
-    from folio.runtime.config import EngineConfig
-    from folio.runtime.engine import LLMEngine
+    from folio.ipc.zmq_executor import ZmqExecutor
+    from folio.runtime.common.config import EngineConfig
+    from folio.runtime.scheduler.engine import LLMEngine
     model = tiny_model_dir()
     cfg = EngineConfig(model=model, device=a.device, load_format="dummy", max_num_seqs=max(a.seqs),
                        max_model_len=256, max_num_batched_tokens=4096, num_kv_blocks_override=8192,

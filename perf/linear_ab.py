@@ -1,9 +1,9 @@
-"""Decode-sized products of two versions of ``kernels/cpu_linear.py``, interleaved in one process.
+"""Decode-sized products of two versions of ``kernels/cpu/linear.py``, interleaved in one process.
 
     python perf/linear_ab.py REV [--threads 1 2] [--rows 1 2 4 8 16 24]
 
-``REV`` is a git revision whose ``kernels/cpu_linear.py`` is loaded beside the working tree's
-(``folio.kernels.cpu_linear``). For each row count ``T``, both versions compute ``linear`` of a
+``REV`` is a git revision whose ``kernels/cpu/linear.py`` is loaded beside the working tree's
+(``folio.kernels.cpu.linear``). For each row count ``T``, both versions compute ``linear`` of a
 ``[T, K]`` input against each of the default model's four per-layer weights of all 30 layers in
 turn (random weights, 426 MB: far beyond the last-level cache, so the weights come from memory),
 alternately, 5 timed rounds after one untimed, best time each; printed: GB/s of weights read,
@@ -21,8 +21,8 @@ import numba
 import numpy as np
 from revision import load_kernel_module
 
-import folio.kernels.cpu_linear as current
-from folio.bench.kernel_rates import _model_weights
+import folio.kernels.cpu.linear as current
+from perf.bench.kernel_rates import _model_weights
 
 
 def main(argv=None):

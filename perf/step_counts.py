@@ -29,10 +29,10 @@ def main(argv=None) -> int:
 
     from test_device_step import TINY, CountingDevice, Seq, plan_for
 
-    from folio.kernels import cuda_ops
-    from folio.runtime.config import EngineConfig
-    from folio.runtime.model_runner import ModelRunner
-    from folio.runtime.sampling_params import SamplingParams
+    from folio.kernels.cuda import table as cuda_ops
+    from folio.runtime.common.config import EngineConfig
+    from folio.runtime.worker.model_runner import ModelRunner
+    from folio.runtime.common.sampling_params import SamplingParams
     from simt.table import simt_kernels
 
     d = tempfile.mkdtemp(prefix="folio-counts-")

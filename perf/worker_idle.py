@@ -34,9 +34,9 @@ from engine_overhead import ECHO_PERIOD, cpu_model, save_json  # noqa: E402
 
 
 def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
-    from folio.ipc.executor import ZmqExecutor
-    from folio.runtime.config import EngineConfig
-    from folio.runtime.engine import LLMEngine
+    from folio.ipc.zmq_executor import ZmqExecutor
+    from folio.runtime.common.config import EngineConfig
+    from folio.runtime.scheduler.engine import LLMEngine
     if worker == "echo":
         cfg = EngineConfig(max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=4096,
                            async_scheduling=overlap, extra={"num_blocks": 8192, "step_s": step_ms / 1000,
@@ -52,7 +52,7 @@ def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
 
 
 def measure(engine, n: int, steps: int, prompt_len: int = 40) -> dict:
-    from folio.runtime.sampling_params import SamplingParams
+    from folio.runtime.common.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     ids = [f"r{i}" for i in range(n)]
     for i, rid in enumerate(ids):
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         for overlap in (False, True):
             engine = make_engine(a.worker, n, overlap, a.step_ms)
             gc.collect()
-            gc.freeze()   # as folio serve does after start-up (ipc/server.py)
+            gc.freeze()   # as folio serve does after start-up (ipc/scheduler_process.py)
             try:
                 r = measure(engine, n, a.steps, a.prompt_len)
             finally:

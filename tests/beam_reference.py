@@ -1,7 +1,7 @@
 """An independent beam search over a function giving each prefix's next-token logprobs.
 
 Written from the algorithm's statement (issue 11, vLLM's ``LLM.beam_search``), not from
-``runtime/beam_search.py``: plain lists, one prefix at a time, the logprobs of every prefix
+``runtime/scheduler/beam_search.py``: plain lists, one prefix at a time, the logprobs of every prefix
 recomputed from scratch by ``logprob_fn`` (for the model: a full prefill, no KV cache reused).
 
 Besides the result it returns every *decision gap*: how far each choice that shaped the result

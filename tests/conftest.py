@@ -1,6 +1,14 @@
 """Shared pytest fixtures."""
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# the benchmark harness (perf/bench, imported as perf.bench) lives beside the package, not in it
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +57,9 @@ def force_parallel_kernels(monkeypatch):
     """Every CPU kernel on its parallel driver whatever the size (several row items per call),
     decode attention split into key ranges from 32 keys on 2 threads too: the paths a 2-core
     machine would otherwise only take for large steps."""
-    from folio.kernels import cpu, cpu_attention, cpu_linear
+    from folio.kernels.cpu import table as cpu
+    from folio.kernels.cpu import attention as cpu_attention
+    from folio.kernels.cpu import linear as cpu_linear
     monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)  # several work items per call
     monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)

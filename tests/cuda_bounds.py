@@ -1,7 +1,7 @@
 """Error bounds of the CUDA kernels against the float64 spec, derived from the arithmetic.
 
 The CUDA table computes in float32 and rounds to bf16 inside the kernels that produce a matrix
-product's input (see kernels/cuda_ops.py). Against the float64 spec evaluated on the *same inputs*,
+product's input (see kernels/cuda/table.py). Against the float64 spec evaluated on the *same inputs*,
 each output element can differ by (a) float32 rounding, bounded with Higham's gamma_n = n u / (1 -
 n u), u = 2^-24, for an n-term sum in any order, with or without FMA (Higham, "Accuracy and
 Stability of Numerical Algorithms", 2nd ed., sections 3.1-3.4), and (b) at most half a bf16 ulp,
@@ -31,7 +31,7 @@ def gamma(n) -> np.ndarray | float:
 
 def bf16(x: np.ndarray) -> np.ndarray:
     """float -> the float32 value of its bf16 rounding (round to nearest even)."""
-    from folio.kernels.cuda_ops import bf16_bits_to_float32, float32_to_bf16_bits
+    from folio.kernels.cuda.table import bf16_bits_to_float32, float32_to_bf16_bits
 
     return bf16_bits_to_float32(float32_to_bf16_bits(np.asarray(x, dtype=np.float32)))
 

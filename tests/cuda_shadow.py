@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 import cuda_bounds as B
-from folio.kernels.cuda_ops import bf16_bits_to_float32
+from folio.kernels.cuda.table import bf16_bits_to_float32
 
 
 def _host(kt, a):

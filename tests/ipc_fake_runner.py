@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from folio.runtime.step import StepResult
+from folio.runtime.common.step import StepResult
 
 try:
-    from folio.runtime.step import LastSampledTokens
+    from folio.runtime.common.step import LastSampledTokens
 except ImportError:  # an older folio measured by perf/engine_overhead.py --package-dir: no placeholders
     LastSampledTokens = None
 

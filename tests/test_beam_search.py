@@ -23,7 +23,7 @@ import pytest
 
 from beam_reference import reference_beam_search
 from folio import LLM, BeamSearchParams, SamplingParams
-from folio.runtime.config import EngineConfig
+from folio.runtime.common.config import EngineConfig
 from numerics import forward_logit_atol
 from test_engine import BlockRegion
 from test_forward import max_dot_len
@@ -34,7 +34,7 @@ BLOCK_SIZE = 4   # small blocks: prompts and beams cross block boundaries, forks
 
 @pytest.fixture(scope="module")
 def runner():
-    from folio.runtime.model_runner import ModelRunner
+    from folio.runtime.worker.model_runner import ModelRunner
     r = ModelRunner(EngineConfig(device="cpu", block_size=BLOCK_SIZE, num_kv_blocks_override=NUM_BLOCKS))
     yield r
     r.shutdown()
@@ -143,8 +143,8 @@ def runner_tokenizer(runner):
 
 def run_all(llm, cases, extra=()):
     """Every search (and ``extra`` ordinary requests) in one engine at once; the beam outputs."""
-    from folio.runtime.beam_search import BeamSearchOutput
-    from folio.runtime.outputs import RequestOutput
+    from folio.runtime.scheduler.beam_search import BeamSearchOutput
+    from folio.runtime.common.outputs import RequestOutput
     engine = llm.llm_engine
     for i, (ids, params, _) in enumerate(cases):
         engine.add_request(f"b{i}", None, params, prompt_token_ids=ids)

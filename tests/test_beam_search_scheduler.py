@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from beam_reference import reference_beam_search
-from folio.runtime.beam_search import BeamSearchOutput, beam_score
-from folio.runtime.config import EngineConfig
-from folio.runtime.outputs import RequestOutput
-from folio.runtime.sampling_params import BeamSearchParams, SamplingParams
-from folio.runtime.step import PLACEHOLDER_TOKEN_ID, StepResult
+from folio.runtime.scheduler.beam_search import BeamSearchOutput, beam_score
+from folio.runtime.common.config import EngineConfig
+from folio.runtime.common.outputs import RequestOutput
+from folio.runtime.common.sampling_params import BeamSearchParams, SamplingParams
+from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, StepResult
 from test_scheduler import EOS, FakeTokenizer, RecordingEngine, prompt
 
 V = 50

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from folio.runtime.block_pool import BlockPool
-from folio.runtime.kv_cache_manager import KVCacheManager
-from folio.runtime.kv_cache_utils import (NONE_HASH, FreeKVCacheBlockQueue, KVCacheBlock,
+from folio.runtime.scheduler.block_pool import BlockPool
+from folio.runtime.scheduler.kv_cache_manager import KVCacheManager
+from folio.runtime.scheduler.kv_cache_utils import (NONE_HASH, FreeKVCacheBlockQueue, KVCacheBlock,
                                           extend_block_hashes, hash_block_tokens)
-from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.sequence import Request, Sequence
+from folio.runtime.common.sampling_params import SamplingParams
+from folio.runtime.scheduler.sequence import Request, Sequence
 
 BS = 4
 

@@ -71,7 +71,7 @@ def test_max_model_len_is_checked_against_the_model_before_loading(default_model
     assert r.returncode == 1
     assert "100000" in r.stderr and "8192" in r.stderr and "max_position_embeddings" in r.stderr
     assert "loading" not in r.stdout and "Traceback" not in r.stderr
-    from folio.runtime.config import EngineConfig
+    from folio.runtime.common.config import EngineConfig
     with pytest.raises(ValueError, match="exceeds"):
         EngineConfig(max_model_len=9000).resolve_max_model_len(8192)
     assert EngineConfig().resolve_max_model_len(8192) == 8192
@@ -278,7 +278,7 @@ def test_client_generate_takes_every_prompt_form(echo_http):
 
 def test_bench_serve_over_http_and_zmq_count_the_same_tokens(echo_http):
     from conftest import API_KEY
-    from folio.bench_serve import random_workload, run_bench
+    from perf.bench.serve import random_workload, run_bench
     _, address, url = echo_http
     work = random_workload(5, 4, 30, 2, 7, seed=1)
     zmq = asyncio.run(run_bench(address, work, float("inf"), 3, 0, 60))

@@ -1,5 +1,5 @@
 """Numba's on-disk cache of the CPU kernels is keyed on the source of every kernel module
-(kernels/cpu_cache.py): a caller compiled against an old callee must not survive a change to it."""
+(kernels/cpu/jit_cache.py): a caller compiled against an old callee must not survive a change to it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import importlib.util
 import os
 import shutil
 
-from folio.kernels import cpu_attention, cpu_cache, cpu_forward, cpu_linear, cpu_threads
+from folio.kernels.cpu import attention as cpu_attention
+from folio.kernels.cpu import jit_cache as cpu_cache
+from folio.kernels.cpu import forward as cpu_forward
+from folio.kernels.cpu import linear as cpu_linear
+from folio.kernels.cpu import threads as cpu_threads
 
 
 def _load(path, name):
@@ -36,7 +40,7 @@ def test_functions_outside_the_kernels_keep_numba_locators(tmp_path):
 
 def test_a_covered_caller_is_keyed_on_the_kernels_and_its_own_source(tmp_path):
     # a module outside the kernels' folder that calls them (the benchmark regions of
-    # folio.bench.kernel_rates): its entries must go stale when a kernel or it changes
+    # perf.bench.kernel_rates): its entries must go stale when a kernel or it changes
     code = ("from folio.kernels import cpu_cache, cpu_math\nfrom numba import njit\n"
             "cpu_cache.cover(__file__)\n\n@njit(cache=True)\ndef f(x):\n    return cpu_math.exp2(x)\n")
     src = tmp_path / "caller_a.py"
@@ -53,7 +57,7 @@ def test_a_covered_caller_is_keyed_on_the_kernels_and_its_own_source(tmp_path):
 def test_the_benchmark_regions_are_covered():
     import hashlib
 
-    from folio.bench import kernel_rates
+    from perf.bench import kernel_rates
     own = hashlib.sha256(open(kernel_rates.__file__, "rb").read()).hexdigest()
     for fn in (kernel_rates._products_region, kernel_rates._attention_region):
         assert fn._cache._impl.locator.get_source_stamp() == cpu_cache._STAMP + (own,), fn
@@ -120,7 +124,8 @@ for name in ("InTreeCacheLocator", "UserWideCacheLocator"):   # the kernels' __p
     cls = getattr(caching, name, None) or getattr(caching, "_" + name)
     cls.ensure_cache_path = read_only
 import numpy as np
-from folio.kernels import cpu, cpu_forward
+from folio.kernels.cpu import table as cpu
+from folio.kernels.cpu import forward as cpu_forward
 x = np.ones((3, 8), np.float32)
 assert np.array_equal(cpu.linear(x, np.eye(8, dtype=np.float32)), x)
 print(cpu_forward._layers._cache._cache_path)

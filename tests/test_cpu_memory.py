@@ -1,4 +1,4 @@
-"""Large CPU arrays on transparent huge pages (kernels/cpu_memory.py): what the arrays are (zeroed,
+"""Large CPU arrays on transparent huge pages (kernels/cpu/memory.py): what the arrays are (zeroed,
 aligned, owned), that the model's KV caches and weights get them, and that the kernel marks them
 (checked in /proc/self/smaps where the machine has THP in ``madvise`` or ``always`` mode)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from folio.kernels import cpu_memory
-from folio.kernels.cpu_memory import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES, huge_page_zeros
+from folio.kernels.cpu import memory as cpu_memory
+from folio.kernels.cpu.memory import HUGE_PAGE_BYTES, HUGE_PAGE_MIN_BYTES, huge_page_zeros
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -81,7 +81,7 @@ def test_the_kernel_marks_the_mapping_for_huge_pages():
 
 
 def test_model_kv_caches_and_weights_use_the_tables_allocator(monkeypatch):
-    from folio.kernels.cpu import CPU_KERNELS, prepare_weight
+    from folio.kernels.cpu.table import CPU_KERNELS, prepare_weight
     from folio.model.config import ModelConfig
     from folio.model.loader import allocate_kv_caches
     seen = []

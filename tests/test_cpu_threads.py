@@ -1,4 +1,4 @@
-"""The CPU threading policy (kernels/cpu_threads.py): one pool, BLAS held at one thread, work
+"""The CPU threading policy (kernels/cpu/threads.py): one pool, BLAS held at one thread, work
 items from a shared counter, and the sgemm the kernels call (BLAS's or the fallback loop)."""
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import pytest
 from numba import njit, prange
 from numerics import dot_bound
 
-from folio.kernels import cpu, cpu_linear, cpu_simd, cpu_threads
-from folio.kernels.cpu_threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add
+from folio.kernels.cpu import table as cpu
+from folio.kernels.cpu import linear as cpu_linear
+from folio.kernels.cpu import simd as cpu_simd
+from folio.kernels.cpu import threads as cpu_threads
+from folio.kernels.cpu.threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add
 
 
 def _fallback():
@@ -107,7 +110,7 @@ def test_openmp_waits_passively_unless_the_user_says(preset):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_WAIT_POLICY_SET_BY_FOLIO")}
     if preset:
         env["OMP_WAIT_POLICY"] = preset
-    code = "import os, folio.kernels.cpu; print(os.environ['OMP_WAIT_POLICY'])"
+    code = "import os, folio.kernels.cpu.table; print(os.environ['OMP_WAIT_POLICY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == (preset or "passive")
 
@@ -148,7 +151,9 @@ def test_kernels_run_on_the_fallback_sgemm():
 import numpy as np
 from kernel_cases import paged_attention_case
 from numerics import attention_bound, dot_bound
-from folio.kernels import cpu, cpu_threads, reference
+from folio.kernels.cpu import table as cpu
+from folio.kernels.cpu import threads as cpu_threads
+from folio.kernels import reference
 assert cpu_threads.blas_name().startswith("Numba loop fallback"), cpu_threads.blas_name()
 case = paged_attention_case(7, [(90, 60), (40, 1)], num_heads=9, num_kv_heads=3, head_dim=64)
 err = np.abs(cpu.paged_attention(**case).astype(np.float64) - reference.paged_attention(**case))
@@ -178,7 +183,11 @@ def test_kernels_compiled_for_avx2(tmp_path):
 import numpy as np
 from kernel_cases import paged_attention_case
 from numerics import attention_bound, dot_bound
-from folio.kernels import cpu, cpu_linear, cpu_simd, cpu_threads, reference
+from folio.kernels.cpu import table as cpu
+from folio.kernels.cpu import linear as cpu_linear
+from folio.kernels.cpu import simd as cpu_simd
+from folio.kernels.cpu import threads as cpu_threads
+from folio.kernels import reference
 assert (cpu_linear.TOKENS_PER_PASS, cpu_linear.GEMV_MAX_ROWS, cpu_simd.W) == (2, 24, 8)
 for seed, (D, bs) in enumerate(((24, 16), (64, 32), (128, 16))):
     case = paged_attention_case(seed, [(300, 1), (47, 3), (16, 1), (33, 2), (150, 150), (200, 41)], num_heads=6,
@@ -214,8 +223,9 @@ def test_concurrent_forwards_on_the_workqueue_layer():
 import threading
 import numpy as np
 from types import SimpleNamespace
-from folio.kernels import cpu, get_kernels
-from folio.kernels.cpu_threads import numba_threads
+from folio.kernels.cpu import table as cpu
+from folio.kernels import get_kernels
+from folio.kernels.cpu.threads import numba_threads
 from folio.model.attention import AttentionMetadata
 from folio.model.config import ModelConfig
 from folio.model.llama import LlamaForCausalLM

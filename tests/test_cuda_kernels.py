@@ -23,8 +23,10 @@ import pytest
 from kernel_cases import cases_for, copy_case, paged_attention_case
 
 import cuda_bounds as B
-from folio.kernels import cuda_ops, reference
-from folio.kernels.cuda_ops import CudaKernels, bf16_bits_to_float32, float32_to_bf16_bits
+from folio.kernels.cuda import sources as cuda_sources
+from folio.kernels.cuda import table as cuda_ops
+from folio.kernels import reference
+from folio.kernels.cuda.table import CudaKernels, bf16_bits_to_float32, float32_to_bf16_bits
 from simt.runner import require_compiler
 
 ON_GPU = os.environ.get("FOLIO_TEST_CUDA", "") not in ("", "0")
@@ -33,7 +35,7 @@ ON_GPU = os.environ.get("FOLIO_TEST_CUDA", "") not in ("", "0")
 @pytest.fixture(scope="module")
 def kt():
     if ON_GPU:
-        from folio.kernels.cuda_ops import get_cuda_kernels
+        from folio.kernels.cuda.table import get_cuda_kernels
 
         return get_cuda_kernels()
     require_compiler()
@@ -393,8 +395,8 @@ def test_shared_memory_opt_in_counts_static_shared_memory():
 
 def test_every_kernel_is_fetched_when_the_table_is_built():
     fetched = []
-    CudaKernels(np, lambda n: fetched.append(n) or _FakeKernel(), gemm=None, kernel_names=cuda_ops.all_kernel_names())
-    assert fetched == cuda_ops.all_kernel_names()
+    CudaKernels(np, lambda n: fetched.append(n) or _FakeKernel(), gemm=None, kernel_names=cuda_sources.all_kernel_names())
+    assert fetched == cuda_sources.all_kernel_names()
     assert "paged_attention_prefill_d128_kernel" in fetched and "sample_kernel" in fetched
 
 

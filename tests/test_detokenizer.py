@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from folio.model.tokenizer import Tokenizer
-from folio.runtime.detokenizer import IncrementalDetokenizer, TokenBytes
-from folio.runtime.sampling_params import SamplingParams
+from folio.runtime.scheduler.detokenizer import IncrementalDetokenizer, TokenBytes
+from folio.runtime.common.sampling_params import SamplingParams
 
 BYTE_LEVEL = [True]
 

@@ -10,8 +10,8 @@ import numpy as np
 
 from folio.model.attention import AttentionMetadata
 from folio.model.loader import allocate_kv_caches
-from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.step import NewSequence, StepPlan
+from folio.runtime.common.sampling_params import SamplingParams
+from folio.runtime.common.step import NewSequence, StepPlan
 from test_device_step import BS, CountingDevice, make_runner, make_table, model_dir, modules  # noqa: F401
 
 K = 6

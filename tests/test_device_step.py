@@ -1,4 +1,4 @@
-"""The GPU step path (runtime/device_step.py, ModelRunner on the CUDA table) run on the CPU: the
+"""The GPU step path (runtime/worker/device_step.py, ModelRunner on the CUDA table) run on the CPU: the
 CUDA table under the SIMT emulator with a device that counts every launch, host<->device copy and
 sync, and a NumPy "device memory" whose allocations are accounted like CuPy's pool.
 
@@ -18,14 +18,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from folio.kernels import cuda_ops
-from folio.kernels.device import HostDevice
-from folio.runtime.config import EngineConfig
-from folio.runtime.model_runner import ModelRunner, gpu_kv_budget, max_useful_blocks, profile_step_shape
-from folio.runtime.sampler import (SamplingState, max_logprobs, penalty_entries, sample, sample_on_device,
+from folio.kernels.cuda import sources as cuda_sources
+from folio.kernels.cuda import table as cuda_ops
+from folio.kernels.cuda.device import HostDevice
+from folio.runtime.common.config import EngineConfig
+from folio.runtime.worker.model_runner import ModelRunner, gpu_kv_budget, max_useful_blocks, profile_step_shape
+from folio.runtime.worker.sampler import (SamplingState, max_logprobs, penalty_entries, sample, sample_on_device,
                                    sampling_arrays)
-from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.step import NewSequence, StepPlan
+from folio.runtime.common.sampling_params import SamplingParams
+from folio.runtime.common.step import NewSequence, StepPlan
 from simt.runner import require_compiler
 
 TINY = {
@@ -142,7 +143,7 @@ def make_table(modules, device, xp=np):
     from simt.table import numpy_gemm
 
     return cuda_ops.CudaKernels(xp, lambda n: modules[n].get_function(n), gemm=numpy_gemm,
-                                smem_limit=227 * 1024, device=device, kernel_names=cuda_ops.all_kernel_names())
+                                smem_limit=227 * 1024, device=device, kernel_names=cuda_sources.all_kernel_names())
 
 
 def model_dir(tmp_path, **overrides):
@@ -374,7 +375,7 @@ def test_kv_sizing_profiles_the_real_step_shape_and_counts_the_pool_peak(modules
         budgets.append(args)
         return gpu_kv_budget(*args)
 
-    monkeypatch.setattr(sys.modules["folio.runtime.model_runner"], "gpu_kv_budget", spy)
+    monkeypatch.setattr(sys.modules["folio.runtime.worker.model_runner"], "gpu_kv_budget", spy)
     runner = make_runner(monkeypatch, table, model_dir(tmp_path), max_num_seqs=8, max_model_len=100,
                          max_num_batched_tokens=128, num_kv_blocks_override=None, gpu_memory_utilization=0.5)
     assert seen[0] == 128
@@ -432,7 +433,7 @@ def test_placeholder_inputs_on_the_device_path(modules, tmp_path, monkeypatch):
     # overlap scheduling hands over decode plans whose inputs are placeholders for the tokens the
     # step before sampled; on the CUDA table (graphs on) the runner fills them in before the upload:
     # the same tokens and logprobs as plans carrying the ids
-    from folio.runtime.step import PLACEHOLDER_TOKEN_ID
+    from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID
     results = {}
     for placeholders in (False, True):
         runner = make_runner(monkeypatch, make_table(modules, CountingDevice()), model_dir(tmp_path))

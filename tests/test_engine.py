@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.runtime.config import EngineConfig
-from folio.runtime.outputs import RequestOutput
+from folio.runtime.common.config import EngineConfig
+from folio.runtime.common.outputs import RequestOutput
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "smollm2_135m.json"
 NUM_BLOCKS = 256
@@ -27,7 +27,7 @@ NUM_BLOCKS = 256
 
 @pytest.fixture(scope="module")
 def runner():
-    from folio.runtime.model_runner import ModelRunner
+    from folio.runtime.worker.model_runner import ModelRunner
     r = ModelRunner(EngineConfig(device="cpu", num_kv_blocks_override=NUM_BLOCKS))
     yield r
     r.shutdown()

@@ -190,7 +190,7 @@ def test_tiny_model_mixed_batch_equals_separate_runs(tiny):
                                             (2, "per-call")])
 @pytest.mark.parametrize("forced", [False, True], ids=["auto", "parallel"])
 def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, monkeypatch):
-    # The CPU table runs all layers in one compiled call (kernels/cpu_forward.py): with several
+    # The CPU table runs all layers in one compiled call (kernels/cpu/forward.py): with several
     # threads one parallel region per step whose tasks meet at each phase ("one region"), or a
     # region per kernel call ("per-call"); a table without it runs the per-kernel loop of
     # LlamaForCausalLM.forward. Same kernels, same order, same work plan: the logits and the KV
@@ -201,8 +201,11 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, m
     from types import SimpleNamespace
 
     from conftest import force_parallel_kernels
-    from folio.kernels import cpu, cpu_attention, cpu_forward, cpu_linear
-    from folio.kernels.cpu_threads import numba_threads
+    from folio.kernels.cpu import table as cpu
+    from folio.kernels.cpu import attention as cpu_attention
+    from folio.kernels.cpu import forward as cpu_forward
+    from folio.kernels.cpu import linear as cpu_linear
+    from folio.kernels.cpu.threads import numba_threads
     if forced:  # every kernel on its parallel driver, attention split into key ranges
         force_parallel_kernels(monkeypatch)
     monkeypatch.setattr(cpu_forward, "ONE_REGION", driver != "per-call")
@@ -331,7 +334,7 @@ def test_prefill_chunked_and_token_by_token_agree(default_model, golden, whole_p
 def test_one_thread_and_every_core_agree(default_model, golden, whole_prefill_logits):
     # the parallel kernels split work into items and tiles but never a sum: only rounding may
     # differ (another tile shape can make BLAS pick another kernel)
-    from folio.kernels.cpu_threads import numba_threads
+    from folio.kernels.cpu.threads import numba_threads
 
     model, config, _ = default_model
     with numba_threads(1):

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from folio.model.tokenizer import Tokenizer
-from folio.runtime.detokenizer import IncrementalDetokenizer
-from folio.runtime.sampling_params import SamplingParams
+from folio.runtime.scheduler.detokenizer import IncrementalDetokenizer
+from folio.runtime.common.sampling_params import SamplingParams
 from test_block_pool import OPS, Harness
 
 
@@ -70,7 +70,7 @@ def test_shared_single_token_cache_gives_the_same_text(default_model_dir):
 
 
 def test_shared_token_bytes_give_the_same_text(default_model_dir):
-    from folio.runtime.detokenizer import TokenBytes
+    from folio.runtime.scheduler.detokenizer import TokenBytes
     tok = Tokenizer.from_pretrained(default_model_dir)
     prompt = tok.encode("Say:")
     for skip in (True, False):

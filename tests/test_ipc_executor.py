@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import zmq
 
-from folio.ipc.executor import WorkerDiedError, ZmqExecutor
-from folio.runtime.config import EngineConfig
-from folio.runtime.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
+from folio.ipc.zmq_executor import WorkerDiedError, ZmqExecutor
+from folio.runtime.common.config import EngineConfig
+from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -103,7 +103,7 @@ def test_an_interrupted_start_up_leaves_no_folders(tmp_path, monkeypatch, where)
     # folio serve turns a stop signal during start-up into an exception that can arrive anywhere in
     # the constructor; seen in the CLI signal test: SIGTERM while the worker was being spawned left
     # the two private socket folders behind. Raise at the spawn, and at the second socket's bind.
-    import folio.ipc.executor as executor
+    import folio.ipc.zmq_executor as executor
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     class Interrupt(BaseException):
@@ -156,7 +156,7 @@ def test_worker_whose_parent_died_before_it_started_exits():
     addresses = [f"ipc://{tmp}/w.sock", f"ipc://{tmp}/hb.sock"]
     code = textwrap.dedent(f"""
         import os, subprocess, sys
-        p = subprocess.Popen([sys.executable, "-m", "folio.ipc.worker", "--address", {addresses[0]!r},
+        p = subprocess.Popen([sys.executable, "-m", "folio.ipc.worker_process", "--address", {addresses[0]!r},
                               "--heartbeat-address", {addresses[1]!r}, "--runner", {RUNNER!r},
                               "--parent-pid", str(os.getpid())], start_new_session=True)
         print(p.pid, flush=True)
@@ -187,8 +187,8 @@ def test_worker_whose_parent_died_before_it_started_exits():
 def test_worker_dies_with_its_parent():
     code = textwrap.dedent(f"""
         import sys, time
-        from folio.ipc.executor import ZmqExecutor
-        from folio.runtime.config import EngineConfig
+        from folio.ipc.zmq_executor import ZmqExecutor
+        from folio.runtime.common.config import EngineConfig
         ex = ZmqExecutor(EngineConfig(), runner={RUNNER!r})
         print(ex.worker_pid, ex._addr, ex._hb_addr, flush=True)
         time.sleep(600)

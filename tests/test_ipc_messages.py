@@ -6,8 +6,8 @@ import pytest
 
 from folio.ipc import messages as M
 from folio.ipc.transport import check_address
-from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.step import NewSequence, StepPlan, StepResult
+from folio.runtime.common.sampling_params import SamplingParams
+from folio.runtime.common.step import NewSequence, StepPlan, StepResult
 
 
 def _plan(rng, S=5, T=23):

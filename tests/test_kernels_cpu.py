@@ -15,7 +15,12 @@ from conftest import force_parallel_kernels
 from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
 from numerics import U32, attention_bound, dot_bound, exp2_rel_bound, gamma
 
-from folio.kernels import cpu, cpu_attention, cpu_linear, cpu_simd, cpu_threads, get_kernels, reference
+from folio.kernels.cpu import table as cpu
+from folio.kernels.cpu import attention as cpu_attention
+from folio.kernels.cpu import linear as cpu_linear
+from folio.kernels.cpu import simd as cpu_simd
+from folio.kernels.cpu import threads as cpu_threads
+from folio.kernels import get_kernels, reference
 
 @pytest.fixture(autouse=True, params=["auto", "parallel"])
 def drivers(request, monkeypatch):

@@ -11,10 +11,10 @@ from numerics import forward_logit_atol
 
 from folio.model.attention import AttentionMetadata
 from folio.model.loader import allocate_kv_caches
-from folio.runtime.config import EngineConfig
-from folio.runtime.model_runner import ModelRunner, max_useful_blocks, mem_available_bytes, num_kv_blocks
-from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
+from folio.runtime.common.config import EngineConfig
+from folio.runtime.worker.model_runner import ModelRunner, max_useful_blocks, mem_available_bytes, num_kv_blocks
+from folio.runtime.common.sampling_params import SamplingParams
+from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_135m.json").read_text(encoding="utf-8"))
 CASE_A = next(c for c in GOLDEN["greedy_cases"] if c["id"] == "a")
@@ -94,7 +94,7 @@ def test_golden_greedy_tokens(runner):
 
 
 def test_runner_is_a_step_runner(runner):
-    from folio.runtime.executor import StepRunner
+    from folio.runtime.common.executor import StepRunner
     assert isinstance(runner, StepRunner)
 
 
@@ -263,7 +263,7 @@ def test_runner_sizes_cpu_cache(runner, tmp_path, monkeypatch):
     assert mk(kv_cache_memory=tiny_block * 5 + 1).num_blocks == 5
     assert mk(num_kv_blocks_override=3).kv_caches[0][0].shape == (3, BS, 2, 16)
     # the RAM share: cpu_kv_cache_fraction of MemAvailable
-    import folio.runtime.model_runner as mr
+    import folio.runtime.worker.model_runner as mr
     monkeypatch.setattr(mr, "mem_available_bytes", lambda: tiny_block * 40)
     assert mk(cpu_kv_cache_fraction=0.5, max_num_seqs=8).num_blocks == 20
     monkeypatch.setattr(mr, "mem_available_bytes", lambda: tiny_block // 2)

@@ -7,15 +7,17 @@ import re
 
 import pytest
 
-from folio.kernels import cuda_ops, nvrtc
+from folio.kernels.cuda import sources as cuda_sources
+from folio.kernels.cuda import table as cuda_ops
+from folio.kernels.cuda import nvrtc
 
 ARCHS = ("compute_80", "compute_90")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("filename", cuda_ops.KERNEL_FILES)
+@pytest.mark.parametrize("filename", cuda_sources.KERNEL_FILES)
 def test_kernel_compiles(filename, arch):
-    src = cuda_ops.kernel_source(filename)
+    src = cuda_sources.kernel_source(filename)
     ptx, log = nvrtc.compile_ptx(src, filename, arch)
     target = arch.replace("compute_", "sm_")
     assert re.search(rf"\.target\s+{target}\b", ptx)
@@ -27,8 +29,8 @@ def test_kernel_compiles(filename, arch):
 
 
 def test_kernel_files_list_is_complete():
-    on_disk = sorted(p.name for p in cuda_ops.CUDA_DIR.glob("*.cu"))
-    assert on_disk == sorted(cuda_ops.KERNEL_FILES)
+    on_disk = sorted(p.name for p in cuda_sources.CUDA_DIR.glob("*.cu"))
+    assert on_disk == sorted(cuda_sources.KERNEL_FILES)
 
 
 def test_compile_error_is_reported_with_log():

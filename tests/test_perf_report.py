@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
-from folio.bench import llama_server, peers
-from folio.bench.common import BenchRequest, all_cores, random_requests
-from folio.bench.kv_replay import simulate_contiguous
-from folio.bench.report import ReportSize
-from folio.runtime.kv_cache_manager import cdiv
+from perf.bench import llama_server
+from perf.bench import peers
+from perf.bench.common import BenchRequest, all_cores, random_requests
+from perf.bench.kv_replay import simulate_contiguous
+from perf.bench.report import ReportSize
+from folio.runtime.scheduler.kv_cache_manager import cdiv
 
 TINY = ReportSize.tiny()
 
@@ -122,7 +123,7 @@ def test_section3_peer(report, peer):
     if not ok:
         pytest.skip(f"{peer} peer: {why}")
     if peer == "llama-cpp-server" and not llama_server.built():
-        pytest.skip("llama-server not built (make -C benchmark); the tiny report does not build it")
+        pytest.skip("llama-server not built (make -C perf/llama.cpp); the tiny report does not build it")
     for i, run in enumerate(_runs(report)):
         if i > 0 and peer not in TINY.s3_peers_one_thread:
             continue
@@ -145,7 +146,7 @@ QEMU64_FLAGS = "fpu sse2 sse4_2 popcnt"  # no AVX2: no build runs
 @pytest.mark.parametrize("flags, level", [(ZEN3_FLAGS, "avx2"), (ZEN4_FLAGS, "avx512"), (ZEN5_FLAGS, "avx512"),
                                           (ICELAKE_FLAGS, "avx2"), (QEMU64_FLAGS, None), ("", None)])
 def test_llama_server_build_level_is_the_makefiles(flags, level):
-    """folio looks for llama-server in the folder of the level benchmark/Makefile builds on the same
+    """folio looks for llama-server in the folder of the level perf/llama.cpp/Makefile builds on the same
     CPU: a binary with instructions the CPU lacks is never started (it trapped with SIGILL once)."""
     assert llama_server.host_isa(f"processor : 0\nflags\t\t: {flags}\n") == level
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ISA")}
@@ -271,7 +272,7 @@ def test_cli_throughput_prints_figures(default_model_dir):
 
 
 def test_rerender_from_json_gives_the_same_report(report):
-    from folio.bench.report import rerender
+    from perf.bench.report import rerender
     out, _ = report
     before = (out / "REPORT.md").read_text()
     (out / "REPORT.md").unlink()
@@ -285,7 +286,7 @@ def test_gather_read_sums_exactly_the_blocks_of_the_tables():
     # small enough that float32 sums are exact in any order)
     import numpy as np
 
-    from folio.bench.kernel_rates import _gather_read
+    from perf.bench.kernel_rates import _gather_read
     rng = np.random.default_rng(0)
     kc = rng.integers(-3, 4, (20, 4, 2, 8)).astype(np.float32)
     vc = rng.integers(-3, 4, (20, 4, 2, 8)).astype(np.float32)
@@ -304,9 +305,9 @@ def test_products_in_one_region_compute_the_forwards_products(T):
     import numba
     import numpy as np
 
-    from folio.bench.kernel_rates import _model_weights, products_region_call
-    from folio.kernels.cpu import linear
-    from folio.kernels.cpu_threads import numba_threads
+    from perf.bench.kernel_rates import _model_weights, products_region_call
+    from folio.kernels.cpu.table import linear
+    from folio.kernels.cpu.threads import numba_threads
     stacks = _model_weights(np.random.default_rng(0), 3)
     assert all(st.shape[0] == 3 for st in stacks)
     rng = np.random.default_rng(1)
@@ -331,9 +332,9 @@ def test_attention_in_one_region_computes_paged_attention(seqs):
     import numba
     import numpy as np
 
-    from folio.bench.kernel_rates import attention_case, attention_region_call
-    from folio.kernels.cpu_attention import paged_attention
-    from folio.kernels.cpu_threads import numba_threads
+    from perf.bench.kernel_rates import attention_case, attention_region_call
+    from folio.kernels.cpu.attention import paged_attention
+    from folio.kernels.cpu.threads import numba_threads
     q, caches, bt, sl, qsl = attention_case(np.random.default_rng(2), seqs, layers=2, dtype=np.int64)
     threads = min(2, numba.config.NUMBA_NUM_THREADS)
     with numba_threads(threads):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.runtime.config import EngineConfig
+from folio.runtime.common.config import EngineConfig
 from test_engine import BlockRegion
 from numerics import forward_logit_atol
 from test_forward import max_dot_len, run_paged
@@ -27,7 +27,7 @@ K = 5
 
 @pytest.fixture(scope="module")
 def runner():
-    from folio.runtime.model_runner import ModelRunner
+    from folio.runtime.worker.model_runner import ModelRunner
     r = ModelRunner(EngineConfig(device="cpu", num_kv_blocks_override=96))
     yield r
     r.shutdown()

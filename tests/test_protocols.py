@@ -7,11 +7,11 @@ import inspect
 import numpy as np
 import pytest
 
-from folio.kernels.cpu import CPU_KERNELS
-from folio.kernels.cuda_ops import CudaKernels
+from folio.kernels.cpu.table import CPU_KERNELS
+from folio.kernels.cuda.table import CudaKernels
 from folio.kernels.table import KernelTable
-from folio.runtime.config import EngineConfig
-from folio.runtime.executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
+from folio.runtime.common.config import EngineConfig
+from folio.runtime.common.executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
 
 
 def protocol_methods(proto):
@@ -77,9 +77,9 @@ def test_runners_and_executors_conform():
         assert_conforms(runner, StepRunner)
         for wrapper in (InlineExecutor(runner), ThreadedExecutor(runner)):
             assert_conforms(wrapper, Executor)
-    from folio.ipc.executor import ZmqExecutor
+    from folio.ipc.zmq_executor import ZmqExecutor
     for name, fn in protocol_methods(Executor).items():
         assert accepts_call_shape(fn, getattr(ZmqExecutor, name)) is None, name
-    from folio.runtime.model_runner import ModelRunner
+    from folio.runtime.worker.model_runner import ModelRunner
     for name, fn in protocol_methods(StepRunner).items():
         assert accepts_call_shape(fn, getattr(ModelRunner, name)) is None, name

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from folio.runtime.sampler import SamplingState, make_rng, sample
-from folio.runtime.sampling_params import SamplingParams
+from folio.runtime.worker.sampler import SamplingState, make_rng, sample
+from folio.runtime.common.sampling_params import SamplingParams
 
 V = 50
 
@@ -78,7 +78,7 @@ def test_penalties_match_reference(rep, freq, pres):
     got = sample(logits, states).token_ids
     assert got.tolist() == [int(np.argmax(r)) for r in refs]
     # the penalised logits themselves, through the public helper
-    from folio.runtime.sampler import apply_penalties
+    from folio.runtime.worker.sampler import apply_penalties
     f = lambda v: np.full(R, v, dtype=np.float32)  # noqa: E731
     pen = apply_penalties(logits, [s.prompt_token_ids for s in states],
                           [s.output_token_ids for s in states], f(rep), f(freq), f(pres))
@@ -219,7 +219,7 @@ def test_no_logprobs_when_none_asked():
 
 @pytest.mark.parametrize("scale", [6.0, 0.05])  # peaked: nucleus inside the candidates; flat: fallback
 def test_large_vocab_candidate_path_matches_reference(scale):
-    import folio.runtime.sampler as sampler_mod
+    import folio.runtime.worker.sampler as sampler_mod
     Vb = 3000
     assert sampler_mod.TOP_CANDIDATES < Vb
     rng = np.random.default_rng(9)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from folio.runtime.sampling_params import SamplingParams
+from folio.runtime.common.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from folio.bench.static_batching import StaticBatchScheduler
-from folio.runtime.config import EngineConfig
-from folio.runtime.engine import LLMEngine
-from folio.runtime.outputs import RequestOutput
-from folio.runtime.sampling_params import SamplingParams
-from folio.runtime.scheduler import derive_seed
-from folio.runtime.step import PLACEHOLDER_TOKEN_ID, StepResult
+from perf.bench.static_batching import StaticBatchScheduler
+from folio.runtime.common.config import EngineConfig
+from folio.runtime.scheduler.engine import LLMEngine
+from folio.runtime.common.outputs import RequestOutput
+from folio.runtime.common.sampling_params import SamplingParams
+from folio.runtime.scheduler.scheduler import derive_seed
+from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, StepResult
 
 V = 50
 EOS = 0

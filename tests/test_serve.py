@@ -224,7 +224,7 @@ def test_worker_sigkill_fails_every_inflight_request_within_10s():
             assert not h["healthy"] and "worker" in h["reason"]
             with pytest.raises(ServerError, match="unhealthy"):
                 c.generate("hi", {"max_tokens": 2}, timeout=5)
-        assert proc.wait(30) == 3                     # the scheduler exits (no restart), see ipc/server.py
+        assert proc.wait(30) == 3                     # the scheduler exits (no restart), see ipc/scheduler_process.py
         assert pid_gone(worker)
     finally:
         if proc.poll() is None:
@@ -379,7 +379,7 @@ def test_three_client_processes_match_offline_llm():
 # -- folio bench serve ---------------------------------------------------------------------------------
 
 def test_bench_serve_counts_every_token(echo_server):
-    from folio.bench_serve import random_workload, run_bench
+    from perf.bench.serve import random_workload, run_bench
     _, addr = echo_server
     work = random_workload(6, 4, 40, 2, 9, seed=3)
     assert work == random_workload(6, 4, 40, 2, 9, seed=3)          # the same workload every run

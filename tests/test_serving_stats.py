@@ -1,10 +1,10 @@
-"""runtime/metrics.py: histogram buckets (Prometheus' ``le`` semantics) and the per-request figures
+"""runtime/scheduler/metrics.py: histogram buckets (Prometheus' ``le`` semantics) and the per-request figures
 derived from a hand-written sequence of engine deltas with known times."""
 
 import pytest
 
-from folio.runtime.metrics import Histogram, ServingStats
-from folio.runtime.outputs import CompletionDelta, RequestDelta, RequestMetrics
+from folio.runtime.scheduler.metrics import Histogram, ServingStats
+from folio.runtime.common.outputs import CompletionDelta, RequestDelta, RequestMetrics
 
 
 def test_histogram_buckets_are_less_or_equal():

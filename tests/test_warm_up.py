@@ -24,14 +24,15 @@ SCRIPT = textwrap.dedent("""
     import importlib, json, sys
     import numba
     from folio import SamplingParams
-    from folio.bench.common import random_requests
-    from folio.runtime.config import EngineConfig
-    from folio.runtime.engine import LLMEngine
-    from folio.runtime.sampling_params import BeamSearchParams
-    from folio.kernels.cpu_cache import KERNEL_MODULES
+    from perf.bench.common import random_requests
+    from folio.runtime.common.config import EngineConfig
+    from folio.runtime.scheduler.engine import LLMEngine
+    from folio.runtime.worker.model_runner import ModelRunner
+    from folio.runtime.common.sampling_params import BeamSearchParams
+    from folio.kernels.cpu.jit_cache import KERNEL_MODULES
 
     # every CPU kernel module, as the Numba cache stamp lists them (a new one is covered too)
-    MODULES = [importlib.import_module("folio.kernels." + name[:-3]) for name in KERNEL_MODULES]
+    MODULES = [importlib.import_module("folio.kernels.cpu." + name[:-3]) for name in KERNEL_MODULES]
 
     def signatures():
         out = {}
@@ -41,7 +42,7 @@ SCRIPT = textwrap.dedent("""
                     out[f"{m.__name__}.{name}"] = sorted(str(s) for s in obj.signatures)
         return out
 
-    engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks_override=512, max_num_batched_tokens=256))
+    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512, max_num_batched_tokens=256), ModelRunner(cfg))
     engine.warm_up()
     before = signatures()
     # chunked prefills (budget 256) beside decodes, prompts of 3 to 700 tokens
@@ -87,8 +88,9 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
     two-block cache; a tiny step budget), then the engine serves as a fresh one would: every block
     free, none in the prefix cache, and the same greedy tokens as an engine that never warmed up."""
     from folio import SamplingParams
-    from folio.runtime.config import EngineConfig
-    from folio.runtime.engine import LLMEngine
+    from folio.runtime.common.config import EngineConfig
+    from folio.runtime.scheduler.engine import LLMEngine
+    from folio.runtime.worker.model_runner import ModelRunner
 
     def greedy(engine):
         engine.add_request("q", None, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
@@ -101,12 +103,12 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
     for kw in (dict(max_num_seqs=1, num_kv_blocks_override=64), dict(max_model_len=40, block_size=32, num_kv_blocks_override=2),
                dict(max_model_len=16, block_size=8, num_kv_blocks_override=3, max_num_batched_tokens=8)):
         cfg = dict(device="cpu", async_scheduling=False, model=str(default_model_dir), **kw)
-        cold = LLMEngine(EngineConfig(**cfg))
+        cold = LLMEngine(EngineConfig(**cfg), ModelRunner(EngineConfig(**cfg)))
         try:
             expected = greedy(cold)
         finally:
             cold.shutdown()
-        engine = LLMEngine(EngineConfig(**cfg))
+        engine = LLMEngine(EngineConfig(**cfg), ModelRunner(EngineConfig(**cfg)))
         try:
             free = engine.get_metrics()["num_free_blocks"]
             engine.warm_up()

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     if a.parent_pid is not None:
-        from ..ipc.worker import _die_with_parent
+        from ..ipc.worker_process import _die_with_parent
         _die_with_parent(a.parent_pid, (a.scheduler_address,))
     # uvicorn handles SIGINT/SIGTERM while it serves and re-raises them afterwards: let those land here
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
-from ..runtime.sampling_params import BeamSearchParams, SamplingParams
+from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 log = logging.getLogger("folio.api")
 
-# ServerError codes (ipc/server.py) -> HTTP status
+# ServerError codes (ipc/scheduler_process.py) -> HTTP status
 _STATUS = {"invalid_argument": 400, "bad_request": 400, "worker_died": 503, "shutdown": 503}
 LOGPROB_FLOOR = -9999.0   # JSON has no -Infinity; vLLM sends this for a zero probability
 

@@ -1,5 +1,5 @@
 // Device sampler: one token per row of the logits, so a step needs no host round trip between the
-// forward pass and the copy of its sampled tokens. Semantics are runtime/sampler.py's (vLLM V1's
+// forward pass and the copy of its sampled tokens. Semantics are runtime/worker/sampler.py's (vLLM V1's
 // order): penalties and min_tokens masks (apply_penalties_kernel), then per row: greedy = first
 // argmax; else temperature, min_p (Nguyen et al. 2024), top-k, top-p over the top-k renormalised
 // distribution (Holtzman et al. 2020), and inverse-CDF sampling with the row's uniform.
@@ -8,7 +8,7 @@
 // 32-bit keys, and a bisection over the keys (32 block-wide passes over the row) finds the exact
 // k-th largest value, and the exact smallest kept value of top-p: the least value v such that the
 // probability mass of values strictly greater than v is below top_p. Ties with the threshold are
-// kept, as in runtime/sampler.py.
+// kept, as in runtime/worker/sampler.py.
 #include "common.cuh"
 
 // order-preserving float32 -> uint32 (for finite values and +-inf)

@@ -1,5 +1,5 @@
 """The CUDA kernel table on the CPU: kernels/cuda/*.cu under the SIMT emulator, NumPy for device
-memory (kernels/device.py's HostDevice) and a NumPy GEMM in place of cuBLAS. Used by the tests and
+memory (kernels/cuda/device.py's HostDevice) and a NumPy GEMM in place of cuBLAS. Used by the tests and
 by perf/gpu_check.sh's dry run (FOLIO_GPU_CHECK_DRY=1)."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from folio.kernels import cuda_ops
-from folio.kernels.cuda_ops import CudaKernels, bf16_bits_to_float32
-from folio.kernels.device import HostDevice
+from folio.kernels.cuda import sources as cuda_sources
+from folio.kernels.cuda import table as cuda_ops
+from folio.kernels.cuda.table import CudaKernels, bf16_bits_to_float32
+from folio.kernels.cuda.device import HostDevice
 
-from .runner import SimtModule
+from tests.simt.runner import SimtModule
 
 
 _f32_weights: dict = {}  # id(weight) -> (weakref, float32 transpose); a forward reuses its weights
@@ -36,8 +37,8 @@ def numpy_gemm(xb, w, out):
 
 def simt_modules() -> dict:
     """kernel name -> SimtModule for every kernel file (g++ runs in parallel; cached on disk)."""
-    with ThreadPoolExecutor(len(cuda_ops.KERNEL_FILES)) as pool:
-        mods = list(pool.map(lambda f: SimtModule(cuda_ops.CUDA_DIR / f), cuda_ops.KERNEL_FILES))
+    with ThreadPoolExecutor(len(cuda_sources.KERNEL_FILES)) as pool:
+        mods = list(pool.map(lambda f: SimtModule(cuda_sources.CUDA_DIR / f), cuda_sources.KERNEL_FILES))
     return {k: m for m in mods for k in m.kernels}
 
 
@@ -54,4 +55,4 @@ def simt_kernels(device=None, get_function=None, gemm=None) -> CudaKernels:
         device = HostDevice(total_bytes=int(os.environ.get("FOLIO_SIMT_DEVICE_BYTES", 1 << 30)))
     return CudaKernels(np, (lambda n: get_function(n, get)) if get_function else get,
                        gemm=gemm or numpy_gemm, smem_limit=227 * 1024, device=device,
-                       kernel_names=cuda_ops.all_kernel_names())
+                       kernel_names=cuda_sources.all_kernel_names())

@@ -1,0 +1,229 @@
+"""Every decoder layer of a step in one compiled call: the CPU table's ``decoder_layers``.
+
+The forward pass of ``model/llama.py`` calls nine kernels per layer. Each call from Python
+costs its dispatch (argument typing, the dispatcher's lookup, the interpreter's own objects),
+and in a decode step that cost is paid with cold caches: between two calls the step streams
+megabytes of weights through the caches. Measured on the 2-vCPU EPYC after 16 MB streamed
+(perf/RESULTS.md): a fused residual-add RMSNorm of one token took 32 us against 3.7 us warm, a
+``linear`` of a [64, 576] weight 34 against 5.5; 270 such calls per step of the default model
+were several milliseconds of a ~35 ms single-sequence decode step.
+
+``decoder_layers`` runs the same kernels (the bodies of ``cpu``, ``cpu_linear`` and
+``cpu_attention``, unchanged) in the same order from one ``@njit`` function that loops over the
+layers. Everything that depends only on the step's shapes is planned once per step in Python:
+the tasks and tiles (``linear_plan``) of the four matrix products, the tasks of the row kernels,
+and the attention work items (the same for every layer: the same sequences and lengths), so the
+thresholds stay the module constants the kernel tests set. The layers' weights are stacked per
+kind (``[num_layers, ...]``, ``LlamaForCausalLM.layer_stacks``) and the KV caches passed as
+tuples, so the compiled loop can index them by layer.
+
+**One parallel region per step** (``ONE_REGION``, with two threads or more). A region per
+kernel call is ~120 regions per decode step, each waking the pool's sleeping threads (OpenMP's
+passive wait, ``kernels/cpu_threads``). ``_layers_region`` instead opens one ``prange`` region
+whose tasks all walk the same phases of every layer (norm, QKV product, RoPE and cache append,
+attention items, their merge, o_proj, norm, gate/up product, SwiGLU, down product). A phase's
+work items (``cpu_linear.linear_items``: the weight-row blocks, streamed tiles or sgemm tiles of
+``linear_into``'s own region, row blocks of ``_ROWS_PER_ITEM``, attention items) are claimed from
+the phase's counter; each finished item is counted (``atomic_add``, acquire-release), and a task that finds no item left waits until
+the phase's count is complete before it starts the next phase (``atomic_load``, acquire). It
+never waits for an item nobody has claimed, so the region cannot deadlock when its tasks run
+one after another (a pool smaller than the plan, a nested call); the wait spins a little, then
+gives the core away each turn (``sched_yield``), so a busy machine's other work and the
+engine's scheduling thread still run. Same items, same arithmetic: bit-identical to the
+per-call path and the per-kernel loop (tests/test_forward.py). Measured (perf/RESULTS.md,
+fourth pass): 64 requests, 2 threads, +1-8% output tokens/s on a quiet machine, +18% with a
+busy process on one core; single-sequence decode within noise (+2-5% in one sitting, -6% in
+another).
+
+This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
+one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward
+on a background thread (``ThreadedExecutor``) while the calling thread schedules the next step,
+which a GIL held through the whole forward would stall until the forward returned.
+
+Sources: llama.cpp's CPU thread pool (``ggml_graph_compute``: threads stay in one region for the
+whole graph and meet at a barrier after each node) for the shape; the counters are this module's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .attention import _run_item, _scratch, attention_into, finish_attention, plan
+from .linear import linear_into, linear_item, linear_items, linear_plan
+from .math import LOG2E
+from .rows import (_ROWS_PER_ITEM, _fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
+                   fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into)
+from .threads import atomic_add, atomic_load, num_threads, region_guard, sched_yield
+
+__all__ = ["decoder_layers", "LAYER_WEIGHTS"]
+
+LAYER_WEIGHTS = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layernorm", "gate_up_proj", "down_proj")
+"""The per-layer weights ``decoder_layers`` takes, each stacked ``[num_layers, ...]``."""
+
+
+@njit(cache=True, nogil=True)
+def _layers(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_caches,
+            value_caches, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H, Hkv,
+            eps, qscale, lin, norm_tasks, rope_tasks, silu_tasks, rows_per_item, items, n_parts, attn_tasks):
+    T = residual.shape[0]
+    attn2 = attn.reshape(T, attn.shape[1] * attn.shape[2])
+    for layer in range(ln1.shape[0]):
+        if layer == 0:
+            rms_norm_into(residual, ln1[0], eps, x, norm_tasks, rows_per_item)
+        else:
+            fused_add_rms_norm_into(hidden, residual, ln1[layer], eps, x, residual, norm_tasks, rows_per_item)
+        linear_into(x, qkv_w[layer], qkv, lin[0, 0], lin[0, 1], lin[0, 2])
+        key_cache = key_caches[layer]
+        value_cache = value_caches[layer]
+        rope_and_cache_into(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q,
+                            rope_tasks, rows_per_item)
+        attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items,
+                       n_parts, attn_tasks)
+        linear_into(attn2, o_w[layer], hidden, lin[1, 0], lin[1, 1], lin[1, 2])
+        fused_add_rms_norm_into(hidden, residual, ln2[layer], eps, x, residual, norm_tasks, rows_per_item)
+        linear_into(x, gate_up_w[layer], gate_up, lin[2, 0], lin[2, 1], lin[2, 2])
+        silu_and_mul_into(gate_up, act, silu_tasks, rows_per_item)
+        linear_into(act, down_w[layer], hidden, lin[3, 0], lin[3, 1], lin[3, 2])
+
+
+# The phases of one layer in the one-region step (_layers_region), in order
+_P_NORM1, _P_QKV, _P_ROPE, _P_ATTN, _P_MERGE, _P_O, _P_NORM2, _P_GATE_UP, _P_SILU, _P_DOWN = range(10)
+_PHASES = 10
+_SPINS_BEFORE_YIELD = 200   # atomic reads of a phase's count before each further one yields the core
+ONE_REGION = True   # with 2+ threads, one region per step (_layers_region); False: a region per kernel call
+
+
+@njit(cache=True)
+def _wait_done(done, k, n):
+    # until phase k's n items are all finished (each was claimed by a running task); spinning,
+    # then giving the core away each turn when the partner is slow (a busy machine)
+    spins = 0
+    while atomic_load(done, k) < n:
+        spins += 1
+        if spins > _SPINS_BEFORE_YIELD:
+            sched_yield()
+
+
+@njit(cache=True)
+def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
+                gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
+                seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc,
+                acc, m, l, bm, pm, pl, pacc):
+    # item i of one phase of one layer, on task w's scratch
+    T = residual.shape[0]
+    t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
+    if phase == _P_NORM1:
+        if layer == 0:
+            _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
+        else:
+            _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
+    elif phase == _P_QKV:
+        linear_item(x, qkv_w[layer], qkv, lin[0, 0], lin[0, 1], lin[0, 2], i)
+    elif phase == _P_ROPE:
+        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
+    elif phase == _P_ATTN:
+        _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
+                  qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
+    elif phase == _P_MERGE:
+        finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
+    elif phase == _P_O:
+        linear_item(attn2, o_w[layer], hidden, lin[1, 0], lin[1, 1], lin[1, 2], i)
+    elif phase == _P_NORM2:
+        _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
+    elif phase == _P_GATE_UP:
+        linear_item(x, gate_up_w[layer], gate_up, lin[2, 0], lin[2, 1], lin[2, 2], i)
+    elif phase == _P_SILU:
+        _silu_and_mul_rows(gate_up, act, t0, t1)
+    else:
+        linear_item(act, down_w[layer], hidden, lin[3, 0], lin[3, 1], lin[3, 2], i)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w,
+                   key_caches, value_caches, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
+                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks):
+    # _layers in one parallel region: every task walks the same phases of every layer, takes
+    # the items of each phase from its claim counter, and waits at the phase's end until all of
+    # its items are done (never for an item nobody took: no deadlock if tasks run one by one)
+    T = residual.shape[0]
+    L = ln1.shape[0]
+    attn2 = attn.reshape(T, attn.shape[1] * attn.shape[2])
+    n_row = (T + rows_per_item - 1) // rows_per_item
+    n_items = np.empty(_PHASES, np.int64)   # items per phase, in _P_* order
+    n_items[:] = n_row
+    n_items[_P_QKV] = linear_items(T, qkv_w.shape[1], lin[0, 0], lin[0, 1], lin[0, 2])
+    n_items[_P_ATTN] = items.shape[0]
+    n_items[_P_MERGE] = 1
+    n_items[_P_O] = linear_items(T, o_w.shape[1], lin[1, 0], lin[1, 1], lin[1, 2])
+    n_items[_P_GATE_UP] = linear_items(T, gate_up_w.shape[1], lin[2, 0], lin[2, 1], lin[2, 2])
+    n_items[_P_DOWN] = linear_items(T, down_w.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
+    claims = np.zeros(L * _PHASES, np.int64)
+    done = np.zeros(L * _PHASES, np.int64)
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
+                                                       key_caches[0].shape[1], n_parts)
+    for w in prange(n_tasks):
+        for layer in range(L):
+            for phase in range(_PHASES):
+                k = layer * _PHASES + phase
+                while True:
+                    i = atomic_add(claims, k, 1)
+                    if i >= n_items[phase]:
+                        break
+                    _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1,
+                                qkv_w, o_w, ln2, gate_up_w, down_w, key_caches[layer], value_caches[layer],
+                                positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H,
+                                Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc, m, l, bm,
+                                pm, pl, pacc)
+                    atomic_add(done, k, 1)
+                _wait_done(done, k, n_items[phase])
+
+
+def _int64(a):
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_caches, cos_sin_cache, scale: float,
+                   num_heads: int, num_kv_heads: int, eps: float):
+    """Run every decoder layer of a step on the CPU, in place in ``buffers``; returns ``(hidden,
+    residual)``, the last layer's output and residual stream (``[T, hidden]`` float32 each).
+
+    Same arithmetic, in the same order, as the per-kernel loop of ``LlamaForCausalLM.forward``
+    (RMSNorm, fused QKV product, RoPE and cache append, paged attention, o_proj, residual add and
+    RMSNorm, gate/up product, SwiGLU, down product), one compiled call for all layers.
+
+    Args:
+        weights: ``LAYER_WEIGHTS`` names -> C-contiguous float32 ``[num_layers, ...]`` stacks.
+        buffers: the workspace's ``[T, ...]`` views (``model.llama.Workspace.view``); ``residual``
+            holds the embeddings on entry.
+        positions: ``[T]`` int positions; ``attn_metadata``: the step's ``AttentionMetadata``.
+        kv_caches: per layer ``(key_cache, value_cache)``, C-contiguous float32 ``[num_blocks,
+            block_size, num_kv_heads, head_dim]``; this step's keys and values are appended.
+        cos_sin_cache: ``[max_position, head_dim]`` float32 RoPE table; ``scale``: softmax scale.
+    Raises:
+        ValueError: a KV cache that is not C-contiguous (the kernels address blocks directly).
+    """
+    if not all(c.flags.c_contiguous for pair in kv_caches for c in pair):
+        raise ValueError("decoder_layers needs C-contiguous float32 KV caches")
+    b, md = buffers, attn_metadata
+    residual = b["residual"]
+    T, hid = residual.shape
+    D = cos_sin_cache.shape[1]
+    threads = num_threads()
+    seq_lens, query_start_loc = _int64(md.seq_lens), _int64(md.query_start_loc)
+    lin = np.array([linear_plan(T, weights[name].shape[1:], threads)
+                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")], dtype=np.int64)
+    key_cache = kv_caches[0][0]
+    items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
+                                      threads)
+    step = (residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
+            *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches), tuple(v for _, v in kv_caches),
+            _int64(positions), cos_sin_cache, _int64(md.slot_mapping), _int64(md.block_tables), seq_lens,
+            query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
+    with region_guard():   # the layers run without the GIL: see region_guard
+        if ONE_REGION and threads > 1 and T > 0:
+            _layers_region(*step, _ROWS_PER_ITEM, items, n_parts, threads)
+        else:
+            _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
+                    row_tasks(b["gate_up"].size, T, threads), _ROWS_PER_ITEM, items, n_parts, attn_tasks)
+    return b["hidden"], residual

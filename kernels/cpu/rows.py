@@ -1,0 +1,400 @@
+"""Numba row kernels: the KV-cache append and block copies, RMSNorm, RoPE, SiLU-and-mul, embedding.
+
+Every public function has the signature of its ``kernels/reference.py`` twin (see that module for
+the batch, KV-cache and slot-mapping conventions) and is tested against it in
+``tests/test_kernels_cpu.py``. The compiled bodies are ``@njit(cache=True)`` so that the second
+process start reuses the machine code; each has a serial driver and a ``parallel=True`` /
+``prange`` driver, and the parallel one runs only when the call has enough work to pay for waking
+the thread pool. ``forward.py`` links the ``*_rows`` / ``*_into`` bodies into its layer loop.
+
+Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021), SwiGLU (Shazeer 2020); Numba's
+parallel ``prange`` (numba.readthedocs.io, "Automatic parallelization with @jit").
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .math import LOG2E, exp2
+from .memory import HUGE_PAGE_MIN_BYTES, huge_page_zeros
+from .threads import fetch_add, num_threads, region_guard
+
+_F32 = np.float32
+_PARALLEL_MIN_ELEMENTS = 1 << 16     # row ops: below this many input elements, the calling thread
+_ROWS_PER_ITEM = 16                  # row ops: rows per work item of a parallel region
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+# ----------------------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _reshape_and_cache_kernel(key, value, key_cache, value_cache, slot_mapping):
+    block_size = key_cache.shape[1]
+    Hkv, D = key.shape[1], key.shape[2]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b = slot // block_size
+        o = slot - b * block_size
+        for h in range(Hkv):
+            for d in range(D):
+                key_cache[b, o, h, d] = key[t, h, d]
+                value_cache[b, o, h, d] = value[t, h, d]
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Write this step's K/V ``[T, num_kv_heads, head_dim]`` into cache slots, in place.
+
+    Same contract as ``reference.reshape_and_cache`` (slot -1 skipped). ``key``/``value`` may be
+    strided views (e.g. slices of a fused QKV projection).
+    """
+    _reshape_and_cache_kernel(key, value, key_cache, value_cache,
+                              np.asarray(slot_mapping, dtype=np.int64))
+
+
+@njit(cache=True)
+def _copy_blocks_kernel(cache, block_mapping):
+    for i in range(block_mapping.shape[0]):
+        cache[block_mapping[i, 1]] = cache[block_mapping[i, 0]]
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    """Copy whole blocks ``(src, dst)`` rows of ``block_mapping [N, 2]`` in every layer, in place.
+
+    Rows are applied in order, as in ``reference.copy_blocks``.
+    """
+    mapping = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
+    if mapping.shape[0] == 0:
+        return
+    for kc, vc in zip(key_caches, value_caches):
+        _copy_blocks_kernel(kc, mapping)
+        _copy_blocks_kernel(vc, mapping)
+
+
+# ----------------------------------------------------------------------------------------------
+# norms, rope, activation
+# ----------------------------------------------------------------------------------------------
+
+
+# Each row kernel is a body over rows [t0, t1) plus a serial and a parallel driver; the parallel
+# one runs only when there is enough work to pay for waking the pool (a decode step's rows are
+# tiny) and splits the rows into items of _ROWS_PER_ITEM taken from a shared counter.
+
+
+@njit(cache=True, fastmath=True)
+def _rms_norm_rows(x, weight, eps, out, t0, t1):
+    N = x.shape[1]
+    for t in range(t0, t1):
+        ss = 0.0
+        for i in range(N):
+            v = np.float64(x[t, i])
+            ss += v * v
+        r = np.float32(1.0 / math.sqrt(ss / N + eps))
+        for i in range(N):
+            out[t, i] = x[t, i] * r * weight[i]
+
+
+@njit(parallel=True, cache=True)
+def _rms_norm_parallel(x, weight, eps, out, rows, n_tasks, counter):
+    T = x.shape[0]
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _rms_norm_rows(x, weight, eps, out, i * rows, min(T, (i + 1) * rows))
+
+
+@njit(cache=True, fastmath=True)
+def _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, t0, t1):
+    N = x.shape[1]
+    for t in range(t0, t1):
+        ss = 0.0
+        for i in range(N):
+            v = x[t, i] + residual[t, i]
+            new_residual[t, i] = v
+            v64 = np.float64(v)
+            ss += v64 * v64
+        r = np.float32(1.0 / math.sqrt(ss / N + eps))
+        for i in range(N):
+            out[t, i] = new_residual[t, i] * r * weight[i]
+
+
+@njit(parallel=True, cache=True)
+def _fused_add_rms_norm_parallel(x, residual, weight, eps, out, new_residual, rows, n_tasks, counter):
+    T = x.shape[0]
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, i * rows, min(T, (i + 1) * rows))
+
+
+@njit(cache=True, nogil=True)
+def rms_norm_into(x, weight, eps, out, tasks, rows_per_item):
+    """``rms_norm`` from compiled code: on the calling thread (``tasks == 1``) or ``tasks``
+    threads taking ``rows_per_item`` rows at a time (``row_tasks`` plans both)."""
+    if tasks == 1:
+        _rms_norm_rows(x, weight, eps, out, 0, x.shape[0])
+    else:
+        _rms_norm_parallel(x, weight, eps, out, rows_per_item, tasks, np.zeros(1, np.int64))
+
+
+@njit(cache=True, nogil=True)
+def fused_add_rms_norm_into(x, residual, weight, eps, out, new_residual, tasks, rows_per_item):
+    """``fused_add_rms_norm`` (all rows) from compiled code; ``tasks`` as in ``rms_norm_into``."""
+    if tasks == 1:
+        _fused_add_rms_norm_rows(x, residual, weight, eps, out, new_residual, 0, x.shape[0])
+    else:
+        _fused_add_rms_norm_parallel(x, residual, weight, eps, out, new_residual, rows_per_item, tasks,
+                                     np.zeros(1, np.int64))
+
+
+def row_tasks(n_elements: int, n_rows: int, threads: int) -> int:
+    """Tasks of a row kernel's call: 1 (the calling thread) for small work, else ``threads``."""
+    if n_elements < _PARALLEL_MIN_ELEMENTS or n_rows < 2 or threads < 2:
+        return 1
+    return threads
+
+
+def _tasks(n_elements: int, n_rows: int) -> int:
+    return row_tasks(n_elements, n_rows, num_threads())
+
+
+def _counter():
+    return np.zeros(1, np.int64)
+
+
+def rms_norm(x, weight, eps, out=None):
+    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x**2, -1) + eps) * weight``.
+
+    ``x [T, hidden]`` float32, ``weight [hidden]`` float32; returns ``[T, hidden]`` float32 (into
+    ``out`` when given).
+    """
+    out = np.empty(x.shape, dtype=_F32) if out is None else out
+    with region_guard():
+        rms_norm_into(x, weight, float(eps), out, _tasks(x.size, x.shape[0]), _ROWS_PER_ITEM)
+    return out
+
+
+def fused_add_rms_norm(x, residual, weight, eps, out=None, residual_out=None, rows=None):
+    """Residual add then RMSNorm in one pass; returns ``(rms_norm(x + residual), x + residual)``.
+
+    ``x, residual [T, hidden]`` float32. ``out`` / ``residual_out``: optional output buffers
+    (``residual_out`` may be ``residual``: each element is read before it is written). With
+    ``rows`` (``[R]`` int64) only those rows are normalised and ``(out [R, hidden], None)`` is
+    returned (the final norm before ``lm_head``).
+    """
+    if rows is not None:
+        rows = np.asarray(rows, dtype=np.int64)
+        normed, _ = fused_add_rms_norm(x[rows], residual[rows], weight, eps, out=out)
+        return normed, None
+    out = np.empty(x.shape, dtype=_F32) if out is None else out
+    new_residual = np.empty(x.shape, dtype=_F32) if residual_out is None else residual_out
+    with region_guard():
+        fused_add_rms_norm_into(x, residual, weight, float(eps), out, new_residual, _tasks(x.size, x.shape[0]),
+                                _ROWS_PER_ITEM)
+    return out, new_residual
+
+
+@njit(cache=True, fastmath=True)
+def _rotary_rows(positions, x, cos_sin_cache, out, t0, t1):
+    H, D = x.shape[1], x.shape[2]
+    half = D // 2
+    for t in range(t0, t1):
+        p = positions[t]
+        for h in range(H):
+            for i in range(half):
+                c = cos_sin_cache[p, i]
+                s = cos_sin_cache[p, half + i]
+                x1 = x[t, h, i]
+                x2 = x[t, h, half + i]
+                out[t, h, i] = x1 * c - x2 * s
+                out[t, h, half + i] = x2 * c + x1 * s
+
+
+@njit(parallel=True, cache=True)
+def _rotary_parallel(positions, x, cos_sin_cache, out, rows, n_tasks, counter):
+    T = x.shape[0]
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _rotary_rows(positions, x, cos_sin_cache, out, i * rows, min(T, (i + 1) * rows))
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache):
+    """RoPE (Su et al. 2021) in the rotate-half layout; returns new ``(q_rot, k_rot)`` float32.
+
+    ``positions [T]`` int64, ``q [T, num_heads, head_dim]``, ``k [T, num_kv_heads, head_dim]``
+    (strided views allowed), ``cos_sin_cache [max_position, head_dim]`` from
+    ``reference.rope_cos_sin_cache``. Outputs are contiguous.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    T = q.shape[0]
+    outs = []
+    for x in (q, k):
+        out = np.empty(x.shape, dtype=_F32)
+        n = _tasks(x.size, T)
+        if n == 1:
+            _rotary_rows(pos, x, cos_sin_cache, out, 0, T)
+        else:
+            with region_guard():
+                _rotary_parallel(pos, x, cos_sin_cache, out, _ROWS_PER_ITEM, n, _counter())
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _silu_and_mul_rows(x, out, t0, t1):
+    # silu(g) = g / (1 + e^-g), e^-g = 2^(-g log2 e) (vectorised, see cpu_math). error_model
+    # "numpy": Python's model checks each division for a zero divisor, a branch that kept LLVM
+    # from vectorising the loop (3.5 ns per element, 1.0 without the check)
+    inter = out.shape[1]
+    for t in range(t0, t1):
+        for i in range(inter):
+            g = x[t, i]
+            out[t, i] = g / (_F32(1.0) + exp2(g * _F32(-LOG2E))) * x[t, inter + i]
+
+
+@njit(parallel=True, cache=True)
+def _silu_and_mul_parallel(x, out, rows, n_tasks, counter):
+    T = x.shape[0]
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _silu_and_mul_rows(x, out, i * rows, min(T, (i + 1) * rows))
+
+
+@njit(cache=True, nogil=True)
+def silu_and_mul_into(x, out, tasks, rows_per_item):
+    """``silu_and_mul`` from compiled code; ``tasks`` as in ``rms_norm_into``."""
+    if tasks == 1:
+        _silu_and_mul_rows(x, out, 0, x.shape[0])
+    else:
+        _silu_and_mul_parallel(x, out, rows_per_item, tasks, np.zeros(1, np.int64))
+
+
+def silu_and_mul(x, out=None):
+    """SwiGLU activation (Shazeer 2020): ``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32
+    (into ``out`` when given)."""
+    T = x.shape[0]
+    out = np.empty((T, x.shape[1] // 2), dtype=_F32) if out is None else out
+    with region_guard():
+        silu_and_mul_into(x, out, _tasks(x.size, T), _ROWS_PER_ITEM)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# weights and embeddings (matrix products: kernels/cpu/linear.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def prepare_weight(w):
+    """A weight as the CPU table stores it: a C-contiguous float32 copy of ``w`` (``[out, in]`` or
+    ``[n]``). Linear weights stay ``[out, in]``: the decode kernel then streams contiguous rows and
+    BLAS takes ``W.T`` as a transpose flag (a pre-transposed copy measured no faster for prefill).
+    Weights of 2 MiB and more go on transparent huge pages (``cpu_memory.huge_page_zeros``)."""
+    if np.size(w) * 4 < HUGE_PAGE_MIN_BYTES:
+        return np.ascontiguousarray(w, dtype=_F32)
+    out = huge_page_zeros(np.shape(w), _F32)   # streamed every decode step: on huge pages (cpu_memory)
+    out[...] = w
+    return out
+
+
+def embedding(ids, table, out=None):
+    """Rows of ``table [vocab, hidden]`` for ``ids [T]`` int64 -> ``[T, hidden]`` float32 (into
+    ``out`` when given).
+
+    Raises:
+        IndexError: an id outside ``[0, vocab)``.
+    """
+    return np.take(table, np.asarray(ids, dtype=np.int64), axis=0, out=out)
+
+
+@njit(cache=True, fastmath=True)
+def _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, t0, t1):
+    # per token: the rotated query heads into out, the rotated key heads and the value heads
+    # straight into their cache slot (no intermediate arrays)
+    D = cos_sin_cache.shape[1]
+    half = D // 2
+    bs = key_cache.shape[1]
+    for t in range(t0, t1):
+        p = positions[t]
+        for h in range(H):
+            for i in range(half):
+                c = cos_sin_cache[p, i]
+                s = cos_sin_cache[p, half + i]
+                x1 = qkv[t, h * D + i]
+                x2 = qkv[t, h * D + half + i]
+                out[t, h, i] = x1 * c - x2 * s
+                out[t, h, half + i] = x2 * c + x1 * s
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        b = slot // bs
+        o = slot - b * bs
+        for h in range(Hkv):
+            k0 = (H + h) * D
+            v0 = (H + Hkv + h) * D
+            for i in range(half):
+                c = cos_sin_cache[p, i]
+                s = cos_sin_cache[p, half + i]
+                x1 = qkv[t, k0 + i]
+                x2 = qkv[t, k0 + half + i]
+                key_cache[b, o, h, i] = x1 * c - x2 * s
+                key_cache[b, o, h, half + i] = x2 * c + x1 * s
+            for i in range(D):
+                value_cache[b, o, h, i] = qkv[t, v0 + i]
+
+
+@njit(parallel=True, cache=True)
+def _rope_and_cache_parallel(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, rows,
+                             n_tasks, counter):
+    T = qkv.shape[0]
+    for _task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= (T + rows - 1) // rows:
+                break
+            _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out,
+                                 i * rows, min(T, (i + 1) * rows))
+
+
+@njit(cache=True, nogil=True)
+def rope_and_cache_into(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, tasks,
+                        rows_per_item):
+    """``rope_and_cache`` from compiled code (int64 ``positions`` and ``slot_mapping``);
+    ``tasks`` as in ``rms_norm_into``."""
+    if tasks == 1:
+        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out, 0,
+                             qkv.shape[0])
+    else:
+        _rope_and_cache_parallel(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, out,
+                                 rows_per_item, tasks, np.zeros(1, np.int64))
+
+
+def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, num_heads,
+                   num_kv_heads, out=None):
+    """``reference.rope_and_cache`` in one pass: RoPE on the q / k slices of the fused projection
+    ``qkv [T, (H + 2 Hkv) * D]`` float32 (rows may be strided), the rotated keys and the values
+    written to their cache slots (``slot_mapping [T]``, -1 = skip); returns the rotated queries
+    ``[T, H, D]`` float32 (into ``out`` when given)."""
+    T = qkv.shape[0]
+    D = cos_sin_cache.shape[1]
+    out = np.empty((T, num_heads, D), dtype=_F32) if out is None else out
+    args = (np.asarray(positions, dtype=np.int64), qkv, cos_sin_cache, key_cache, value_cache,
+            np.asarray(slot_mapping, dtype=np.int64), num_heads, num_kv_heads, out)
+    with region_guard():
+        rope_and_cache_into(*args, _tasks(qkv.size, T), _ROWS_PER_ITEM)
+    return out

@@ -1,0 +1,30 @@
+"""Argument helpers shared by ``folio bench throughput`` and ``folio bench report``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="folio model name or HF folder")
+    from perf.bench.common import all_cores
+    p.add_argument("--threads", type=positive, default=all_cores(),
+                   help="threads for folio (Numba), torch and llama.cpp alike (default: every core this process "
+                        "may use: %(default)s here); the command restarts itself once to apply it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def with_threads(run):
+    """Wrap a ``run(args)`` so the thread pools are sized before it runs (see common.reexec_with_threads)."""
+    def func(args):
+        from perf.bench.common import reexec_with_threads
+        reexec_with_threads(args.threads)  # returns only when the pools already have that size
+        return run(args)
+    return func

@@ -1,0 +1,346 @@
+"""The engine: requests in, steps scheduled and run, per-request deltas out.
+
+One step, as ``LLMEngine.step()`` runs it (docs/architecture.md has the whole data flow)::
+
+    plan = make_step_plan(scheduler.schedule())       # what runs, flattened to arrays
+    executor.submit(plan)                             # the worker runs plans in order
+    result = executor.get_result()                    # the oldest step's sampled tokens
+    update = scheduler.update_from_output(step, result)        # append, stop, fork, finish, free
+    deltas, stopped = output_processor.process(update, result)  # text, stop strings, logprobs
+    scheduler.finish_seq(seq, "stop", stop_string) for each stopped sequence
+
+With overlap scheduling (``EngineConfig.async_scheduling``, the default; SGLang's overlap
+scheduler, vLLM's async scheduling) the engine keeps one more step handed over than it waits
+for: step N+1 is scheduled and submitted before step N's result is read, its decode inputs being
+placeholders the worker fills with the tokens it sampled in step N (``step.py``). A sequence that
+ends in step N (EOS, stop token or string, abort) may then compute one token in N+1 that the
+scheduler discards; one that reaches ``max_tokens`` or ``max_model_len`` is not scheduled again.
+Outputs are the same with and without overlap.
+
+The executor is an ``executor.Executor``; a ``StepRunner`` (``ModelRunner`` by default) is run in
+this process by an ``InlineExecutor`` (no overlap) or a ``ThreadedExecutor`` (overlap); ``ipc/``
+passes a ``ZmqExecutor`` (a worker process). Loop shape after vLLM's ``LLMEngine`` / ``EngineCore``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..common.config import EngineConfig
+from ..common.executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
+from .kv_cache_manager import cdiv
+from .output_processor import OutputProcessor
+from ..common.outputs import RequestDelta
+from .beam_search import BeamState
+from ..common.sampling_params import BeamSearchParams, SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Request
+from ..common.step import make_step_plan
+
+
+class LLMEngine:
+    """Scheduler-side engine (the whole engine when the executor is in-process).
+
+    Args:
+        config: an ``EngineConfig``.
+        executor: an ``Executor``, or a ``StepRunner`` to run in this process (the worker side's
+            ``runtime.worker.model_runner.ModelRunner(config)``, as ``folio.LLM`` passes it).
+        tokenizer: a ``folio.model.tokenizer.Tokenizer``-like object; ``None`` loads the model's.
+        scheduler_cls: the ``Scheduler`` class (benchmarks pass a policy subclass).
+    Attributes:
+        tokenizer, model_config, max_model_len (tokens), eos_token_ids, scheduler, executor,
+        output_processor.
+    Raises:
+        TypeError: ``executor`` is neither an ``Executor`` nor a ``StepRunner``.
+    """
+
+    def __init__(self, config: EngineConfig, executor, tokenizer=None, scheduler_cls=Scheduler):
+        self.config = config
+        if not isinstance(executor, Executor):
+            if not isinstance(executor, StepRunner):
+                raise TypeError(f"executor must be an Executor or a StepRunner, got {type(executor).__name__}")
+            executor = ThreadedExecutor(executor) if config.async_scheduling else InlineExecutor(executor)
+        self.executor: Executor = executor
+        model_config = executor.model_config
+        if tokenizer is None or model_config is None:
+            from ...model.registry import resolve_model
+            model_dir = resolve_model(config.model)
+            if tokenizer is None:
+                from ...model.tokenizer import Tokenizer
+                tokenizer = Tokenizer.from_pretrained(model_dir)
+            if model_config is None:
+                from ...model.config import ModelConfig
+                model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.vocab_size = int(model_config.vocab_size)
+        self.max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
+        self.eos_token_ids = list(dict.fromkeys(list(getattr(model_config, "eos_token_ids", []) or [])
+                                                + list(getattr(tokenizer, "eos_token_ids", []) or [])))
+        self.scheduler = scheduler_cls(config, int(executor.num_blocks), self.max_model_len)
+        self.output_processor = OutputProcessor(tokenizer)
+        # steps handed to the executor whose results were not read yet, oldest first:
+        # (the step, whether the worker's idle time before it counts as time between steps)
+        self._in_flight: deque[tuple[SchedulerOutput, bool]] = deque()
+        self._depth = 1 if config.async_scheduling and not isinstance(executor, InlineExecutor) else 0
+        self._busy = False             # a step was handed over and work remained since
+        self._pending: list[RequestDelta] = []  # deltas of requests that ended outside a step
+        self.stats = {"num_steps": 0, "forward_time": 0.0, "sample_time": 0.0, "num_scheduled_tokens": 0,
+                      "num_generated_tokens": 0, "worker_idle_time": 0.0, "worker_busy_time": 0.0,
+                      "num_decode_only_steps": 0, "decode_only_forward_time": 0.0}
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate, tokenize and queue a request. Nothing is allocated before validation passes.
+
+        ``max_tokens=0`` is a defined prompt-only result: the request's only delta comes with the
+        next step, with no tokens, empty text and ``finish_reason="length"``; no block is used.
+        ``sampling_params`` may be a ``BeamSearchParams``: the request is then a beam search
+        (``runtime/scheduler/beam_search.py``) whose only delta, when it ends, carries one completion per
+        result sequence, best first.
+        Raises:
+            ValueError: a request that could never run, before it is admitted: duplicate id, no
+                prompt, empty prompt, a token id outside the vocabulary, prompt + max_tokens over
+                ``max_model_len``, more KV blocks for one sample than the whole cache, ``n`` (or
+                ``beam_width``) over ``max_num_seqs``, beams that could not all fit the cache
+                unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
+                ``max_num_batched_tokens`` when chunked prefill is off, or a bad cache_salt /
+                sampling_params type.
+        """
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        beam = None
+        if isinstance(sampling_params, BeamSearchParams):  # a beam search (runtime/scheduler/beam_search.py)
+            beam, sampling_params = sampling_params, sampling_params.worker_params()
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams or BeamSearchParams, got "
+                             f"{type(sampling_params).__name__}")
+        if request_id in self.scheduler.requests or self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text (lone surrogate at {e.start})") from None
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty (0 tokens); at least one token is needed")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        num_prompt = len(prompt_token_ids)
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is None:
+            if num_prompt >= self.max_model_len:
+                raise ValueError(f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
+                                 "which leaves no room to generate")
+            max_tokens = self.max_model_len - num_prompt
+        elif num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt + max_tokens} exceeds max_model_len ({self.max_model_len})")
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({sampling_params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
+                             "the samples of one request run side by side")
+        if beam is not None and beam.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width ({beam.beam_width}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
+                             "the beams of one request run side by side")
+        if sampling_params.prompt_logprobs is not None and max_tokens == 0:
+            raise ValueError("prompt_logprobs needs max_tokens >= 1 (the prompt is computed with the first token)")
+        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {num_prompt} tokens; without chunked prefill it must fit "
+                             f"max_num_batched_tokens ({self.config.max_num_batched_tokens})")
+        need = cdiv(num_prompt + max_tokens, self.config.block_size)
+        total = int(self.executor.num_blocks)
+        if need > total:
+            raise ValueError(f"the request needs {need} KV blocks per sample but the whole cache has {total}")
+        if beam is not None and beam.beam_width * need > total:
+            # recomputed after a preemption, beams may share nothing: the search must fit alone
+            raise ValueError(f"beam search with beam_width {beam.beam_width} needs up to {beam.beam_width * need} "
+                             f"KV blocks ({need} per beam, nothing shared) but the whole cache has {total}")
+        request = Request(request_id, prompt, prompt_token_ids, sampling_params, max_tokens, cache_salt,
+                          arrival_time, self.eos_token_ids)
+        if beam is not None:
+            request.n = beam.beam_width
+            request.beam = BeamState(beam, request.eos_stop_set)
+        self.output_processor.add_request(request)
+        if max_tokens == 0:
+            self._pending.append(self.output_processor.finish_beams(request) if beam is not None
+                                 else self.output_processor.finish_request(request, "length"))
+            return
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests now: their blocks are freed, their last delta (``finish_reason="abort"``
+        for every sample that had not finished) comes with the next ``step()``. Unknown or
+        finished ids are ignored. A token of theirs still being computed is discarded."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.scheduler.abort_request(rid)
+            if request is not None:
+                delta = self.output_processor.finish_request(request, "abort")
+                if delta is not None:
+                    self._pending.append(delta)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether ``step()`` has anything left to do (requests, deltas to hand out, steps in flight)."""
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._in_flight)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def step(self, block: bool = True) -> list[RequestDelta]:
+        """Run the engine one step on: hand over the next step(s), read the oldest result, and
+        return what changed.
+
+        Args:
+            block: wait for the oldest step's result; ``False`` reads it only if it is already
+                there (a serving loop polls the executor in between).
+        Returns:
+            one ``RequestDelta`` per request that got tokens, finished or was aborted.
+        Raises:
+            RuntimeError: the worker failed a step (every request it ran is requeued and
+                recomputed later), or requests are waiting that the scheduler cannot run.
+        """
+        outputs, self._pending = self._pending, []
+        self._fill()
+        if not self._in_flight:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"the scheduler cannot run any of {len(self.scheduler.waiting)} waiting "
+                                   "sequences (a request bigger than the engine passed validation)")
+            return outputs
+        if block or self.executor.result_ready():
+            outputs.extend(self._collect())
+            if self._depth:
+                self._fill()   # overlap: the next plan leaves before the caller sees these outputs
+        if not self.scheduler.has_unfinished():
+            # nothing left to schedule: read the steps still in flight (their tokens are discarded)
+            while self._in_flight and (block or self.executor.result_ready()):
+                outputs.extend(self._collect())
+        return outputs
+
+    def _fill(self) -> None:
+        """Hand over steps until ``1 + depth`` are in flight or nothing can be scheduled."""
+        while len(self._in_flight) <= self._depth and self.scheduler.has_unfinished():
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                # a pass that only preempted (its own sequence, or idle beams) admits at a later
+                # pass; each such pass moves running sequences to waiting, so this ends
+                if out.num_preempted:
+                    continue
+                return
+            plan = make_step_plan(out, self.config.block_size)
+            self.executor.submit(plan)
+            self._in_flight.append((out, self._busy))
+            self._busy = True
+            self.stats["num_scheduled_tokens"] += plan.num_tokens
+
+    def _collect(self) -> list[RequestDelta]:
+        """Read the oldest step's result and apply it (see the module docstring)."""
+        out, counts_idle = self._in_flight.popleft()
+        result = self.executor.get_result()
+        if result.error or result.step_id != out.step_id:
+            # the later steps in flight were built on this one: wait for them, then undo all
+            failed = [out] + [o for o, _ in self._in_flight]
+            for _ in range(len(self._in_flight)):
+                self.executor.get_result()
+            self._in_flight.clear()
+            self._busy = False
+            self.scheduler.rollback(failed)
+            why = result.error or f"the worker answered step {result.step_id} to step {out.step_id}"
+            raise RuntimeError(f"step {out.step_id} failed on the worker: {why}")
+        stats = self.stats
+        stats["num_steps"] += 1
+        stats["forward_time"] += float(result.forward_time)
+        if out.num_new_tokens and max(out.num_new_tokens) == 1:   # every sequence computes one token
+            stats["num_decode_only_steps"] += 1
+            stats["decode_only_forward_time"] += float(result.forward_time)
+        stats["sample_time"] += float(result.sample_time)
+        stats["worker_busy_time"] += float(result.forward_time) + float(result.sample_time)
+        if counts_idle:
+            stats["worker_idle_time"] += float(result.idle_time)
+        update = self.scheduler.update_from_output(out, result)
+        stats["num_generated_tokens"] += len(update.seqs)
+        deltas, stopped = self.output_processor.process(update, result)
+        for seq, stop_string in stopped:
+            self.scheduler.finish_seq(seq, "stop", stop_string)
+        if not self.scheduler.has_unfinished() and not self._in_flight:
+            self._busy = False
+        return deltas
+
+    # -- warm-up -------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run throwaway requests so that every kernel a first batch of clients meets is compiled
+        (Numba, on a cold cache ~1-2 min) or loaded before any timed or served request.
+
+        Shapes, one phase after the other (run together they would make one batch, and the
+        single-sequence shapes would never run): one prompt shorter than a block (the serial
+        kernels), ten short prompts at once (the parallel prefill kernels, then a decode of ten
+        sequences: the batched products), one long prompt (a decode cut into key ranges, the
+        single-sequence products), one prompt sampled with n = 2 (its shared partial block is
+        copied on write: the block-copy kernel). Each makes two tokens. Prompts that do not fit the model's
+        length or the KV cache are left out, and so is the n = 2 request where ``max_num_seqs`` is 1
+        (``add_request`` would refuse it); the prefix cache is emptied after, so no warm-up
+        block is ever a hit. The warm-up's requests count in ``get_metrics()`` like any others.
+
+        Raises:
+            RuntimeError: the engine has unfinished requests (they would share the warm-up's steps).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up() needs an idle engine: it has unfinished requests")
+        text = "Warming up: requests run through prefill and decode before any client comes."
+        base = self.tokenizer.encode(text) or [0]
+        bs = self.config.block_size
+        longest = self.max_model_len - 2
+        greedy = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+        forked = SamplingParams(n=2, max_tokens=2, ignore_eos=True, temperature=1.0, seed=0)
+        phases = [([min(bs - 1, longest)], greedy), ([min(40, longest)] * 10, greedy),
+                  ([min(600, longest)], greedy), ([min(bs + bs // 2, longest)], forked)]
+        room = int(self.get_metrics()["num_total_blocks"])
+        for p, (lengths, params) in enumerate(phases):
+            if any(n < 1 for n in lengths) or sum(params.n * cdiv(n + 2, bs) for n in lengths) > room \
+                    or params.n > self.config.max_num_seqs:
+                continue
+            for i, n in enumerate(lengths):
+                ids = (base * (n // len(base) + 1))[:n]
+                self.add_request(f"folio-warm-up-{p}-{i}", None, params, prompt_token_ids=ids)
+            while self.has_unfinished_requests():
+                self.step()
+        self.scheduler.kv_cache_manager.pool.reset_prefix_cache()
+
+    # -- counters ------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, Any]:
+        """Counters: num_total_blocks, num_free_blocks, num_cached_blocks (full blocks registered
+        in the prefix cache), num_evictions, prefix_cache_queries, prefix_cache_hits (tokens),
+        num_preemptions, num_running, num_waiting (sequences), kv_tokens_held /
+        kv_tokens_allocated (token slots holding K/V vs slots in blocks in use), num_steps,
+        forward_time / sample_time (s), num_decode_only_steps / decode_only_forward_time (s: the
+        steps in which every scheduled sequence computes one token, memory-bound on a CPU, apart
+        from the steps with prompt tokens), num_scheduled_tokens, num_generated_tokens,
+        worker_idle_time / worker_busy_time (s: the worker waiting for the next plan while the
+        engine had work, and running forward + sampling), block_size, max_model_len,
+        async_scheduling."""
+        m = self.scheduler.get_metrics()
+        m.update(self.stats)
+        m["block_size"] = self.config.block_size
+        m["max_model_len"] = self.max_model_len
+        m["async_scheduling"] = bool(self._depth)
+        return m
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,635 @@
+"""Iteration-level scheduling (continuous batching, Orca, Yu et al., OSDI 2022) and the post-step
+update: the scheduler owns every sequence's lifecycle.
+
+``schedule()`` decides the next step: decode-first (every running sequence that is decoding gets
+its one token), then prefills oldest first within ``max_num_batched_tokens``, chunked when they do
+not fit (Sarathi, Agrawal et al. 2023), at most ``max_num_seqs`` sequences. When a running
+sequence cannot get a block, the newest running sequence is preempted by recompute: its blocks
+are freed (their hashes stay, so the prefix cache usually gives most of them back) and it goes to
+the front of the waiting queue. ``num_computed_tokens`` advances when a step is scheduled, and a
+sequence that samples in a step gets an output *placeholder* until the step's result comes back,
+so the next step can be scheduled before that (overlap scheduling, see ``engine.py``).
+
+``update_from_output()`` applies a step's result: it appends the sampled tokens, checks the
+token-level stop conditions (EOS, ``stop_token_ids``, ``max_tokens``, ``max_model_len``; stop
+*strings* are text and are checked by the output processor, which then calls ``finish_seq``, as
+in vLLM V1), forks parents that reached their fork point, finishes and frees. A token sampled for
+a sequence that finished or was aborted while the step was in flight is discarded.
+
+Beam search requests (``Request.beam``) run their beams as sequences of the request: after each
+step whose candidates cover every live beam, ``_advance_beams`` keeps the best extensions
+(``beam_search.py``), forks a beam with several surviving extensions through the same path as
+``n > 1`` (``_fork_child``: shared blocks, copy-on-write of the partly filled last block), and
+frees a beam with none at once. A beam is never scheduled while a step sampling it is in flight
+(its next token is the scheduler's choice, so no placeholder can stand for it); docs/architecture.md
+("Beam search") has the whole design. Prompt logprobs: the rows of prompt positions whose next
+token's logprob a request asked for are listed per step (``prompt_logprob_spans``).
+
+The block bookkeeping lives in ``kv_cache_manager.py`` (as in vLLM V1's ``sched/scheduler.py``);
+this file never touches a block. Subclasses may restrict admission (``_may_admit``), e.g. the
+benchmarks' request-level static batching (``perf/bench/static_batching.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..common.config import EngineConfig
+from .kv_cache_manager import KVCacheManager
+from .sequence import Request, Sequence, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+_WAITING = SequenceStatus.WAITING
+_FINISHED = SequenceStatus.FINISHED
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs in one step, column by column (turned into a ``StepPlan`` by ``step.make_step_plan``).
+
+    Attributes:
+        step_id: increasing step number.
+        seqs: the scheduled sequences, in batch order (decodes first).
+        num_new_tokens: per scheduled sequence, tokens computed in this step.
+        num_computed_tokens: per scheduled sequence, its ``num_computed_tokens`` before this step
+            (the position of its first new token).
+        sampled_seqs: the sequences whose last new token's logits are sampled, in batch order
+            (the rows of the step's result).
+        new_seqs: sequences the worker sees for the first time (their sampling state goes along).
+        finished_seq_ids: sequences whose worker-side state can be dropped.
+        block_copies: ``(src, dst)`` copy-on-write block copies to do before the forward pass.
+        block_tables: ``[S, W]`` int32 block ids of the scheduled sequences (from the KV manager).
+        fork_ready: parents whose prefill reaches the fork point in this step (forked when the
+            step's result is applied).
+        num_preempted: sequences preempted while scheduling this step.
+        prompt_logprob_spans: ``(i, position, count)``: rows of scheduled sequence ``i`` at
+            positions ``position .. position + count - 1`` give prompt logprobs (of the prompt
+            token after each), in batch order.
+    """
+
+    step_id: int
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    sampled_seqs: list[Sequence] = field(default_factory=list)
+    new_seqs: list[Sequence] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_tables: object = None
+    fork_ready: list[Sequence] = field(default_factory=list)
+    num_preempted: int = 0
+    prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SchedulerUpdate:
+    """What one step's result changed, for the output processor.
+
+    Attributes:
+        seqs: the sequences that got one new token (their last), in result-row order.
+        rows: each one's row in the ``StepResult`` (for logprobs).
+        finished_beams: beam search requests whose search ended in this step.
+        prompt_logprob_spans: ``(request, position, count)`` per span of the step's prompt
+            logprob rows, in result order (``StepResult.prompt_logprobs``).
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    finished_beams: list[Request] = field(default_factory=list)
+    prompt_logprob_spans: list = field(default_factory=list)
+
+
+# seq ids are unique in the process, so engines that share one worker never collide
+_SEQ_IDS = itertools.count()
+
+
+def derive_seed(seed: int | None, index: int, n: int) -> int | None:
+    """The seed of sample ``index`` of a seeded request: the request's own seed for ``n == 1``,
+    otherwise a sha256-derived 63-bit value per index (distinct, reproducible)."""
+    if seed is None:
+        return None
+    if n == 1:
+        return int(seed)
+    d = hashlib.sha256(f"folio-sample:{int(seed)}:{index}".encode()).digest()
+    return int.from_bytes(d[:8], "little") >> 1
+
+
+class Scheduler:
+    """Owns the waiting and running queues, the requests and the ``KVCacheManager``.
+
+    Args:
+        config: the engine configuration (block_size, max_num_seqs, max_num_batched_tokens,
+            enable_prefix_caching, enable_chunked_prefill).
+        num_blocks: physical KV blocks available (from the executor).
+        max_model_len: longest prompt + output in tokens (a sequence that reaches it stops).
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+        self.config = config
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = config.enable_chunked_prefill
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+        self._admit_counter = 0
+        self._finished_seq_ids: list[int] = []  # to tell the worker in the next plan
+        self._pending_copies: list[tuple[int, int]] = []  # block copies a fork asked for (next plan)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request: one parent sequence when ``n > 1`` and the prompt has at
+        least two tokens (forked after its prefill), one beam for a beam search, otherwise ``n``
+        sequences."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        n = request.n
+        seed = getattr(request.sampling_params, "seed", None)
+        if request.beam is not None:
+            seqs = [Sequence(next(_SEQ_IDS), request, 0, request.prompt_token_ids, None, is_beam=True)]
+            request.beam.live = seqs
+            request.beam.cum[seqs[0].seq_id] = 0.0
+        elif n > 1 and len(request.prompt_token_ids) >= 2:
+            seqs = [Sequence(next(_SEQ_IDS), request, 0, request.prompt_token_ids,
+                             derive_seed(seed, 0, n), is_parent=True)]
+        else:
+            seqs = [Sequence(next(_SEQ_IDS), request, i, request.prompt_token_ids,
+                             derive_seed(seed, i, n)) for i in range(n)]
+        request.seqs = seqs
+        self.requests[request.request_id] = request
+        self.waiting.extend(seqs)
+
+    def finish_seq(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """End ``seq`` now: its blocks go back to the pool, the worker drops its state with the
+        next plan, a request whose samples all ended leaves ``requests``. No effect on a sequence
+        that already finished."""
+        if seq.status is _FINISHED:
+            return
+        self._release(seq)
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        request = seq.request
+        request.num_finished_seqs += 1
+        if request.is_finished:
+            self.requests.pop(request.request_id, None)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take ``seq`` out of its queue, free its blocks, tell the worker (with the next plan)."""
+        if seq.status is _RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = _FINISHED
+        self.kv_cache_manager.free(seq)
+        if seq.sent_to_worker:
+            self._finished_seq_ids.append(seq.seq_id)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish every sequence of the request with reason ``"abort"``; returns the request
+        (``None`` for an unknown or finished id)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.aborted = True
+        for seq in request.seqs:
+            self.finish_seq(seq, "abort")  # samples that already ended keep their reason
+        self.requests.pop(request_id, None)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring for the policy)."""
+        self._step_id += 1
+        step = self._step_id
+        out = SchedulerOutput(step)
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        max_len = self.max_model_len
+
+        # running sequences: decodes first, then chunked prefills in progress, oldest first
+        # (``running`` is kept in admission order). One pass: a decode is scheduled as it is met,
+        # prefills after all decodes. (The hot loop; ``_add`` is inlined for one token.)
+        prefills = []
+        seqs, num_new_tokens, num_computed = out.seqs, out.num_new_tokens, out.num_computed_tokens
+        sampled, copies_out = out.sampled_seqs, out.block_copies
+        for seq in list(self.running):
+            if seq.status is not _RUNNING:
+                continue  # preempted earlier in this pass
+            p = seq.num_output_placeholders
+            n_total = len(seq.all_token_ids) + p
+            c = seq.num_computed_tokens
+            num_left = n_total - c - seq.is_parent
+            if num_left != 1:
+                if num_left > 1:
+                    prefills.append((seq, num_left))
+                continue
+            # its last token is still being sampled: if that one ends it by length, wait; a
+            # beam waits for it in any case (the scheduler chooses its next token)
+            if p and (n_total - seq.num_prompt_tokens >= seq.request.max_output_tokens or n_total >= max_len
+                      or seq.is_beam):
+                continue
+            if budget <= 0:
+                break
+            copies = kv.append_slot(seq)
+            if copies is None:
+                copies = self._allocate_or_preempt(out, seq, 1, step)
+                if copies is None:
+                    continue
+            if copies:
+                copies_out.extend(copies)
+            seqs.append(seq)
+            num_new_tokens.append(1)
+            num_computed.append(c)
+            seq.num_computed_tokens = c + 1
+            seq.scheduled_step = step
+            if seq.is_parent:
+                out.fork_ready.append(seq)
+                if seq.request.prompt_logprobs_next >= 0:  # its fork point is a prompt position
+                    self._prompt_logprob_span(out, seq, c, 1)
+            else:
+                sampled.append(seq)
+                seq.num_output_placeholders = p + 1
+            if not seq.sent_to_worker:
+                seq.sent_to_worker = True
+                out.new_seqs.append(seq)
+            budget -= 1
+        for seq, num_new in prefills:
+            if budget <= 0:
+                break
+            if seq.status is not _RUNNING:
+                continue
+            num_new = min(num_new, budget)
+            copies = kv.allocate_slots(seq, num_new)
+            if copies is None:
+                copies = self._allocate_or_preempt(out, seq, num_new, step)
+                if copies is None:
+                    continue
+            if copies:
+                copies_out.extend(copies)
+            self._add(out, seq, num_new, step)
+            budget -= num_new
+
+        # waiting sequences: admit oldest first while budget, seats and blocks last
+        if not out.num_preempted:
+            self._admit_waiting(out, budget, step)
+            if not out.seqs and self.waiting:
+                self._preempt_idle_beams(out)
+        if out.seqs:  # finished sequences are reported to the worker with the next plan that runs
+            out.finished_seq_ids = self._finished_seq_ids
+            self._finished_seq_ids = []
+            if self._pending_copies:  # forks' copies first: a copy-on-write may read their blocks
+                out.block_copies[:0] = self._pending_copies
+                self._pending_copies = []
+            out.block_tables = kv.get_block_tables([s.seq_id for s in out.seqs])
+        return out
+
+    def _prompt_logprob_span(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
+        """List the rows of ``seq``'s tokens ``start .. start + num_new - 1`` (the last one
+        scheduled, at batch index ``len(out.seqs) - 1`` or about to be) whose logits give a prompt
+        logprob not yet scheduled."""
+        request = seq.request
+        last = len(request.prompt_token_ids) - 1
+        end = min(start + num_new, last)
+        first = max(start, request.prompt_logprobs_next)
+        if end > first:
+            out.prompt_logprob_spans.append((len(out.seqs) - 1, first, end - first))
+            request.prompt_logprobs_next = end if end < last else -1
+
+    def _preempt_idle_beams(self, out: SchedulerOutput) -> None:
+        """Nothing could be scheduled, sequences wait, and nothing is in flight: the running
+        sequences are beams holding blocks while they wait for siblings that wait for blocks.
+        Preempt the newest such group (recomputed later) so the pass after admits the head."""
+        if any(s.num_output_placeholders for s in self.running) or \
+                any(s.num_output_placeholders for s in self.waiting):
+            return  # a result in flight will change the picture
+        for seq in reversed(self.running):
+            if seq.is_beam:
+                group = [s for s in seq.request.beam.live if s.status is _RUNNING]
+                for s in group:
+                    self.preempt(s)
+                out.num_preempted += len(group)
+                return
+
+    def _allocate_or_preempt(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int):
+        """Room for ``seq``'s tokens after the pool refused: preempt the newest running sequences
+        not scheduled in this step until it fits. Returns the block copies, or ``None`` when
+        ``seq`` itself was preempted."""
+        while True:
+            victim = self._pick_victim(step)
+            if victim.is_beam:
+                # the victim's whole beam group not yet in this step: siblings left holding blocks
+                # could only wait for it
+                group = [s for s in victim.request.beam.live
+                         if s.status is _RUNNING and s.scheduled_step != step]
+            else:
+                group = [victim]
+            for s in group:
+                self.preempt(s)
+            out.num_preempted += len(group)
+            if seq in group:
+                return None
+            copies = self.kv_cache_manager.allocate_slots(seq, num_new)
+            if copies is not None:
+                return copies
+
+    def _may_admit(self, seq: Sequence) -> bool:
+        """Policy hook: whether ``seq`` (at the head of the waiting queue) may start now."""
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, step: int) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.num_output_placeholders or not self._may_admit(seq):
+                break  # a preempted sequence waits for its in-flight token first
+            request = seq.request
+            if seq.is_beam:
+                if not self._beams_fit(seq):
+                    break
+            elif self.running and len(self.running) + (request.n if seq.is_parent else 1) > self.max_num_seqs:
+                break  # (a parent will become n sequences)
+            if seq.num_computed_tokens == 0:
+                hit_blocks, num_hit = kv.get_computed_blocks(seq)
+            else:
+                hit_blocks, num_hit = [], 0
+            num_new = seq.prefill_target - seq.num_computed_tokens - num_hit
+            if num_new > budget:
+                if not self.chunked:
+                    break
+                num_new = budget
+            copies = kv.allocate_slots(seq, num_new, hit_blocks)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens += num_hit
+            if request.num_prefix_hit_tokens is None:
+                request.num_prefix_hit_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            seq.status = _RUNNING
+            seq.admit_order = self._admit_counter
+            self._admit_counter += 1
+            self.running.append(seq)
+            out.block_copies.extend(copies)
+            self._add(out, seq, num_new, step)
+            budget -= num_new
+
+    def _beams_fit(self, seq: Sequence) -> bool:
+        """A waiting beam is admitted only while the seats and the free blocks could take every
+        waiting beam of its search (the first beam: all ``beam_width`` it becomes) to its next
+        token, no sharing counted: a search is not split by a lack of room that its own admitted
+        part holds."""
+        waiting = [s for s in seq.request.beam.live if s.status is _WAITING]
+        seats = seq.request.n if seq.num_output_tokens == 0 else len(waiting)
+        if self.running and len(self.running) + seats > self.max_num_seqs:
+            return False
+        bs = self.block_size
+        need = sum(-(-(s.num_tokens + 1) // bs) for s in waiting)
+        return need <= self.kv_cache_manager.get_num_free_blocks()
+
+    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int) -> None:
+        start = seq.num_computed_tokens
+        out.seqs.append(seq)
+        if seq.request.prompt_logprobs_next >= 0:
+            self._prompt_logprob_span(out, seq, start, num_new)
+        out.num_new_tokens.append(num_new)
+        out.num_computed_tokens.append(start)
+        seq.num_computed_tokens = start + num_new
+        seq.scheduled_step = step
+        if not seq.is_parent:
+            if start + num_new == len(seq.all_token_ids) + seq.num_output_placeholders:
+                out.sampled_seqs.append(seq)
+                seq.num_output_placeholders += 1
+        elif start + num_new == len(seq.all_token_ids) - 1:
+            out.fork_ready.append(seq)
+        if not seq.sent_to_worker:
+            seq.sent_to_worker = True
+            out.new_seqs.append(seq)
+
+    def _pick_victim(self, step: int) -> Sequence:
+        """The newest running sequence not yet scheduled in this step (``running`` is in
+        admission order; forked samples share their parent's place)."""
+        for seq in reversed(self.running):
+            if seq.scheduled_step != step:
+                return seq
+        raise RuntimeError("no sequence to preempt")  # unreachable: the caller is running
+
+    def preempt(self, seq: Sequence, count: bool = True) -> None:
+        """Recompute preemption: free the blocks, back to the front of the waiting queue (the
+        worker keeps the sequence's sampling state, so a seeded stream continues)."""
+        self.running.remove(seq)
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = _WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += int(count)
+        if seq.is_beam:  # its recompute samples its candidates again
+            seq.request.beam.pending.pop(seq.seq_id, None)
+            # the search's waiting beams queue together (``_beams_fit`` admits them as one)
+            siblings = [s for s in seq.request.beam.live if s is not seq and s.status is _WAITING]
+            for s in siblings:
+                self.waiting.remove(s)
+            for i, s in enumerate(siblings, 1):
+                self.waiting.insert(i, s)
+
+    # -- after the step -----------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result) -> SchedulerUpdate:
+        """Apply a step's ``StepResult``: append each sampled token, check token-level stops
+        (vLLM's order: EOS unless ``ignore_eos``, ``stop_token_ids``, both only once ``min_tokens``
+        are out; then ``max_tokens`` and ``max_model_len``), finish and free, fork parents that
+        reached their fork point.
+
+        Returns:
+            the sequences that got a token (see ``SchedulerUpdate``).
+        Raises:
+            RuntimeError: the result has a different number of rows than the step sampled.
+        """
+        tokens = result.sampled_token_ids.tolist() if hasattr(result.sampled_token_ids, "tolist") \
+            else list(result.sampled_token_ids)
+        sampled = out.sampled_seqs
+        if len(tokens) != len(sampled):
+            raise RuntimeError(f"the worker returned {len(tokens)} tokens for {len(sampled)} rows")
+        update = SchedulerUpdate()
+        if out.prompt_logprob_spans:
+            update.prompt_logprob_spans = [(out.seqs[i].request, pos, count)
+                                           for i, pos, count in out.prompt_logprob_spans]
+        upd_seqs, upd_rows = update.seqs, update.rows
+        now = time.time()
+        max_len = self.max_model_len
+        beams = None
+        row = 0
+        for seq, token in zip(sampled, tokens):
+            seq.num_output_placeholders -= 1
+            if seq.status is _FINISHED:   # ended while this step was in flight: discard
+                row += 1
+                continue
+            if seq.is_beam:
+                if seq.status is _RUNNING:  # (a preempted beam samples its candidates again)
+                    beams = beams or []
+                    beams.append((seq, row))
+                row += 1
+                continue
+            all_ids = seq.all_token_ids
+            all_ids.append(token)
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            upd_seqs.append(seq)
+            upd_rows.append(row)
+            row += 1
+            n_out = len(all_ids) - seq.num_prompt_tokens
+            if token in request.stop_token_set and n_out >= request.min_tokens:
+                self.finish_seq(seq, "stop", None if token in request.eos_stop_set else token)
+            elif n_out >= request.max_output_tokens or len(all_ids) >= max_len:
+                self.finish_seq(seq, "length")
+        for seq in out.fork_ready:
+            if seq.is_parent and seq.status is _RUNNING and seq.num_computed_tokens == len(seq.all_token_ids) - 1:
+                self._fork(seq)
+        if beams:
+            self._beam_rows(beams, result, now, update)
+        return update
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Turn a parent that computed all but the last prompt token into ``n`` samples sharing
+        its blocks; each then computes the last prompt token itself (copy-on-write of the
+        shared partly filled block happens in ``allocate_slots``)."""
+        request = parent.request
+        n = request.n
+        seed = getattr(request.sampling_params, "seed", None)
+        parent.is_parent = False
+        children = [self._fork_child(parent, i, derive_seed(seed, i, n)) for i in range(1, n)]
+        pos = self.running.index(parent)
+        self.running[pos + 1:pos + 1] = children
+        request.seqs.extend(children)
+        return children
+
+    def _fork_child(self, parent: Sequence, index: int, seed: int | None) -> Sequence:
+        """A running copy of ``parent`` (same tokens, computed up to the same point) that shares
+        every one of its blocks by reference count; the caller places it in ``running``."""
+        child = Sequence(next(_SEQ_IDS), parent.request, index, parent.all_token_ids, seed, is_beam=parent.is_beam)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.status = _RUNNING
+        child.admit_order = parent.admit_order
+        copies = self.kv_cache_manager.fork(parent, child)
+        if copies:
+            self._pending_copies.extend(copies)
+        return child
+
+    # -- beam search ----------------------------------------------------------------------------
+    def _beam_rows(self, beams: list[tuple[Sequence, int]], result, now: float, update: SchedulerUpdate) -> None:
+        """Record each sampled beam's candidates (its row of the result's logprobs) and advance
+        every search whose live beams all have theirs."""
+        ready = []
+        for seq, row in beams:
+            request = seq.request
+            if request.beam.add_candidates(seq, result.logprob_token_ids[row], result.logprobs[row]):
+                ready.append(request)
+        for request in ready:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            if self._advance_beams(request):
+                update.finished_beams.append(request)
+
+    def _advance_beams(self, request: Request) -> bool:
+        """One step of the search (``BeamState.select``): a beam with one surviving extension
+        appends it, one with k > 1 is forked k - 1 times first (the children share its blocks),
+        one with none is freed now; beams that reach the length limit finish. Returns whether the
+        search ended."""
+        state = request.beam
+        old = state.live
+        chosen = state.select()
+        first: dict[int, Sequence] = {}
+        extensions = []
+        for rank, (pos, token, cum) in enumerate(chosen):
+            parent = old[pos]
+            if pos not in first:
+                first[pos] = parent
+                seq = parent
+            else:  # fork before the parent appends its own token
+                seq = self._fork_child(parent, rank, None)
+                where = self.running.index(parent) + 1
+                self.running.insert(where, seq)
+            seq.index = rank
+            extensions.append((seq, token, cum))
+        for pos, seq in enumerate(old):
+            if pos not in first:
+                self._release(seq)  # fell off: its blocks go back now
+        state.cum = {}
+        for seq, token, cum in extensions:
+            seq.all_token_ids.append(token)
+            state.cum[seq.seq_id] = cum
+        state.live = [seq for seq, _, _ in extensions]
+        request.seqs = state.live
+        if state.live:
+            seq = state.live[0]
+            if seq.num_output_tokens >= request.max_output_tokens or seq.num_tokens >= self.max_model_len:
+                state.finish_live("length")
+                for seq in state.live:
+                    self._release(seq)
+                state.live = request.seqs = []
+        if not state.live:
+            state.done = True
+            self.requests.pop(request.request_id, None)
+        return state.done
+
+    def rollback(self, outs: list[SchedulerOutput]) -> None:
+        """Undo steps whose results will never come (the worker failed one): forget the hashes
+        of blocks they were to fill, preempt what they ran so it is recomputed later (not counted
+        as a preemption), resend every such sequence's sampling state, and tell the worker again
+        about the sequences those plans dropped."""
+        kv = self.kv_cache_manager
+        finished: list[int] = []
+        for out in outs:
+            for seq, start in zip(out.seqs, out.num_computed_tokens):
+                if seq.status is _RUNNING:
+                    kv.drop_unwritten_hashes(seq, start)
+            finished.extend(out.finished_seq_ids)
+            for i, pos, _ in out.prompt_logprob_spans:  # their prompt logprobs never came
+                request = out.seqs[i].request
+                nxt = request.prompt_logprobs_next
+                request.prompt_logprobs_next = pos if nxt < 0 else min(nxt, pos)
+        for out in outs:
+            for seq in out.seqs:
+                seq.num_output_placeholders = 0
+                if seq.status is _RUNNING:
+                    self.preempt(seq, count=False)
+                if seq.status is not _FINISHED:
+                    seq.sent_to_worker = False
+        self._finished_seq_ids[:0] = finished
+
+    # -- counters ----------------------------------------------------------------------------------
+    def get_metrics(self) -> dict:
+        """The KV manager's counters (``KVCacheManager.get_metrics``) plus num_preemptions,
+        num_running, num_waiting (sequences), kv_tokens_held / kv_tokens_allocated (token slots
+        holding K/V vs slots in blocks in use)."""
+        m = self.kv_cache_manager.get_metrics()
+        held, allocated = self.kv_cache_manager.kv_token_usage(list(self.running))
+        m.update(num_preemptions=self.num_preemptions, num_running=len(self.running),
+                 num_waiting=len(self.waiting), kv_tokens_held=held, kv_tokens_allocated=allocated)
+        return m
