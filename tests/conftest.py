@@ -57,11 +57,11 @@ def force_parallel_kernels(monkeypatch):
     """Every CPU kernel on its parallel driver whatever the size (several row items per call),
     decode attention split into key ranges from 32 keys on 2 threads too: the paths a 2-core
     machine would otherwise only take for large steps."""
-    from folio.kernels.cpu import table as cpu
     from folio.kernels.cpu import attention as cpu_attention
     from folio.kernels.cpu import linear as cpu_linear
-    monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(cpu, "_ROWS_PER_ITEM", 2)  # several work items per call
+    from folio.kernels.cpu import rows as cpu_rows
+    monkeypatch.setattr(cpu_rows, "_PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_rows, "_ROWS_PER_ITEM", 2)  # several work items per call
     monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
     monkeypatch.setattr(cpu_attention, "SPLIT_MIN_KEYS", 16)  # decodes of 32+ keys split into key ranges
     monkeypatch.setattr(cpu_attention, "SPLIT_MIN_THREADS", 2)  # ... on 2 threads too

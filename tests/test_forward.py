@@ -201,16 +201,16 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, m
     from types import SimpleNamespace
 
     from conftest import force_parallel_kernels
-    from folio.kernels.cpu import table as cpu
     from folio.kernels.cpu import attention as cpu_attention
     from folio.kernels.cpu import forward as cpu_forward
     from folio.kernels.cpu import linear as cpu_linear
+    from folio.kernels.cpu import rows as cpu_rows
     from folio.kernels.cpu.threads import numba_threads
     if forced:  # every kernel on its parallel driver, attention split into key ranges
         force_parallel_kernels(monkeypatch)
     monkeypatch.setattr(cpu_forward, "ONE_REGION", driver != "per-call")
     if driver == "3 tasks on 1 thread":  # both models plan for 3 threads; Numba's pool runs 1
-        for module in (cpu, cpu_attention, cpu_forward, cpu_linear):
+        for module in (cpu_rows, cpu_attention, cpu_forward, cpu_linear):
             monkeypatch.setattr(module, "num_threads", lambda: 3)
     config, w, fused = tiny
     assert fused.layer_stacks is not None

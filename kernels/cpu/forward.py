@@ -52,7 +52,8 @@ from numba import njit, prange
 from .attention import _run_item, _scratch, attention_into, finish_attention, plan
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
-from .rows import (_ROWS_PER_ITEM, _fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
+from . import rows
+from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
                    fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into)
 from .threads import atomic_add, atomic_load, num_threads, region_guard, sched_yield
 
@@ -222,8 +223,8 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
     with region_guard():   # the layers run without the GIL: see region_guard
         if ONE_REGION and threads > 1 and T > 0:
-            _layers_region(*step, _ROWS_PER_ITEM, items, n_parts, threads)
+            _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads)
         else:
             _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
-                    row_tasks(b["gate_up"].size, T, threads), _ROWS_PER_ITEM, items, n_parts, attn_tasks)
+                    row_tasks(b["gate_up"].size, T, threads), rows._ROWS_PER_ITEM, items, n_parts, attn_tasks)
     return b["hidden"], residual

@@ -14,7 +14,7 @@ def positive(v: str) -> int:
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="folio model name or HF folder")
-    from perf.bench.common import all_cores
+    from .common import all_cores
     p.add_argument("--threads", type=positive, default=all_cores(),
                    help="threads for folio (Numba), torch and llama.cpp alike (default: every core this process "
                         "may use: %(default)s here); the command restarts itself once to apply it")
@@ -24,7 +24,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def with_threads(run):
     """Wrap a ``run(args)`` so the thread pools are sized before it runs (see common.reexec_with_threads)."""
     def func(args):
-        from perf.bench.common import reexec_with_threads
+        from .common import reexec_with_threads
         reexec_with_threads(args.threads)  # returns only when the pools already have that size
         return run(args)
     return func

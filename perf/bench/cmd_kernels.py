@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from perf.bench.cmd_args import positive
+from .cmd_args import positive
 
 
 def add_parser(bench_subparsers) -> None:
-    from perf.bench.common import all_cores
+    from .common import all_cores
     p = bench_subparsers.add_parser(
         "kernels", help="CPU kernel rates (matrix products, paged attention, decode) against copy bandwidth "
                         "and sgemm, measured in the same run",
@@ -32,7 +32,7 @@ def run(args) -> int:
 
     if max(args.threads) > numba.config.NUMBA_NUM_THREADS:
         raise ValueError(f"--threads {max(args.threads)} exceeds NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}")
-    from perf.bench.kernel_rates import format_kernel_rates, run_kernel_rates
+    from .kernel_rates import format_kernel_rates, run_kernel_rates
     out = run_kernel_rates(args.threads, repeat=args.repeat, model=args.model or None, contexts=tuple(args.contexts))
     print(format_kernel_rates(out))
     if args.json:

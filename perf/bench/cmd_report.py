@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from perf.bench.cmd_args import add_common, with_threads
+from .cmd_args import add_common, with_threads
 
 
 def _sections(v: str) -> list[int]:
@@ -36,7 +36,7 @@ def add_parser(bench_subparsers) -> None:
 
 
 def run(args) -> int:
-    from perf.bench.report import ReportSize, rerender, run_report
+    from .report import ReportSize, rerender, run_report
     if args.rerender:
         rerender(args.out)
         print(f"rewrote {args.out}/REPORT.md and the plots from {args.out}/report.json")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from perf.bench.cmd_args import add_common, positive, with_threads
+from .cmd_args import add_common, positive, with_threads
 
 
 def add_parser(bench_subparsers) -> None:
@@ -41,7 +41,7 @@ def add_parser(bench_subparsers) -> None:
 def run(args) -> int:
     if args.input_len[0] > args.input_len[1] or args.output_len[0] > args.output_len[1]:
         raise ValueError("length ranges need MIN <= MAX")
-    from perf.bench.throughput import format_throughput, run_throughput
+    from .throughput import format_throughput, run_throughput
     out = run_throughput(model=args.model, num_prompts=args.num_prompts, input_len=tuple(args.input_len),
                          output_len=tuple(args.output_len), seed=args.seed, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,

@@ -258,7 +258,7 @@ class ModelHost:
         ``policy``: ``"continuous"`` or ``"static"``, see ``static_batching.py``)."""
         from folio.runtime.common.config import EngineConfig
         from folio.runtime.scheduler.engine import LLMEngine
-        from perf.bench.static_batching import SCHEDULERS
+        from .static_batching import SCHEDULERS
         cfg = EngineConfig(**{**self.base, **scheduler_args})
         eng = LLMEngine(cfg, executor=self.runner, tokenizer=self.tokenizer, scheduler_cls=SCHEDULERS[policy])
         self.tokenizer = eng.tokenizer

@@ -501,7 +501,7 @@ def run_kernel_rates(threads_list, repeat: int = 5, model: str | None = "smollm2
     """Every figure of this module for each thread count in ``threads_list`` (``layers``: how
     many layers' weights the decode-sized products stream; ``model`` None: no model decode)."""
     from folio.kernels.cpu.threads import blas_name
-    from perf.bench.common import command_line, machine_info
+    from .common import command_line, machine_info
     out = {"command": command_line(), "machine": machine_info(), "blas": blas_name(),
            "omp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")},
            "last_level_cache_bytes": last_level_cache_bytes(), "runs": []}

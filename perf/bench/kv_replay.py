@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perf.bench.common import BenchRequest, ignore_eos_params, replay_engine, run_trace
+from .common import BenchRequest, ignore_eos_params, replay_engine, run_trace
 
 
 def simulate_contiguous(requests: list[BenchRequest], capacity_tokens: int, reserve, max_num_seqs: int,

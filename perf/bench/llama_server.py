@@ -40,7 +40,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from perf.bench.common import BenchRequest, cpu_flags, peer_env
+from .common import BenchRequest, cpu_flags, peer_env
 
 BENCHMARK_DIR = Path(__file__).resolve().parents[1] / "llama.cpp"
 BUILD_MINUTES = 15  # perf/llama.cpp/Makefile on 2 cores

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 import time
 
-from perf.bench.common import BenchRequest, peer_env
+from .common import BenchRequest, peer_env
 
 PEERS = ("transformers", "llama-cpp", "llama-cpp-server")  # the last: see llama_server.py
 
@@ -28,7 +28,7 @@ PEERS = ("transformers", "llama-cpp", "llama-cpp-server")  # the last: see llama
 def available(name: str) -> tuple[bool, str]:
     """(whether peer ``name`` can run here, the reason when not)."""
     if name == "llama-cpp-server":
-        from perf.bench.llama_server import available as server_available
+        from .llama_server import available as server_available
         return server_available()
     mods = {"transformers": ("torch", "transformers"), "llama-cpp": ("llama_cpp",)}[name]
     missing = [m for m in mods if importlib.util.find_spec(m) is None]
@@ -156,7 +156,7 @@ def run_isolated(name: str, spec: dict, timeout: float | None = None) -> dict:
 def _main(argv) -> int:
     import json
 
-    from perf.bench.common import random_requests
+    from .common import random_requests
     name, spec, out = argv[0], json.loads(argv[1]), argv[2]
     reqs = random_requests(spec["num_prompts"], tuple(spec["input_len"]), tuple(spec["output_len"]), spec["seed"])
     bar = None

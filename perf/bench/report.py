@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from perf.bench import llama_server
-from perf.bench.common import ModelHost, command_line, machine_info, random_requests
-from perf.bench.throughput import peer_label
+from . import llama_server
+from .common import ModelHost, command_line, machine_info, random_requests
+from .throughput import peer_label
 
 SECTIONS = (1, 2, 3, 4, 5, 6, 7)
 
@@ -109,9 +109,9 @@ def run_report(out_dir="perf", sections=SECTIONS, size: ReportSize | None = None
         return _update_report(out_dir, sections, size, size_name, model, threads, progress, plots)
     from tqdm.auto import tqdm
 
-    from perf.bench.kv_replay import run_section1
-    from perf.bench.sections import run_section2, run_section4, run_section5, run_section6, run_section7
-    from perf.bench.throughput import run_throughput
+    from .kv_replay import run_section1
+    from .sections import run_section2, run_section4, run_section5, run_section6, run_section7
+    from .throughput import run_throughput
 
     size = size or ReportSize.full()
     out_dir = Path(out_dir)
@@ -199,7 +199,7 @@ def _section1(size: ReportSize, model: str, host) -> dict:
     from folio.model.config import ModelConfig
     from folio.model.registry import resolve_model
     from folio.model.tokenizer import Tokenizer
-    from perf.bench.kv_replay import run_section1
+    from .kv_replay import run_section1
 
     mdir = resolve_model(model)
     mc = ModelConfig.from_pretrained(mdir)
@@ -223,8 +223,8 @@ def _section3(size: ReportSize, model: str, host, threads: int, progress: bool) 
     largest first: its run carries the KV trace; the others run only ``s3_peers_one_thread``:
     llama-cpp-python one request at a time on one thread would add ~6 minutes), then the kernel
     rates at the same counts."""
-    from perf.bench.kernel_rates import run_kernel_rates
-    from perf.bench.throughput import run_throughput
+    from .kernel_rates import run_kernel_rates
+    from .throughput import run_throughput
 
     counts = sorted({t or threads for t in size.s3_threads}, reverse=True)
     runs = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from perf.bench.common import (BenchRequest, ModelHost, ignore_eos_params, percentile, poisson_arrivals, random_requests,
+from .common import (BenchRequest, ModelHost, ignore_eos_params, percentile, poisson_arrivals, random_requests,
                      run_trace)
 
 

@@ -38,7 +38,7 @@ def random_workload(num_prompts: int, min_input_len: int, max_input_len: int, mi
     """``[(prompt_token_ids, output_len)]``: the offline benchmark's workload
     (``perf.bench.common.random_requests``: random token ids, lengths uniform in the inclusive
     ranges, deterministic in ``seed``), so online and offline figures share their requests."""
-    from perf.bench.common import random_requests
+    from .common import random_requests
     reqs = random_requests(num_prompts, (min_input_len, max_input_len), (min_output_len, max_output_len), seed)
     return [(r.prompt_token_ids, r.output_len) for r in reqs]
 
@@ -126,7 +126,7 @@ async def run_bench(address: str, workload, request_rate: float, max_concurrency
     ``backend="folio"``: ``AsyncClient(address)``; ``"openai"``: ``POST {base_url}/v1/completions``
     (``Authorization: Bearer api_key`` when given).
     """
-    from perf.bench.common import BenchRequest, poisson_arrivals
+    from .common import BenchRequest, poisson_arrivals
     arrivals = [0.0] * len(workload)
     if request_rate != float("inf"):     # Poisson arrivals, as the offline benchmark draws them
         arrivals = [r.arrival for r in poisson_arrivals([BenchRequest(ids, n) for ids, n in workload],

@@ -31,7 +31,7 @@ class StaticBatchScheduler(Scheduler):
 
 
 def _schedulers() -> dict:
-    from perf.bench.separate_beams import SeparateBeamsScheduler
+    from .separate_beams import SeparateBeamsScheduler
     return {"continuous": Scheduler, "static": StaticBatchScheduler, "separate-beams": SeparateBeamsScheduler}
 
 

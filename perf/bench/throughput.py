@@ -10,9 +10,9 @@ after every engine step.
 
 from __future__ import annotations
 
-from perf.bench.common import (BusyProcesses, ModelHost, TraceResult, command_line, ignore_eos_params, machine_info,
+from .common import (BusyProcesses, ModelHost, TraceResult, command_line, ignore_eos_params, machine_info,
                      random_requests, run_trace)
-from perf.bench import peers as peers_mod
+from . import peers as peers_mod
 
 
 def folio_figures(res: TraceResult, requests) -> dict:
@@ -98,7 +98,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         out["_trace"] = res
     for name in peers:
         if name == "llama-cpp-server":
-            from perf.bench.llama_server import run_peer
+            from .llama_server import run_peer
             with BusyProcesses(busy):
                 got = run_peer(model, requests, threads, parallel=min(len(requests), max_num_seqs), progress=progress,
                                build=build_llama_server)

@@ -15,7 +15,7 @@ from folio.kernels.cuda import table as cuda_ops
 from folio.kernels.cuda.table import CudaKernels, bf16_bits_to_float32
 from folio.kernels.cuda.device import HostDevice
 
-from tests.simt.runner import SimtModule
+from .runner import SimtModule
 
 
 _f32_weights: dict = {}  # id(weight) -> (weakref, float32 transpose); a forward reuses its weights

@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from tests.simt.runner import SimtError, SimtModule, require_compiler
+from .runner import SimtError, SimtModule, require_compiler
 
 CASES = pathlib.Path(__file__).resolve().parent / "cases" / "harness_checks.cu"
 

@@ -15,7 +15,7 @@ import pytest
 
 from folio.kernels.cuda.table import bf16_bits_to_float32, float32_to_bf16_bits, kernel_source
 
-from tests.simt.runner import SimtModule, require_compiler
+from .runner import SimtModule, require_compiler
 
 CASES = pathlib.Path(__file__).resolve().parent / "cases" / "mma_checks.cu"
 ON_GPU = os.environ.get("FOLIO_TEST_CUDA", "") not in ("", "0")
@@ -125,7 +125,7 @@ def test_tiled_matmul_reads_fragments_from_memory(mod):
 
 @pytest.mark.skipif(ON_GPU, reason="emulator behaviour")
 def test_mma_needs_the_whole_warp(mod):
-    from tests.simt.runner import SimtError
+    from .runner import SimtError
 
     with pytest.raises(SimtError, match="mma.sync needs a full warp"):
         mod.get_function("mma_fragments")((1,), (16,), (np.zeros((32, 4), np.float32), np.zeros((32, 4), np.uint32),
