@@ -46,9 +46,9 @@ class CountingDevice(HostDevice):
         super().__init__(**kw)
         self.counts = Counter()
 
-    def launch(self, fn, *args):
+    def launch(self, fn, *args, **kwargs):
         self.counts["launch"] += 1
-        super().launch(fn, *args)
+        super().launch(fn, *args, **kwargs)
 
     def h2d(self, dst, src):
         self.counts["h2d"] += 1

@@ -132,7 +132,9 @@ class CudaKernels:
             if shared_mem > DEFAULT_SMEM_LIMIT - static and hasattr(f, "max_dynamic_shared_size_bytes") \
                     and f.max_dynamic_shared_size_bytes < shared_mem:
                 f.max_dynamic_shared_size_bytes = shared_mem
-        self.device.launch(f, tuple(int(g) for g in grid), tuple(int(b) for b in block), args, int(shared_mem))
+        # CuPy's RawKernel.__call__(grid, block, args, **kwargs) takes shared_mem only as a keyword
+        self.device.launch(f, tuple(int(g) for g in grid), tuple(int(b) for b in block), args,
+                           shared_mem=int(shared_mem))
 
     def _c(self, a, dtype):
         return self.xp.ascontiguousarray(self.xp.asarray(a), dtype=dtype)
