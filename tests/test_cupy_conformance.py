@@ -27,7 +27,8 @@ What it cannot check (needs a GPU: perf/gpu_check.sh): the keywords ``RawKernel`
 ``Function.__call__`` beyond the documented ``shared_mem`` (that method has neither a signature
 nor a docstring), anything CuPy does only after creating a stream or allocating (capture modes,
 the graph ``end_capture`` returns, pinned memory's buffer protocol, copy semantics), the values of
-device attributes, and cuBLAS (called through ctypes, not CuPy: kernels/cuda/cublas.py).
+device attributes, and what cuBLAS does (called through ctypes, not CuPy: kernels/cuda/cublas.py;
+the order of its handle calls is checked below with a recording library).
 """
 
 from __future__ import annotations
@@ -235,3 +236,54 @@ def test_peak_tracker_hook_takes_the_keywords_cupys_pool_passes():
         peak.malloc_postprocess(**{k: 1 for k in passed})
         dev._pool.used = 50
     assert peak.peak == 300
+
+
+# ---- cuBLAS (ctypes, not CuPy): the order of the handle calls ------------------------------------
+
+def test_cublas_workspace_is_set_again_after_every_set_stream():
+    # cublasSetStream resets the handle's workspace to cuBLAS's default pool (cuBLAS docs), so
+    # CublasGemm must call cublasSetWorkspace with its own buffer (from CuPy's pool) after each
+    # cublasSetStream; else a GEMM captured into a CUDA graph would use memory cuBLAS allocates
+    from types import SimpleNamespace
+
+    from folio.kernels.cuda.cublas import WORKSPACE_BYTES, CublasGemm
+
+    log = []
+
+    class Fn:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *args):
+            vals = [getattr(a, "value", a) for a in args[1:]]
+            log.append((self.name, *vals))
+            return 0
+
+    class Lib:
+        def __getattr__(self, name):
+            fn = Fn(name.removesuffix("_v2"))
+            setattr(self, name, fn)
+            return fn
+
+    ptrs = iter(range(0x1000, 0x100000, 0x1000))
+
+    def buffer(*a, **kw):
+        return SimpleNamespace(data=SimpleNamespace(ptr=next(ptrs)), shape=getattr(a[0], "shape", (a[0],)))
+
+    current = [SimpleNamespace(ptr=7)]
+    fake = SimpleNamespace(empty=buffer, asarray=buffer,
+                           cuda=SimpleNamespace(get_current_stream=lambda: current[0]))
+    g = CublasGemm(fake, lib=Lib())
+    ws = g.workspace.data.ptr
+    x = SimpleNamespace(shape=(3, 8), data=SimpleNamespace(ptr=1))
+    w = SimpleNamespace(shape=(5, 8), data=SimpleNamespace(ptr=2))
+    for stream in (7, 7, 9, 9, 7):
+        current[0] = SimpleNamespace(ptr=stream)
+        g(x, w, x)
+    calls = [c[0] for c in log]
+    assert calls[:3] == ["cublasCreate", "cublasSetWorkspace", "cublasSetPointerMode"], calls
+    for i, name in enumerate(calls):
+        if name == "cublasSetStream":
+            assert log[i + 1] == ("cublasSetWorkspace", ws, WORKSPACE_BYTES), log[i:i + 2]
+    assert [c[1] for c in log if c[0] == "cublasSetStream"] == [7, 9, 7]   # only when the stream changes
+    assert calls.count("cublasGemmEx") == 5

@@ -13,7 +13,11 @@ Methods (both classes):
         call); while a graph is being captured it is recorded instead (CUDA stream capture).
     empty(shape, dtype): a device array; pinned_empty(nbytes): page-locked host bytes.
     h2d(dst, src) / d2h(dst, src): one asynchronous copy of a contiguous uint8 buffer.
-    synchronize(): wait for the device (the one host sync of a step).
+    synchronize(): wait for the device's stream (the one host sync of a step).
+    synchronize_device(): wait for all work on every stream of the device (cudaDeviceSynchronize):
+        setup (weights, RoPE table, cuBLAS scalars, KV cache zeros) runs on the legacy default
+        stream, which folio's non-blocking step stream does not wait for; called once at the end of
+        the kernel table's build and of the model runner's setup (and before its profiling step).
     capture(): context manager capturing the launches of its body into a ``graph`` (its
         ``.replay()`` runs them again, same arguments: inputs must live in fixed buffers).
     timer(): a ``(mark, elapsed)`` pair: ``mark()`` records a point on the stream, and after the
@@ -86,6 +90,9 @@ class HostDevice:
     def synchronize(self):
         pass
 
+    def synchronize_device(self):
+        pass
+
     @contextlib.contextmanager
     def capture(self):
         graph = _HostGraph(self)
@@ -151,6 +158,9 @@ class CupyDevice:
 
     def synchronize(self):
         self.stream.synchronize()
+
+    def synchronize_device(self):
+        self.cupy.cuda.runtime.deviceSynchronize()
 
     @contextlib.contextmanager
     def capture(self):

@@ -545,6 +545,7 @@ def get_cuda_kernels() -> CudaKernels:
 
         table = CudaKernels(cupy, functions.__getitem__, gemm=CublasGemm(cupy), smem_limit=smem_optin,
                             device=CupyDevice(cupy), kernel_names=list(functions))
+        table.device.synchronize_device()  # the cuBLAS scalars went on the legacy stream; steps do not
     except Exception as e:  # CompileException, CUDADriverError, CublasError, ...
         raise RuntimeError(f"device 'cuda': kernels failed to build ({type(e).__name__}: {e}); "
                            "use --device cpu") from None
