@@ -118,7 +118,7 @@ step() {  # step NAME LIMIT_SECONDS CMD...: run with a time limit, record rc and
 $PY - >"$WORK/env.json" 2>>"$LOG" <<'PYEOF'
 import json, os, platform, subprocess
 env = {"python": platform.python_version(), "dry_run": bool(os.environ.get("FOLIO_CUDA_TABLE"))}
-for mod in ("numpy", "cupy", "torch", "transformers", "numba", "tokenizers", "safetensors", "zmq", "gguf"):
+for mod in ("numpy", "cupy", "torch", "transformers", "numba", "tokenizers", "safetensors", "pytest", "zmq", "gguf"):
     try:
         env[mod] = __import__(mod).__version__
     except Exception as e:
