@@ -143,6 +143,7 @@ class LlamaForCausalLM:
         self.cos_sin_cache = self.xp.asarray(reference.rope_cos_sin_cache(inv_freq, c.max_position_embeddings))
         self.scale = float(D ** -0.5)
         self.workspace: Workspace | None = None
+        self.workspace_generation = 0  # bumped on every reallocation (CUDA graphs hold its addresses)
 
     def workspace_for(self, num_tokens: int, num_rows: int) -> Workspace:
         """The workspace, reallocated (larger) only when a step needs more than any before."""
@@ -152,6 +153,7 @@ class LlamaForCausalLM:
             rows = max(num_rows, ws.rows if ws else 0)
             self.workspace = ws = None  # free the old buffers first
             self.workspace = ws = Workspace(self.config, self.kernels, tokens, rows)
+            self.workspace_generation += 1
         return ws
 
     @staticmethod

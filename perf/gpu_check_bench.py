@@ -10,10 +10,15 @@ Models: a folio model name or Hugging Face Llama folder, or one of the dummy-wei
 (``llama-3.1-8b-dummy``, ``smollm2-135m-dummy``): a config.json is written to a temp folder and
 weights are random (folio: ``load_format="dummy"``; transformers: ``from_config`` on the GPU).
 
-Hugging Face runs the workload as static batches of ``--hf-batch`` requests (left-padded prompts,
-generation until the batch's longest requested output, min_new_tokens = max_new_tokens so EOS
-never stops it); only each request's requested tokens count as output. ``--time-budget`` stops its generation early through a
-StoppingCriteria and the result then says ``"partial": true`` (tokens produced so far / time).
+Both engines get the whole workload and the same concurrency: folio ``--max-num-seqs`` running
+sequences, Hugging Face static batches of as many requests (``--hf-batch`` overrides; left-padded
+prompts, generation until the batch's longest requested output, min_new_tokens =
+max_new_tokens so EOS never stops it; only each request's requested tokens count as output).
+folio's warm-up captures every CUDA-graph bucket the run can meet (``graph_buckets``), so none is
+captured in the timed region (the result counts any that were). Hugging Face's timed region
+starts after torch's import, the model's load and a warm-up; ``--step-limit`` (the limit the
+process runs under) or ``--time-budget`` stops its generation early through a StoppingCriteria,
+and the result then says ``"partial": true`` (tokens produced so far / time: not comparable).
 
 Usage: python perf/gpu_check_bench.py --engine folio|hf --model M --out result.json
 """
@@ -29,6 +34,9 @@ import tempfile
 import time
 
 import numpy as np
+
+PROCESS_START = time.perf_counter()  # before torch's import (hf): --step-limit counts from here
+STEP_MARGIN_S = 5.0                  # left of --step-limit for writing the result and exiting
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -98,23 +106,57 @@ def model_dir_for(model: str) -> tuple[str, bool, dict]:
         return path, False, json.load(f)
 
 
+def graph_buckets(max_num_seqs: int, max_context: int, partition: int = 512) -> list[tuple[int, int]]:
+    """The CUDA-graph keys ``(batch bucket, partition bucket)`` a run whose sequences reach at
+    most ``max_context`` tokens can meet (runtime/worker/device_step.py: batches padded to a power
+    of two up to ``max_num_seqs``' bucket, contexts to a power of two of 512-token partitions)."""
+    b_top = 1 << max(0, (max_num_seqs - 1).bit_length())
+    p_top = 1 << max(0, (-(-max_context // partition) - 1).bit_length())
+    return [(1 << i, 1 << j) for i in range(b_top.bit_length()) for j in range(p_top.bit_length())]
+
+
+def _device_step(llm):
+    ex = llm.llm_engine.executor
+    return getattr(getattr(ex, "runner", ex), "device_step", None)  # in-process executors wrap the ModelRunner
+
+
+def warm_up_folio(llm, max_num_seqs: int, max_context: int) -> list:
+    """Compile / capture everything the timed run can meet: for every graph key ``(B, P)``, ``B``
+    requests whose prompts put their first decode step in partition bucket ``P`` (one decode
+    step of ``B`` sequences captures that graph). Returns the keys captured."""
+    from folio import SamplingParams
+
+    for B, P in graph_buckets(max_num_seqs, max_context):
+        n = max(4, (P // 2) * 512 + 1 if P > 1 else 4)  # context n + 1 needs P partitions
+        llm.generate([{"prompt_token_ids": [1 + (i + j) % 97 for j in range(n)]} for i in range(min(B, max_num_seqs))],
+                     SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    step = _device_step(llm)
+    return sorted(step.graphs) if step is not None else []
+
+
 def run_folio(path, dummy, cfg, reqs, args):
     from folio import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    max_context = max(len(ids) + n for ids, n in reqs)
     llm = LLM(model=path, device=args.device, load_format="dummy" if dummy else "auto",
               max_model_len=max(args.max_len * 2, 64), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization)
     load_s = time.perf_counter() - t0
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}] * 2, SamplingParams(max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)  # warm-up: kernel compile, cuBLAS handles
+    t0 = time.perf_counter()
+    warmed = warm_up_folio(llm, args.max_num_seqs, max_context)  # kernels, cuBLAS, every graph bucket
+    warm_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i)
               for i, (_, n) in enumerate(reqs)]
+    step = _device_step(llm)
+    captures = (lambda: len(step.graphs)) if step is not None else (lambda: 0)
+    before = captures()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    captured_in_timed_run = captures() - before
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     expected = sum(n for _, n in reqs)
     metrics = {}
@@ -122,9 +164,11 @@ def run_folio(path, dummy, cfg, reqs, args):
         metrics = {k: v for k, v in llm.get_metrics().items() if isinstance(v, (int, float))}
     except Exception:
         pass
-    return {"load_seconds": round(load_s, 2), "elapsed_seconds": round(elapsed, 3),
+    return {"load_seconds": round(load_s, 2), "warm_up_seconds": round(warm_s, 2), "elapsed_seconds": round(elapsed, 3),
             "output_tokens": produced, "expected_output_tokens": expected, "partial": False,
-            "engine_metrics": metrics}
+            "concurrency": args.max_num_seqs, "graph_buckets_warmed": [list(k) for k in warmed],
+            "graphs_captured_in_timed_run": captured_in_timed_run,
+            "graph_error": step.graph_error if step is not None else None, "engine_metrics": metrics}
 
 
 def run_hf(path, dummy, cfg, reqs, args):
@@ -132,6 +176,7 @@ def run_hf(path, dummy, cfg, reqs, args):
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
+    import_s = time.perf_counter() - PROCESS_START  # torch + transformers, outside the timed region
     t0 = time.perf_counter()
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     if dummy:
@@ -165,10 +210,15 @@ def run_hf(path, dummy, cfg, reqs, args):
                        pad_token_id=pad)  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        deadline[0] = t0 + args.time_budget if args.time_budget else None
+        budget = args.time_budget or None
+        if args.step_limit:  # what the step's limit leaves after the import, the load and the warm-up
+            left = args.step_limit - (t0 - PROCESS_START) - STEP_MARGIN_S
+            budget = min(budget, left) if budget else left
+        deadline[0] = t0 + budget if budget else None
         produced, partial, done = 0, False, 0
-        for b0 in range(0, len(reqs), args.hf_batch):
-            batch = reqs[b0:b0 + args.hf_batch]
+        batch_size = args.hf_batch or args.max_num_seqs
+        for b0 in range(0, len(reqs), batch_size):
+            batch = reqs[b0:b0 + batch_size]
             ids, mask, max_in = batch_tensors(batch)
             max_out = max(m for _, m in batch)
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_out, min_new_tokens=max_out,
@@ -182,9 +232,10 @@ def run_hf(path, dummy, cfg, reqs, args):
                 break
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    return {"load_seconds": round(load_s, 2), "elapsed_seconds": round(elapsed, 3),
+    return {"import_seconds": round(import_s, 2), "load_seconds": round(load_s, 2), "elapsed_seconds": round(elapsed, 3),
             "output_tokens": produced, "expected_output_tokens": sum(m for _, m in reqs),
-            "partial": partial, "requests_started": done, "hf_batch": args.hf_batch,
+            "partial": partial, "requests_started": done, "concurrency": batch_size,
+            "time_budget_seconds": round(budget, 2) if budget else None,
             "transformers": transformers.__version__, "torch": torch.__version__}
 
 
@@ -198,7 +249,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--device", default="cuda", help="folio: cuda (cpu for a smoke test of this script)")
     p.add_argument("--time-budget", type=float, default=0.0, help="hf: stop generating after S seconds")
-    p.add_argument("--hf-batch", type=int, default=256, help="hf: requests per static batch")
+    p.add_argument("--step-limit", type=float, default=0.0,
+                   help="hf: the time limit this process runs under (from its start, torch's import "
+                        "included): generation stops in time to write the result")
+    p.add_argument("--hf-batch", type=int, default=0,
+                   help="hf: requests per static batch (default: --max-num-seqs, folio's concurrency)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)

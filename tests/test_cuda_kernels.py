@@ -374,7 +374,8 @@ class _FakeKernel:
         self.max_dynamic_shared_size_bytes = 48 * 1024
         self.calls = []
 
-    def __call__(self, grid, block, args, shared_mem=0):
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
+        # CuPy's RawKernel signature exactly (tests/test_cupy_conformance.py): shared_mem keyword-only
         self.calls.append(shared_mem)
 
 
@@ -477,3 +478,38 @@ def test_llama_forward_on_the_cuda_table_matches_the_spec_op_by_op(kt, monkeypat
     assert checked.checked == {"embedding": 4, "rms_norm": 4 * 1, "fused_add_rms_norm": 4 * (2 * L - 1 + 1),
                                "linear": 4 * (4 * L + 1), "rope_and_cache": 4 * L, "silu_and_mul": 4 * L,
                                "paged_attention/prefill": 2 * L, "paged_attention/decode": 2 * L}
+
+
+@pytest.mark.parametrize("mask", ["-inf", "top_k"])
+def test_sampler_takes_the_last_kept_token_when_the_scan_falls_short(kt, mask):
+    # sample_kernel's inverse CDF: the first token whose running sum reaches u * total. With u = 1
+    # the target is the whole kept mass, but `total` is a block reduction and the running sum a
+    # scan, two float32 summation orders: on some rows the scan ends a few ulp below the target,
+    # and as the scan groups its sums by warp, it can also first reach the target on a masked token
+    # after the last kept one. The kernel must take the last kept token, never a masked one (before
+    # the fix: V - 1 on 3 of the -inf rows here, a masked token on 9 of the top-k rows). Expected token, exactly: the last kept token (by index) carries the row's largest
+    # probability (e = 1 of a total of at most V), so in exact arithmetic the running sum just
+    # before it is total - 1, far below the target, and at it the sum is the total: it is the
+    # answer of exact arithmetic, and both float32 orders agree to ~V * 2^-24 * total << 1 before it.
+    rng = np.random.default_rng(11)
+    R, V = 32, 1000
+    logits = rng.uniform(-1.0, 0.0, (R, V)).astype(np.float32)
+    params = np.zeros((R, 4), np.float32)
+    params[:, 0] = 1.0      # temperature 1, top_p 1 (off), min_p 0 (off)
+    params[:, 2] = 1.0
+    last = rng.integers(V // 2, V - 2, R)
+    for r in range(R):
+        if mask == "-inf":   # a masked tail (min_tokens / stop-token masks write -inf)
+            logits[r, last[r] + 1:] = -np.inf
+        else:                # the tail cut by top-k: k tokens at 1..2, the last of them at 3
+            k = 40
+            keep = np.concatenate([rng.choice(last[r], k - 1, replace=False), [last[r]]])
+            logits[r, keep] = rng.uniform(1.0, 2.0, k).astype(np.float32)
+            params[r, 1] = k
+        logits[r, last[r]] = 3.0 if mask == "top_k" else 0.0
+    # u = 1 (uniforms are in (0, 1]) on most rows, the largest double below 1 on the rest
+    u = np.where(np.arange(R) % 4 == 3, np.nextafter(1.0, 0.0), 1.0)
+    xp = kt.xp
+    out = xp.zeros(R, dtype=np.int64)
+    kt.sample(xp.asarray(logits), xp.asarray(params), xp.asarray(u), out)
+    np.testing.assert_array_equal(kt.to_numpy(out), last)

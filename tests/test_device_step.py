@@ -45,10 +45,16 @@ class CountingDevice(HostDevice):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.counts = Counter()
+        self.order: list[str] = []  # "launch" / "device_sync", in order
 
-    def launch(self, fn, *args):
+    def launch(self, fn, *args, **kwargs):
         self.counts["launch"] += 1
-        super().launch(fn, *args)
+        self.order.append("launch")
+        super().launch(fn, *args, **kwargs)
+
+    def synchronize_device(self):
+        self.counts["device_sync"] += 1
+        self.order.append("device_sync")
 
     def h2d(self, dst, src):
         self.counts["h2d"] += 1
@@ -266,21 +272,26 @@ def test_launches_per_layer_and_no_allocation_per_layer(modules, tmp_path, monke
     assert a3 == a2, (a2, a3)  # the per-layer loop allocates nothing
 
 
-@pytest.mark.parametrize("buffer_moves", [False, True])
+@pytest.mark.parametrize("buffer_moves", [None, "upload", "workspace"])
 def test_decode_graph_replays_equal_eager_steps(modules, tmp_path, monkeypatch, buffer_moves):
     # three sequences (a batch bucket of 4 with one padding row), greedy and seeded random rows,
     # logprobs: the captured decode graph, replayed with each step's new inputs, gives the eager
     # steps' tokens and logprobs. When the upload buffer is reallocated between decode steps (a
     # larger step came in between), the graphs holding its old address are dropped and captured
-    # again on the new one
+    # again on the new one. The same when the model's workspace is reallocated (the graphs key on
+    # its generation counter: its replacement is made right after the old one is freed, so it may
+    # get the same id(), though this test cannot force CPython to reuse it)
     results = {}
     for eager in (True, False):
         dev = CountingDevice()
         runner = make_runner(monkeypatch, make_table(modules, dev), model_dir(tmp_path), enforce_eager=eager)
         seqs = _seqs(PARAMS)
         steps = run_steps(runner, seqs, n_decode=2)
-        if buffer_moves:
+        if buffer_moves == "upload":
             runner.device_step.inp.ensure(4 * runner.device_step.inp.nbytes)
+        elif buffer_moves == "workspace":
+            tokens, rows = runner.model.workspace.tokens, runner.model.workspace.rows  # (no reference kept)
+            runner.model.workspace_for(2 * tokens, rows)
         for k in range(2):
             res = runner.execute(plan_for(50 + k, seqs))
             assert res.error is None, res.error
@@ -385,6 +396,47 @@ def test_kv_sizing_profiles_the_real_step_shape_and_counts_the_pool_peak(modules
     budget = gpu_kv_budget(total, free, held, peak, kv, util)
     assert budget > int(util * total - (total - free) + kv)  # ... the old rule would have lost them
     assert runner.num_blocks == min(budget // runner.bytes_per_block, max_useful_blocks(8, 100, BS))
+    runner.shutdown()
+
+
+def test_kv_sizing_counts_the_gemm_workspace(modules, tmp_path, monkeypatch):
+    # cuBLAS's workspace (kernels/cuda/cublas.py) comes from the pool when the table is built, so it
+    # is in the pool's bytes in use throughout the profiling step: a GEMM holding W more bytes of
+    # workspace leaves the KV cache exactly W fewer bytes (all else equal: same steps, same pool)
+    from simt.table import numpy_gemm
+
+    budgets = {}
+    for ws_bytes in (0, 8 << 20):
+        fx = FakeXP()
+        dev = FakeMemoryDevice(fx, total_bytes=1 << 28, context_bytes=30 << 20)
+
+        class Gemm:
+            workspace = fx.empty(ws_bytes, np.uint8)
+
+            def __call__(self, xb, w, out):
+                numpy_gemm(xb, w, out)
+
+        table = cuda_ops.CudaKernels(fx, lambda n: modules[n].get_function(n), gemm=Gemm(), smem_limit=227 * 1024,
+                                     device=dev, kernel_names=cuda_sources.all_kernel_names())
+        seen = []
+        monkeypatch.setattr(sys.modules["folio.runtime.worker.model_runner"], "gpu_kv_budget",
+                            lambda *a: seen.append(gpu_kv_budget(*a)) or seen[-1])
+        runner = make_runner(monkeypatch, table, model_dir(tmp_path), max_num_seqs=4, max_model_len=64,
+                             max_num_batched_tokens=32, num_kv_blocks_override=None, gpu_memory_utilization=0.5)
+        budgets[ws_bytes] = seen[0]
+        runner.shutdown()
+    assert budgets[0] - budgets[8 << 20] == 8 << 20, budgets
+
+
+def test_setup_work_is_waited_for_before_steps_on_the_step_stream(modules, tmp_path, monkeypatch):
+    # setup (weights, RoPE table, KV cache zeros) runs on the legacy default stream, steps on a
+    # non-blocking stream that does not wait for it: a device-wide sync must come before the
+    # profiling step's first launch, and end the runner's setup (after the KV cache is made)
+    dev = CountingDevice()
+    runner = make_runner(monkeypatch, make_table(modules, dev), model_dir(tmp_path), num_kv_blocks_override=None)
+    first = dev.order.index("launch")
+    assert "device_sync" in dev.order[:first], dev.order[:first + 1]
+    assert dev.order[-1] == "device_sync", dev.order[-3:]
     runner.shutdown()
 
 

@@ -7,8 +7,9 @@ is currently unsupported"). cuBLAS itself supports capture (cuBLAS documentation
 Support") when the handle has a user workspace (``cublasSetWorkspace``, so no allocation happens
 inside the graph) and the scalars are device pointers. So folio creates its own handle in the
 cuBLAS library CuPy already loaded, gives it a workspace and device-side alpha/beta, binds it to
-the stream with ``cublasSetStream`` itself (only when the stream changes), and calls
-``cublasGemmEx``. The same calls work in eager mode; this is the only GEMM path on a GPU.
+the stream with ``cublasSetStream`` itself (only when the stream changes, each time followed by
+``cublasSetWorkspace``, since cublasSetStream resets the workspace to cuBLAS's default pool), and
+calls ``cublasGemmEx``. The same calls work in eager mode; this is the only GEMM path on a GPU.
 
 Row-major ``out[T, N] = x[T, K] @ w[N, K]^T`` is the column-major ``out^T = op_T(w^T) x^T``:
 ``gemmEx(OP_T, OP_N, m=N, n=T, k=K, A=w (lda=K), B=x (ldb=K), C=out (ldc=N))``.
@@ -83,9 +84,11 @@ class CublasGemm:
         lib.cublasGemmEx.restype = ci
         self.handle = vp()
         self._check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        # the workspace comes from CuPy's pool (folio's memory): allocated when the kernel table is
+        # built, before the KV sizing's profile, it is part of the pool's bytes in use that the
+        # sizing subtracts (runtime/worker/model_runner.py, gpu_kv_budget)
         self.workspace = cupy.empty(WORKSPACE_BYTES, dtype=np.uint8)
-        self._check(lib.cublasSetWorkspace_v2(self.handle, vp(self.workspace.data.ptr),
-                                              ctypes.c_size_t(WORKSPACE_BYTES)), "cublasSetWorkspace")
+        self._set_workspace()
         self._check(lib.cublasSetPointerMode_v2(self.handle, CUBLAS_POINTER_MODE_DEVICE), "cublasSetPointerMode")
         self.scalars = cupy.asarray(np.array([1.0, 0.0], dtype=np.float32))  # alpha, beta on the device
         self._alpha = self.scalars.data.ptr
@@ -97,10 +100,17 @@ class CublasGemm:
         if status != 0:
             raise CublasError(f"{what} failed with cuBLAS status {status}")
 
+    def _set_workspace(self):
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self.workspace.data.ptr),
+                                                   ctypes.c_size_t(WORKSPACE_BYTES)), "cublasSetWorkspace")
+
     def __call__(self, xb, w, out):
         stream = self.cupy.cuda.get_current_stream().ptr
         if stream != self._stream:
             self._check(self.lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream)), "cublasSetStream")
+            # cublasSetStream resets the workspace to cuBLAS's default pool (cuBLAS docs,
+            # cublasSetStream): set folio's again, so no GEMM (captured or not) allocates its own
+            self._set_workspace()
             self._stream = stream
         T, K = xb.shape
         N = w.shape[0]

@@ -8,11 +8,16 @@ where the tests count them per step.
 
 Methods (both classes):
     activate(): context manager under which all of a step's work goes to the device's stream.
-    launch(fn, *args): run ``fn(*args)`` on the device's stream (a kernel launch or a cuBLAS call);
-        while a graph is being captured it is recorded instead (CUDA stream capture semantics).
+    launch(fn, *args, **kwargs): run ``fn(*args, **kwargs)`` on the device's stream (a kernel launch
+        as ``kernel(grid, block, args, shared_mem=n)``, CuPy's ``RawKernel`` convention, or a cuBLAS
+        call); while a graph is being captured it is recorded instead (CUDA stream capture).
     empty(shape, dtype): a device array; pinned_empty(nbytes): page-locked host bytes.
     h2d(dst, src) / d2h(dst, src): one asynchronous copy of a contiguous uint8 buffer.
-    synchronize(): wait for the device (the one host sync of a step).
+    synchronize(): wait for the device's stream (the one host sync of a step).
+    synchronize_device(): wait for all work on every stream of the device (cudaDeviceSynchronize):
+        setup (weights, RoPE table, cuBLAS scalars, KV cache zeros) runs on the legacy default
+        stream, which folio's non-blocking step stream does not wait for; called once at the end of
+        the kernel table's build and of the model runner's setup (and before its profiling step).
     capture(): context manager capturing the launches of its body into a ``graph`` (its
         ``.replay()`` runs them again, same arguments: inputs must live in fixed buffers).
     timer(): a ``(mark, elapsed)`` pair: ``mark()`` records a point on the stream, and after the
@@ -38,8 +43,8 @@ class _HostGraph:
         self.calls = []
 
     def _run(self):
-        for fn, args in self.calls:
-            fn(*args)
+        for fn, args, kwargs in self.calls:
+            fn(*args, **kwargs)
 
     def replay(self):
         self.device.launch(self._run)
@@ -64,11 +69,11 @@ class HostDevice:
         """Context manager making this device's stream current (nothing to do on the host)."""
         return contextlib.nullcontext()
 
-    def launch(self, fn, *args):
+    def launch(self, fn, *args, **kwargs):
         if self._capturing is not None:
-            self._capturing.calls.append((fn, args))
+            self._capturing.calls.append((fn, args, kwargs))
         else:
-            fn(*args)
+            fn(*args, **kwargs)
 
     def empty(self, shape, dtype):
         return np.empty(shape, dtype=dtype)
@@ -83,6 +88,9 @@ class HostDevice:
         dst[: src.size] = src
 
     def synchronize(self):
+        pass
+
+    def synchronize_device(self):
         pass
 
     @contextlib.contextmanager
@@ -132,8 +140,8 @@ class CupyDevice:
         calls and copies inside go to it)."""
         return self.stream
 
-    def launch(self, fn, *args):
-        fn(*args)
+    def launch(self, fn, *args, **kwargs):
+        fn(*args, **kwargs)
 
     def empty(self, shape, dtype):
         return self.cupy.empty(shape, dtype=dtype)
@@ -150,6 +158,9 @@ class CupyDevice:
 
     def synchronize(self):
         self.stream.synchronize()
+
+    def synchronize_device(self):
+        self.cupy.cuda.runtime.deviceSynchronize()
 
     @contextlib.contextmanager
     def capture(self):

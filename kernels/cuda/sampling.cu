@@ -65,6 +65,7 @@ extern "C" __global__ void sample_kernel(long long* __restrict__ out, const floa
     __shared__ float fscratch[32];
     __shared__ int iscratch[32];
     __shared__ float tscratch[32];
+    __shared__ int lscratch[32];
     const int r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const float* x = logits + (long long)r * V;
     const float temp = params[4 * r], top_p = params[4 * r + 2], min_p = params[4 * r + 3];
@@ -127,7 +128,10 @@ extern "C" __global__ void sample_kernel(long long* __restrict__ out, const floa
     }
     const float thresh = fmaxf(tk, tp);
 
-    // inverse CDF over the kept values, in index order: first i with cumsum(e)[i] >= u * sum(e)
+    // inverse CDF over the kept values, in index order: first i with cumsum(e)[i] >= u * sum(e).
+    // The scan adds in another order than the block sum of `total`, so with u near 1 the running
+    // sum can end just below u * total: then the last kept token is taken. Only kept tokens are
+    // ever picked.
     float total = 0.0f;
     for (int i = tid; i < V; i += nt) {
         const float w = FOLIO_W(i);
@@ -137,14 +141,18 @@ extern "C" __global__ void sample_kernel(long long* __restrict__ out, const floa
     const double target = uniforms[r] * (double)total;
     const int lane = tid % FOLIO_WARP, warp = tid / FOLIO_WARP, nwarps = nt / FOLIO_WARP;
     float base = 0.0f;
-    int picked = V - 1;
+    int picked = -1, last_kept = -1;
     for (int c0 = 0; c0 < V; c0 += nt) {
         const int i = c0 + tid;
         float e = 0.0f;
+        bool is_kept = false;
         if (i < V) {
             const float w = FOLIO_W(i);
-            if (w >= thresh && w > FOLIO_NEG_INF) e = expf(w - m);
+            if (w >= thresh && w > FOLIO_NEG_INF) { e = expf(w - m); is_kept = true; }
         }
+        int kept = is_kept ? i : -1;
+        for (int mm = FOLIO_WARP / 2; mm > 0; mm >>= 1) kept = max(kept, __shfl_xor_sync(0xffffffffu, kept, mm));
+        if (lane == 0) lscratch[warp] = kept;
         // inclusive block scan: within the warp, then warp totals
         float s = e;
         for (int d = 1; d < FOLIO_WARP; d <<= 1) {
@@ -158,13 +166,15 @@ extern "C" __global__ void sample_kernel(long long* __restrict__ out, const floa
         float chunk = 0.0f;
         for (int w = 0; w < nwarps; ++w) chunk += tscratch[w];
         const float cum = base + before + s;
-        int hit = (i < V && (double)cum >= target) ? i : 0x7fffffff;
+        // (only a kept token: the scan's sums are grouped by warp, so the running sum is not
+        // monotone in float32 and can first reach the target on a masked token after a kept one)
+        int hit = (is_kept && (double)cum >= target) ? i : 0x7fffffff;
         // smallest index that reaches the target
         for (int mm = FOLIO_WARP / 2; mm > 0; mm >>= 1) hit = min(hit, __shfl_xor_sync(0xffffffffu, hit, mm));
         if (lane == 0) iscratch[warp] = hit;
         __syncthreads();
         int best = 0x7fffffff;
-        for (int w = 0; w < nwarps; ++w) best = min(best, iscratch[w]);
+        for (int w = 0; w < nwarps; ++w) { best = min(best, iscratch[w]); last_kept = max(last_kept, lscratch[w]); }
         __syncthreads();
         if (best != 0x7fffffff) {
             picked = best;
@@ -173,6 +183,7 @@ extern "C" __global__ void sample_kernel(long long* __restrict__ out, const floa
         base += chunk;
     }
 #undef FOLIO_W
+    if (picked < 0) picked = last_kept >= 0 ? last_kept : V - 1;  // (no kept token: only if every value is -inf)
     if (tid == 0) out[r] = picked;
 }
 

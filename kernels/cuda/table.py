@@ -14,7 +14,8 @@ rounds its softmax probabilities to bf16 as the A operand of P @ V (FlashAttenti
 operation takes an optional ``out=`` buffer, so a forward pass allocates nothing per layer.
 
 ``CudaKernels`` only needs an array module, a way to fetch a kernel by name with CuPy's calling
-convention ``kernel(grid, block, args, shared_mem=0)``, a GEMM and a device (kernels/cuda/device.py).
+convention ``kernel(grid, block, args, *, shared_mem=0)`` (CuPy's ``RawKernel.__call__``:
+shared_mem only as a keyword), a GEMM and a device (kernels/cuda/device.py).
 On a GPU those are ``cupy``, ``cupy.RawModule``, cuBLAS (kernels/cuda/cublas.py) and ``CupyDevice``;
 the tests pass ``numpy``, the SIMT emulator (``tests/simt``), a NumPy GEMM and ``HostDevice``, so
 this launch code runs without a GPU too.
@@ -83,7 +84,8 @@ class CudaKernels:
 
     Args:
         xp: ``cupy`` (GPU) or ``numpy`` (the SIMT emulator in tests).
-        get_function: ``name -> kernel`` callable as ``kernel(grid, block, args, shared_mem=0)``.
+        get_function: ``name -> kernel`` callable as ``kernel(grid, block, args, shared_mem=0)``
+            (``shared_mem`` keyword-only, as CuPy's RawKernel takes it).
         gemm: ``(x_bf16 [T, in] uint16, w_bf16 [out, in] uint16, out [T, out] float32)`` writing
             ``x @ w.T`` (cuBLAS on a GPU).
         ptr: optional ``array -> address`` (default: ``a.data.ptr`` for CuPy, ``a.ctypes.data``).
@@ -132,7 +134,9 @@ class CudaKernels:
             if shared_mem > DEFAULT_SMEM_LIMIT - static and hasattr(f, "max_dynamic_shared_size_bytes") \
                     and f.max_dynamic_shared_size_bytes < shared_mem:
                 f.max_dynamic_shared_size_bytes = shared_mem
-        self.device.launch(f, tuple(int(g) for g in grid), tuple(int(b) for b in block), args, int(shared_mem))
+        # CuPy's RawKernel.__call__(grid, block, args, **kwargs) takes shared_mem only as a keyword
+        self.device.launch(f, tuple(int(g) for g in grid), tuple(int(b) for b in block), args,
+                           shared_mem=int(shared_mem))
 
     def _c(self, a, dtype):
         return self.xp.ascontiguousarray(self.xp.asarray(a), dtype=dtype)
@@ -543,6 +547,7 @@ def get_cuda_kernels() -> CudaKernels:
 
         table = CudaKernels(cupy, functions.__getitem__, gemm=CublasGemm(cupy), smem_limit=smem_optin,
                             device=CupyDevice(cupy), kernel_names=list(functions))
+        table.device.synchronize_device()  # the cuBLAS scalars went on the legacy stream; steps do not
     except Exception as e:  # CompileException, CUDADriverError, CublasError, ...
         raise RuntimeError(f"device 'cuda': kernels failed to build ({type(e).__name__}: {e}); "
                            "use --device cpu") from None

@@ -106,6 +106,7 @@ class DeviceStep:
         self.use_graphs = not enforce_eager
         self.graphs: dict = {}
         self._graph_state = None
+        self._graph_caches: list = []
         self.graph_error: str | None = None
         self.max_graph_partitions = min(MAX_DECODE_PARTITIONS,
                                         _bucket(-(-self.max_model_len // DECODE_PARTITION_SIZE)))
@@ -169,11 +170,14 @@ class DeviceStep:
 
     def _graph(self, key, v, kv_caches):
         """The captured forward of ``key`` (captured now if new; None if capture is off/failed)."""
-        state = (self.inp.generation, id(self.model.workspace), self.k.scratch_generation,
+        # generation counters, not id(): a freed buffer's id can be reused by its replacement. The
+        # caches have no counter: the state holds them (`_graph_caches`), so their ids stay unique
+        state = (self.inp.generation, self.model.workspace_generation, self.k.scratch_generation,
                  tuple(id(c) for pair in kv_caches for c in pair))
         if state != self._graph_state:
             self.graphs.clear()
             self._graph_state = state
+            self._graph_caches = [c for pair in kv_caches for c in pair]
         g = self.graphs.get(key)
         if g is None:
             B, P = key
@@ -181,7 +185,7 @@ class DeviceStep:
                 # warm-up: grows the workspace / scratch if this shape needs more (never while
                 # capturing), and lets cuBLAS pick its algorithm outside the graph
                 self._forward(v, kv_caches, B, 1, P * DECODE_PARTITION_SIZE)
-                state = (self.inp.generation, id(self.model.workspace), self.k.scratch_generation, state[3])
+                state = (self.inp.generation, self.model.workspace_generation, self.k.scratch_generation, state[3])
                 if state != self._graph_state:  # buffers moved: graphs captured before are stale
                     self.graphs.clear()
                     self._graph_state = state

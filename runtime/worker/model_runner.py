@@ -12,7 +12,8 @@ KV cache sizing (docs/architecture.md, "KV cache"; vLLM's ``determine_num_availa
 ``cpu_kv_cache_fraction`` of the available RAM (``MemAvailable`` in /proc/meminfo) and on GPU
 ``gpu_memory_utilization`` of device memory minus what a profiling step of the largest shape used
 (``gpu_kv_budget``: memory outside CuPy's pool, such as the CUDA context, plus the pool's *peak*
-bytes in use during the step: weights, activation buffers, sampler temporaries; blocks the pool
+bytes in use during the step: weights, the cuBLAS workspace, activation buffers, sampler
+temporaries; blocks the pool
 keeps cached but free are not counted as used). The automatic sizes are capped at what
 ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever need (plus one block per
 sequence for copy-on-write).
@@ -186,6 +187,8 @@ class ModelRunner:
             max_model_len=self.max_model_len, num_blocks_override=cfg.num_kv_blocks_override,
             kv_cache_memory=cfg.kv_cache_memory, available_bytes=available)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.kernels)
+        if self.device == "cuda":  # setup ran on the legacy default stream, steps run on a non-blocking one
+            self.kernels.device.synchronize_device()
         self._seqs: dict[int, SamplingState] = {}
         self._last_sampled = LastSampledTokens()
 
@@ -205,6 +208,7 @@ class ModelRunner:
         with dev.peak_tracker() as peak:
             tmp = allocate_kv_caches(self.model_config, nb, self.block_size, self.kernels)
             plan, states = _profile_plan(lens, self.block_size, self.model_config.vocab_size, cfg.seed)
+            dev.synchronize_device()  # weights and caches were made on the legacy default stream
             self.device_step.run(plan, states, tmp)
             del tmp
         free, total, held = dev.memory()

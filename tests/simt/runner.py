@@ -4,7 +4,7 @@
 into a shared library in a cache folder outside the repository (``$FOLIO_SIMT_CACHE``, default
 ``~/.cache/folio/simt``), keyed by a hash of every input, and exposes its ``extern "C"
 __global__`` kernels with CuPy's calling convention: ``module.get_function(name)(grid, block,
-args, shared_mem=0)``. So the code that launches CuPy RawKernels on a GPU can run unchanged on
+args, *, shared_mem=0)`` (shared_mem keyword-only, as in CuPy). So the code that launches CuPy RawKernels on a GPU can run unchanged on
 NumPy arrays. Every argument is checked against the kernel's parameter types (taken from the
 compiled function's C++ type): an array's dtype must match the pointee type and the array must be
 C-contiguous; a scalar must be a NumPy scalar of exactly the parameter's type (as CuPy requires
@@ -149,7 +149,7 @@ def require_compiler() -> None:
 
 
 class SimtKernel:
-    """One kernel, called like a CuPy RawKernel: ``kernel(grid, block, args, shared_mem=0)``."""
+    """One kernel, called like a CuPy RawKernel: ``kernel(grid, block, args, *, shared_mem=0)``."""
 
     def __init__(self, module: "SimtModule", index: int, name: str, signature: list[str]):
         self._module, self._index, self.name, self.signature = module, index, name, signature
@@ -172,9 +172,22 @@ class SimtKernel:
             raise TypeError(f"{where}: scalar dtype {a.dtype} does not match parameter type {code}")
         return _CTYPE[code](a.item())
 
-    def __call__(self, grid, block, args, shared_mem: int = 0):
-        grid = tuple(grid) + (1,) * (3 - len(tuple(grid)))
-        block = tuple(block) + (1,) * (3 - len(tuple(block)))
+    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None, enable_cooperative_groups=False):
+        """CuPy's signature exactly (``RawKernel.__call__(grid, block, args, **kwargs)`` forwarding to
+        ``Function.__call__(tuple grid, tuple block, args, size_t shared_mem=0, stream=None,
+        enable_cooperative_groups=False)``): a 4th positional argument is a TypeError, and grid / block
+        must be tuples, as CuPy's typed parameters require (tests/test_cupy_conformance.py checks this
+        signature against the installed CuPy). ``stream`` is accepted and ignored (one host "stream");
+        cooperative launches are refused."""
+        if not isinstance(grid, tuple) or not isinstance(block, tuple):
+            raise TypeError(f"{self.name}: grid and block must be tuples (CuPy declares them `tuple`), got "
+                            f"{type(grid).__name__} / {type(block).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"{self.name}: args must be a tuple or list, got {type(args).__name__}")
+        if enable_cooperative_groups:
+            raise SimtError(f"{self.name}: cooperative launches are not emulated")
+        grid = grid + (1,) * (3 - len(grid))
+        block = block + (1,) * (3 - len(block))
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name} takes {len(self.signature)} arguments, got {len(args)}")
         vals = [self._convert(j, code, a) for j, (code, a) in enumerate(zip(self.signature, args))]
