@@ -72,7 +72,8 @@ from .simd import row_exp2 as _row_exp2, row_max as _row_max, tile_pv as _tile_p
 from .simd import transpose_rows as _transpose_rows
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, region_guard, sgemm
 
-__all__ = ["paged_attention", "attention_items", "attention_into", "finish_attention", "plan"]
+__all__ = ["paged_attention", "attention_items", "attention_item", "attention_scratch", "attention_into",
+           "finish_attention", "plan"]
 
 _F32 = np.float32
 TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
@@ -512,8 +513,12 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
 
 
 @njit(cache=True)
-def _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
-              qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc):
+def attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
+                   qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc):
+    """Work item ``i`` of ``items`` (``attention_items``) into ``out``: a prefill tile when it has at
+    least ``TILE_MIN_ROWS`` query rows per KV head, else a (possibly partitioned) decode. The
+    buffers after ``i`` are the calling task's rows of ``attention_scratch``. A building block for
+    fused regions (``forward.py``'s layer loop, the benchmark regions of ``perf/bench``)."""
     group = q.shape[1] // key_cache.shape[2]
     if (items[i, 4] - items[i, 3]) * group >= TILE_MIN_ROWS:
         _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,
@@ -552,7 +557,9 @@ def _plan(seq_lens, query_start_loc, num_heads, num_kv_heads, head_dim, bs, thre
 
 
 @njit(cache=True)
-def _scratch(tasks, num_heads, num_kv_heads, head_dim, bs, n_parts):
+def attention_scratch(tasks, num_heads, num_kv_heads, head_dim, bs, n_parts):
+    """The per-task buffers ``attention_item`` takes (``qs, kb, vb, ko, sc, acc, m, l`` indexed by
+    task) and the partial results of ``n_parts`` key partitions (``bm, pm, pl, pacc``), float32."""
     # per-task buffers (indexed by task, allocated before any parallel region) and the partial
     # results of partitioned decodes (fewer than TILE_MIN_ROWS rows per KV head, every KV head)
     group = num_heads // num_kv_heads
@@ -573,9 +580,9 @@ def _attention_serial(q, key_cache, value_cache, block_tables, seq_lens, query_s
                       n_parts):
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
-    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(1, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(1, H, Hkv, D, bs, n_parts)
     for i in range(items.shape[0]):
-        _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
+        attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
                   qs[0], kb[0], vb[0], ko[0], sc[0], acc[0], m[0], l[0], bm[0], pm, pl, pacc)
     finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
 
@@ -585,14 +592,14 @@ def _attention_parallel(q, key_cache, value_cache, block_tables, seq_lens, query
                         n_parts, n_tasks):
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]
-    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, D, bs, n_parts)
     counter = np.zeros(1, np.int64)
     for w in prange(n_tasks):
         while True:
             i = fetch_add(counter, 1)
             if i >= items.shape[0]:
                 break
-            _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
+            attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
                       qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
     finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
 

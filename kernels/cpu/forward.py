@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import _run_item, _scratch, attention_into, finish_attention, plan
+from .attention import attention_item, attention_scratch, attention_into, finish_attention, plan
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
 from . import rows
@@ -96,7 +96,9 @@ ONE_REGION = True   # with 2+ threads, one region per step (_layers_region); Fal
 
 
 @njit(cache=True)
-def _wait_done(done, k, n):
+def wait_items_done(done, k, n):
+    """Wait until phase ``k`` of a fused region has ``n`` finished items (``done[k]``, int64 counters
+    bumped with ``threads.atomic_add``): the barrier between the phases of one parallel region."""
     # until phase k's n items are all finished (each was claimed by a running task); spinning,
     # then giving the core away each turn when the partner is slow (a busy machine)
     spins = 0
@@ -124,7 +126,7 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
     elif phase == _P_ROPE:
         _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
     elif phase == _P_ATTN:
-        _run_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
+        attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
                   qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
     elif phase == _P_MERGE:
         finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
@@ -161,7 +163,7 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     n_items[_P_DOWN] = linear_items(T, down_w.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
-    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
                                                        key_caches[0].shape[1], n_parts)
     for w in prange(n_tasks):
         for layer in range(L):
@@ -177,7 +179,7 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                                 Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc, m, l, bm,
                                 pm, pl, pacc)
                     atomic_add(done, k, 1)
-                _wait_done(done, k, n_items[phase])
+                wait_items_done(done, k, n_items[phase])
 
 
 def _int64(a):

@@ -63,8 +63,8 @@ import numpy as np
 from numba import njit, prange
 
 from folio.kernels.cpu import jit_cache as cpu_cache
-from folio.kernels.cpu.attention import _run_item, _scratch, finish_attention, plan
-from folio.kernels.cpu.forward import _wait_done
+from folio.kernels.cpu.attention import attention_item, attention_scratch, finish_attention, plan
+from folio.kernels.cpu.forward import wait_items_done
 from folio.kernels.cpu.linear import linear_item, linear_items, linear_plan
 from folio.kernels.cpu.math import LOG2E
 from folio.kernels.cpu.threads import NO_TRANS, ROW_MAJOR, TRANS, atomic_add, ptr, sgemm
@@ -206,7 +206,7 @@ def _products_region(xs, stacks, ys, lin, reps, n_tasks):
                         break
                     linear_item(xs[p], stacks[p][r % L], ys[p], lin[p, 0], lin[p, 1], lin[p, 2], i)
                     atomic_add(done, k, 1)
-                _wait_done(done, k, n_items[p])
+                wait_items_done(done, k, n_items[p])
 
 
 def products_region_call(xs, stacks, threads: int, reps: int | None = None):
@@ -228,7 +228,7 @@ def _attention_region(q, key_caches, value_caches, block_tables, seq_lens, query
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_caches[0].shape[1], key_caches[0].shape[2]
     L = len(key_caches)
-    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = _scratch(n_tasks, H, Hkv, D, bs, n_parts)
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, D, bs, n_parts)
     n_items = np.array([items.shape[0], 1], np.int64)
     claims = np.zeros(2 * L, np.int64)
     done = np.zeros(2 * L, np.int64)
@@ -241,13 +241,13 @@ def _attention_region(q, key_caches, value_caches, block_tables, seq_lens, query
                     if i >= n_items[p]:
                         break
                     if p == 0:
-                        _run_item(q, key_caches[layer], value_caches[layer], block_tables, seq_lens, query_start_loc,
+                        attention_item(q, key_caches[layer], value_caches[layer], block_tables, seq_lens, query_start_loc,
                                   qscale, out, items, i, qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w],
                                   pm, pl, pacc)
                     else:
                         finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, out)
                     atomic_add(done, k, 1)
-                _wait_done(done, k, n_items[p])
+                wait_items_done(done, k, n_items[p])
 
 
 def attention_region_call(q, caches, block_tables, seq_lens, query_start_loc, threads):
