@@ -496,6 +496,17 @@ async def _next(agen):
         return _END
 
 
+async def _aclose(agen) -> None:
+    """Close a stream (aborting its request if it has not finished). Right after the caller's wait
+    was interrupted (Ctrl-C) its cancelled ``__anext__`` may still be unwinding on the loop (its own
+    clean-up sends the abort): closing then raises "already running", so try again once it ended."""
+    for _ in range(1000):
+        try:
+            return await agen.aclose()
+        except RuntimeError:
+            await asyncio.sleep(0.001)
+
+
 class Client:
     """Blocking client; safe to share between threads. It runs an ``AsyncClient`` on an event loop
     of its own (one daemon thread, which owns the socket), and each method is the ``AsyncClient``
@@ -556,9 +567,9 @@ class Client:
             if self._closed:
                 pass
             elif threading.current_thread() is self._thread:   # collected on the loop's thread
-                self._loop.create_task(agen.aclose())
+                self._loop.create_task(_aclose(agen))
             else:
-                self._run(agen.aclose())
+                self._run(_aclose(agen))
 
     def generate_stream(self, prompt: str | dict | None = None, sampling_params=None, *, prompt_token_ids=None,
                         request_id: str | None = None, cache_salt: str | None = None,

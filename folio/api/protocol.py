@@ -18,7 +18,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):

@@ -79,6 +79,8 @@ class FrontEnd:
         max_model_len: the engine's limit on prompt + output tokens.
         kv_capacity_tokens: token slots of the whole KV cache (caps a chat's default max_tokens).
         api_key: the Bearer key ``/v1`` routes need, or None.
+        max_request_bytes: the largest request body taken (413 beyond), or None: no limit.
+        max_workers: threads of the pool that runs the per-request CPU work (``offload``).
     """
 
     scheduler_address: str
@@ -91,8 +93,9 @@ class FrontEnd:
     client: AsyncClient | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict = field(default_factory=dict)
-    inputs: InputProcessor = field(init=False)
+    max_request_bytes: int | None = None
     max_workers: int = 4
+    inputs: InputProcessor = field(init=False)
 
     def __post_init__(self):
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len)

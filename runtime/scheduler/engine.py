@@ -113,9 +113,9 @@ class LLMEngine:
             ValueError: a request that could never run, before it is admitted (``InputError``, a
                 ``ValueError`` naming the field, for the prompt's own checks): duplicate id, no
                 prompt, a bad prompt form, empty prompt, a token id outside the vocabulary,
-                prompt + max_tokens over ``max_model_len``, more KV blocks for one sample than the whole cache, ``n`` (or
-                ``beam_width``) over ``max_num_seqs``, beams that could not all fit the cache
-                unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
+                prompt + max_tokens over ``max_model_len``, more KV blocks for one sample than
+                the whole cache, ``n`` (or ``beam_width``) over ``max_num_seqs``, beams that could
+                not all fit the cache unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
                 ``max_num_batched_tokens`` when chunked prefill is off, or a bad cache_salt /
                 sampling_params type.
         """
