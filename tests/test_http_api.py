@@ -219,7 +219,7 @@ BAD_REQUESTS = [   # (path, body, text the message must contain, param)
     ("/detokenize", {"tokens": [-1]}, "vocabulary", "tokens"),
     # values JSON carries but the engine's wire (msgpack, int64 arrays, UTF-8) cannot: a 400, not a
     # request that never answers; lone surrogates written as JSON escapes (valid JSON, invalid text)
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2 ** 64}, "64 bits", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2 ** 64}, "max_tokens (18446744073709551616)", "max_tokens"),
     ("/v1/completions", {"prompt": [2 ** 63]}, "64 bits", None),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [2 ** 64]}, "64 bits", None),
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "Unicode", None),

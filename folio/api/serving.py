@@ -2,9 +2,11 @@
 
 One HTTP request becomes one engine request per prompt (each with ``n`` samples, which the engine
 runs as parallel sampling); choice ``k`` of the response is sample ``k % n`` of prompt ``k // n``,
-as vLLM numbers them. The front end tokenizes (and applies the chat template) itself and sends
-token ids, so it knows each prompt's length; the engine still validates every request (its
-message, e.g. a prompt over ``max_model_len`` naming both numbers, becomes a 400).
+as vLLM numbers them. The front end tokenizes (and applies the chat template) itself, with the
+same ``InputProcessor`` as the engine (``runtime/frontend/input_processor.py``), on its thread
+pool, and sends token ids: it knows each prompt's length and refuses one that cannot fit
+``max_model_len`` naming the field at fault; the engine still validates every request (its
+message becomes a 400).
 
 Streaming (Server-Sent Events, ``data: {json}`` ... ``data: [DONE]``): the status line is sent only
 after every engine request has answered once (first token or error), so a request the engine
