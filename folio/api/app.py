@@ -198,7 +198,7 @@ def build_app(front: FrontEnd) -> FastAPI:
         body = await cancel_on_disconnect(request, runner.response())
         if body is None:                                 # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(body)
+        return await front.offload(JSONResponse, body)   # (it serializes the body as it is made)
 
     def prepare(run_cls, req, path):
         log_unknown_fields(req, path)

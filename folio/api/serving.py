@@ -551,6 +551,9 @@ class _Run:
                 self.acc.add(i, d)
         finally:
             await self.group.close()
+        return await self.front.offload(self._body)     # texts, logprobs: per-request CPU work
+
+    def _body(self) -> dict:
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.front.model_name,
                 "choices": [self._choice(k, c) for k, c in enumerate(self.acc.choices)], "usage": self.acc.usage(),
                 **self._response_extra()}
