@@ -31,13 +31,15 @@ browser:
 # Sets up, imports the default model once, and runs the main job on it: `folio serve` on the
 # default model, a demo client streaming concurrent chats, the engine's metrics, how to reach the
 # HTTP API and the chat page, then shutdown (on a terminal: after Enter or Ctrl-C).
+# The HTTP port: `make run PORT=8080` (or FOLIO_PORT=8080 in the environment); default 8000, any
+# free one if it is taken.
 run: $(STAMP)
-	@$(PY) -m folio.demo
+	@$(PY) -m folio.demo $(if $(PORT),--port $(PORT))
 
 # Leaves a server running: ZeroMQ on tcp://127.0.0.1:5555 (make repl, folio.Client), HTTP on
 # http://127.0.0.1:8000 (OpenAI API, /metrics, the chat page at /).
 serve: $(STAMP)
-	$(VENV)/bin/folio serve
+	$(VENV)/bin/folio serve $(if $(PORT),--port $(PORT))
 
 repl: $(STAMP)
 	$(VENV)/bin/folio repl

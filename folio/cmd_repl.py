@@ -18,7 +18,8 @@ def register(subparsers) -> None:
                    help="server address (None: tcp://127.0.0.1:5555 unless --model is given)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server message")
     p.add_argument("--params", nargs="*", default=[], metavar="K=V",
-                   help="initial sampling parameters (on top of temperature=0.7 top_p=0.9 max_tokens=256)")
+                   help="initial sampling parameters (on top of temperature=0.7 top_p=1.0 max_tokens=256; "
+                        "top_p as the HTTP API's default)")
     add_engine_args(p)
     p.set_defaults(func=run, model=None)
 

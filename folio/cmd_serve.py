@@ -101,6 +101,11 @@ def register(subparsers) -> None:
                    help="log level of the HTTP server (info and below also log each request)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest ZeroMQ client message accepted (bigger ones get an error reply)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest HTTP request body taken; a bigger one is answered 413 at once, before it is read "
+                        "(by its Content-Length, or while it streams in). Default: 64 bytes per token of "
+                        "max_model_len, at least 1 MiB (max_model_len 4096 -> 1 MiB, 131072 -> 8 MiB): a "
+                        "full-length prompt of long, JSON-escaped tokens with the request's other fields. 0: no limit")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds of worker silence that count as worker death")
     p.add_argument("--exit-grace", type=float, default=2.0,
@@ -140,7 +145,7 @@ def run(a: argparse.Namespace) -> int:
 def _run(a: argparse.Namespace) -> int:
     import os
     import time
-    from .api.frontend import FrontEndProcess, bind_http, http_url, load_chat_template
+    from .api.frontend import FrontEndProcess, bind_http, default_max_request_bytes, http_url, load_chat_template
     from .ipc.scheduler_process import Server
     from .ipc.transport import private_ipc_address
     from .model.config import ModelConfig
@@ -171,7 +176,9 @@ def _run(a: argparse.Namespace) -> int:
             "--model-dir": str(model_dir), "--model-root": config.model,
             "--served-model-name": a.served_model_name or [config.model], "--max-model-len": max_model_len,
             "--kv-capacity-tokens": num_blocks * config.block_size, "--chat-template": a.chat_template,
-            "--uvicorn-log-level": a.uvicorn_log_level}, api_key=api_key)
+            "--uvicorn-log-level": a.uvicorn_log_level,
+            "--max-request-bytes": a.max_request_bytes if a.max_request_bytes is not None
+            else default_max_request_bytes(max_model_len)}, api_key=api_key)
         state = {"stopping": False, "front_exit": None}
 
         def on_front_exit(code):

@@ -4,7 +4,8 @@ how to reach the server over HTTP.
     python -m folio.demo [--model M] [--device auto|cpu|cuda] [--max-tokens N] [--address ADDR]
 
 1. starts ``folio serve`` (scheduler, worker and HTTP front-end processes) on a private ``ipc://``
-   address and HTTP port 8000 (any free port if 8000 is taken), printing its progress while the
+   address and HTTP port 8000 (``--port``, ``$FOLIO_PORT`` or ``make run PORT=N``; any free port if
+   it is taken), printing its progress while the
    model loads and warms up; or uses ``--address`` of a server already running;
 2. an ``AsyncClient`` streams several chat requests at once (greedy, until the model's end of
    sequence or ``--max-tokens``); their text is printed as it streams, whole words at a time, one
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import sys
 import time
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device of the server")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (answers stop at EOS)")
     p.add_argument("--address", default=None, help="use a running server instead of starting one")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the server started (taken: any free one)")
+    p.add_argument("--port", type=int, default=os.environ.get("FOLIO_PORT") or 8000,
+                   help="HTTP port of the server started (default: $FOLIO_PORT, else 8000; taken: any free one); "
+                        "make run PORT=N passes it")
     p.add_argument("--no-color", action="store_true", help="no ANSI colours")
     p.add_argument("--serve-arg", action="append", default=[], help=argparse.SUPPRESS)   # tests: extra flags
     a = p.parse_args(argv)

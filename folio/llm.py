@@ -119,13 +119,15 @@ class LLM:
             messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them.
         Returns:
             one ``RequestOutput`` per conversation.
+        Raises:
+            ValueError (``InputError``): no messages, a malformed message, no chat template, or a
+            prompt that does not fit (before anything runs).
         """
         if not messages:
             raise ValueError("messages is empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tok = self.llm_engine.tokenizer
-        texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
-        prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t)} for t in texts]
+        render = self.llm_engine.input_processor.render_chat
+        prompts = [{"prompt": render(c, add_generation_prompt)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:
@@ -134,17 +136,7 @@ class LLM:
 
     # helpers
     def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
-        if isinstance(prompt, str):
-            self.llm_engine.add_request(rid, prompt, sp)
-        elif isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-            if unknown:
-                raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
-            self.llm_engine.add_request(rid, prompt.get("prompt"), sp,
-                                        prompt_token_ids=prompt.get("prompt_token_ids"),
-                                        cache_salt=prompt.get("cache_salt"))
-        else:
-            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        self.llm_engine.add_request(rid, prompt, sp)    # every PromptType form (InputProcessor)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step the engine until every request of ``ids`` finished; the engine emits deltas, and

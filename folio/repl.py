@@ -26,7 +26,8 @@ from dataclasses import fields
 
 from .runtime.common.sampling_params import SamplingParams
 
-DEFAULT_PARAMS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 256}
+# top_p as the HTTP API's default (SamplingParams': 1.0, no nucleus cut)
+DEFAULT_PARAMS = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 256}
 PROMPT = ">>> "
 
 

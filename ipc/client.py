@@ -1,7 +1,9 @@
 """Client library for ``folio serve``: ``Client`` (blocking, thread-safe) and ``AsyncClient`` (asyncio).
 
-Both speak the messages of ``ipc.messages`` over a DEALER socket to the server's ROUTER and can
-run many requests at once: replies are routed by request id to per-request queues.
+``AsyncClient`` speaks the messages of ``ipc.messages`` over a DEALER socket to the server's ROUTER
+and can run many requests at once: replies are routed by request id to per-request queues.
+``Client`` runs an ``AsyncClient`` on an event loop of its own (one thread) and waits for it, so
+the two have one implementation.
 
     with folio.Client("tcp://127.0.0.1:5555") as c:
         out = c.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))
@@ -26,8 +28,6 @@ instead of waiting out the request timeout.
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
 import threading
 import time
 import uuid
@@ -39,8 +39,9 @@ import zmq
 import zmq.asyncio
 
 from ..runtime.common.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..runtime.frontend.input_processor import PROMPT_KEYS, InputError, parse_prompt
 from . import messages as M
-from .transport import DEFAULT_ADDRESS, make_socket, recv_frames, send_frames, wait_for_server
+from .transport import DEFAULT_ADDRESS, make_socket, wait_for_server
 
 DEFAULT_CONNECT_TIMEOUT = 5.0   # seconds a client waits at construction for the server's handshake
 
@@ -76,6 +77,8 @@ class StreamDelta:
         num_prompt_tokens: the prompt's length in tokens.
         time: ``time.monotonic()`` at which the client received it.
         logprobs: per new token ``{token_id: Logprob}`` when logprobs were requested.
+        prompt_logprobs: with the request's first delta, when prompt_logprobs were requested:
+            ``None`` for the first prompt token, then ``{token_id: Logprob}`` per prompt token.
     """
 
     request_id: str
@@ -89,6 +92,7 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     time: float = 0.0
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 def _sampling_dict(sampling_params) -> dict:
@@ -102,30 +106,18 @@ def _sampling_dict(sampling_params) -> dict:
 
 def _split_prompt(prompt, prompt_token_ids, cache_salt):
     """``(text, token_ids, cache_salt)`` of one prompt given as ``LLM.generate`` takes it (a string or a
-    ``{"prompt" | "prompt_token_ids", "cache_salt"}`` dict) or as the ``prompt_token_ids`` keyword.
+    ``{"prompt" | "prompt_token_ids", "cache_salt"}`` dict, ``InputProcessor``'s ``parse_prompt``) or as
+    the ``prompt_token_ids`` keyword; a dict with both sends the ids (as ``LLM.chat`` builds them).
 
     Raises:
         ValueError: unknown dict keys, a non-string / non-dict prompt, or not exactly one of text and ids.
     """
-    if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-        if unknown:
-            raise ValueError(f"unknown prompt keys: {sorted(unknown)}")
-        if prompt_token_ids is not None:
-            raise ValueError("give the token ids either in the prompt dict or as prompt_token_ids, not both")
-        if prompt.get("cache_salt") is not None:
-            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
-                raise ValueError("two different cache_salt values (prompt dict and keyword)")
-            cache_salt = prompt["cache_salt"]
-        text, prompt_token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        if text is not None and prompt_token_ids is not None:
-            text = None          # both given (as LLM.chat builds them): the ids are what runs
-        prompt = text
-    elif prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
-    if (prompt is None) == (prompt_token_ids is None):
-        raise ValueError("give exactly one of prompt and prompt_token_ids")
-    return prompt, prompt_token_ids, cache_salt
+    text, ids, cache_salt = parse_prompt(prompt, prompt_token_ids, cache_salt)
+    if text is not None and ids is not None:
+        if not isinstance(prompt, dict):
+            raise InputError("give exactly one of prompt and prompt_token_ids", "prompt")
+        text = None          # both given (as LLM.chat builds them): the ids are what runs
+    return text, ids, cache_salt
 
 
 def _request_frames(request_id: str, prompt, prompt_token_ids, sampling_params, cache_salt, messages=None) -> list:
@@ -192,6 +184,8 @@ class _Accumulator:
             deltas.append(StreamDelta(self.out.request_id, idx, ids, o.get("text", ""), o.get("finish_reason"),
                                       o.get("stop_reason"), False, self.out.num_cached_tokens,
                                       len(self.out.prompt_token_ids), now, lps))
+        if f.get("prompt_logprobs") is not None and deltas:
+            deltas[0].prompt_logprobs = self.out.prompt_logprobs
         self.out.finished = bool(f["finished"])
         if self.out.finished and deltas:
             deltas[-1].finished = True
@@ -227,7 +221,7 @@ class _BeamSearches:
         for p in prompts:
             if isinstance(p, str):
                 p = {"prompt": p}
-            if not isinstance(p, dict) or set(p) - {"prompt", "prompt_token_ids", "cache_salt"}:
+            if not isinstance(p, dict) or set(p) - PROMPT_KEYS:
                 raise ValueError(f"a prompt is a string or a dict with prompt / prompt_token_ids / cache_salt, got {p!r}")
             if ("prompt" in p) == ("prompt_token_ids" in p):
                 raise ValueError("give exactly one of prompt and prompt_token_ids")
@@ -255,280 +249,23 @@ class _BeamSearches:
 
 
 # ---------------------------------------------------------------------------------------------
-# blocking client
+# asyncio client: the core
 # ---------------------------------------------------------------------------------------------
 
-class Client:
-    """Blocking client; safe to share between threads (one I/O thread owns the socket).
+class AsyncClient:
+    """asyncio client (one event loop); use as ``async with AsyncClient(addr) as c:``. ``Client``
+    runs this one on a loop of its own, so both have the same methods and semantics.
+
+    ``generate_stream`` is an async generator. Cancelling the task that iterates a stream, or
+    leaving the loop early, sends ``abort`` to the server.
 
     Args:
         address: the server's address (``tcp://127.0.0.1:5555`` by default).
         timeout: seconds to wait for each reply / next streamed message (``None`` = forever).
         connect_timeout: seconds to wait at construction for a ZeroMQ handshake with the server
-            (``None``: no check; requests then wait up to ``timeout``).
+            (``None``: no check; requests then wait up to ``timeout``); it blocks the calling thread.
     Raises:
         ConnectionError: nothing at ``address`` answered within ``connect_timeout``.
-    """
-
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 120.0,
-                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES,
-                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT):
-        self.address = address
-        self.timeout = timeout
-        self.max_message_bytes = max_message_bytes
-        if connect_timeout is not None:
-            wait_for_server(address, connect_timeout)
-        self._ctx = zmq.Context.instance()
-        self._sock = make_socket(self._ctx, zmq.DEALER, linger_ms=500)
-        self._sock.connect(address)
-        self._outq: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, queue.SimpleQueue] = {}
-        self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        self._closed = False
-        self._thread = threading.Thread(target=self._io_loop, daemon=True, name="folio-client-io")
-        self._thread.start()
-
-    # -- I/O thread ------------------------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        while not self._closed:
-            ready = dict(poller.poll(200))
-            if self._wake_r in ready:
-                try:
-                    os.read(self._wake_r, 4096)
-                except OSError:
-                    pass
-            while True:
-                try:
-                    frames = self._outq.get_nowait()
-                except queue.Empty:
-                    break
-                send_frames(self._sock, frames)
-            if self._sock in ready:
-                while True:
-                    try:
-                        frames = recv_frames(self._sock, zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._route(frames)
-        self._sock.close(linger=500)
-
-    def _route(self, frames) -> None:
-        try:
-            msg_type, f = M.decode(frames, self.max_message_bytes)
-        except M.MessageError as e:
-            msg_type, f = "error", {"message": f"bad reply from server: {e}", "code": "bad_reply",
-                                    "request_id": e.request_id, "corr_id": e.corr_id}
-        key = f.get("request_id") or f.get("corr_id")
-        with self._lock:
-            q = self._routes.get(key) if key else None
-        if q is not None:
-            q.put((msg_type, f))
-
-    def _submit(self, key: str, frames: list) -> queue.SimpleQueue:
-        if self._closed:
-            raise RuntimeError("client is closed")
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            if key in self._routes:
-                raise ValueError(f"request id {key!r} is already in use by this client")
-            self._routes[key] = q
-        self._post(frames)
-        return q
-
-    def _post(self, frames: list) -> None:
-        self._outq.put(frames)
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass
-
-    def _release(self, key: str) -> None:
-        with self._lock:
-            self._routes.pop(key, None)
-
-    def _get(self, q: queue.SimpleQueue, timeout: float | None):
-        try:
-            return q.get(timeout=timeout)
-        except queue.Empty:
-            raise ClientTimeoutError(f"no reply from {self.address} within {timeout} s") from None
-
-    # -- API -------------------------------------------------------------------------------------------
-    def generate_stream(self, prompt: str | dict | None = None, sampling_params=None, *, prompt_token_ids=None,
-                        request_id: str | None = None, cache_salt: str | None = None,
-                        messages: list | None = None, timeout: float | None = -1) -> Iterator[StreamDelta]:
-        """Stream one request; yields ``StreamDelta``s. Closing the generator early aborts the request.
-
-        Raises:
-            ServerError: the server rejected or failed the request. ClientTimeoutError: no message
-            for ``timeout`` seconds (default: the client's).
-        """
-        rid = request_id or uuid.uuid4().hex
-        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt, messages)
-        return self._stream(rid, frames, self.timeout if timeout == -1 else timeout, _Accumulator(rid))
-
-    def _stream(self, rid, frames, timeout, acc) -> Iterator[StreamDelta]:
-        # a generator: the request is sent at the first next(), as a stream is consumed
-        yield from self._consume(rid, self._submit(rid, frames), timeout, acc)
-
-    def _consume(self, rid, q, timeout, acc) -> Iterator[StreamDelta]:
-        done = False
-        try:
-            while True:
-                msg_type, f = self._get(q, timeout)
-                if msg_type == "error":
-                    done = True
-                    _raise_error(f)
-                for d in acc.add(f):
-                    yield d
-                if acc.out.finished:
-                    done = True
-                    return
-        finally:
-            self._release(rid)
-            if not done and not self._closed:
-                self._post(M.encode("abort", request_id=rid))
-
-    def generate(self, prompt=None, sampling_params=None, *, prompt_token_ids=None,
-                 request_id: str | None = None, cache_salt: str | None = None,
-                 timeout: float | None = -1):
-        """Run requests to the end, like ``LLM.generate``.
-
-        Args:
-            prompt: a string, a ``{"prompt" | "prompt_token_ids", "cache_salt"}`` dict, or a list of these.
-            sampling_params: a ``SamplingParams`` or dict of its fields; for a list of prompts also a
-                list with one per prompt.
-        Returns:
-            a ``RequestOutput`` (cumulative, finished) for one prompt; a list of them, in prompt
-            order, for a list of prompts (all submitted at once, so the server batches them).
-        Raises:
-            ValueError: a malformed prompt (nothing is sent). ServerError: the server rejected or
-            failed a request (the others of the list are aborted).
-        """
-        timeout = self.timeout if timeout == -1 else timeout
-        if not isinstance(prompt, (list, tuple)):
-            rid = request_id or uuid.uuid4().hex
-            acc = _Accumulator(rid)
-            frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt)
-            for _ in self._consume(rid, self._submit(rid, frames), timeout, acc):
-                pass
-            return acc.out
-        if prompt_token_ids is not None:
-            raise ValueError("give a list of prompts or prompt_token_ids, not both")
-        pairs = _per_prompt(prompt, sampling_params, request_id)
-        frames = [(uuid.uuid4().hex, p, sp) for p, sp in pairs]
-        frames = [(rid, _request_frames(rid, p, None, sp, cache_salt)) for rid, p, sp in frames]  # all checked first
-        running = [(rid, self._submit(rid, f), _Accumulator(rid)) for rid, f in frames]
-        done = 0
-        try:
-            for rid, q, acc in running:
-                for _ in self._consume(rid, q, timeout, acc):
-                    pass
-                done += 1
-        finally:
-            for rid, _, _ in running[done + 1:]:       # a failure mid-list: abort the rest
-                self._release(rid)
-                self._post(M.encode("abort", request_id=rid))
-        return [acc.out for _, _, acc in running]
-
-    def chat(self, messages: list[dict], sampling_params=None, *, request_id: str | None = None,
-             stream: bool = False, cache_salt: str | None = None, timeout: float | None = -1):
-        """Chat with the model's chat template; ``RequestOutput``, or a delta iterator if ``stream``."""
-        rid = request_id or uuid.uuid4().hex
-        acc = _Accumulator(rid)
-        frames = _request_frames(rid, None, None, sampling_params, cache_salt, messages)
-        it = self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc)
-        if stream:
-            return it
-        for _ in it:
-            pass
-        return acc.out
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request (its stream then ends with finish_reason "abort")."""
-        self._post(M.encode("abort", request_id=request_id))
-
-    def beam_search(self, prompts, params, *, timeout: float | None = -1) -> list:
-        """Beam search on the server (``LLM.beam_search``'s semantics): one ``BeamSearchOutput`` per
-        prompt, in order, ``sequences`` best first. Every prompt is sent at once; each answers with
-        one message when its search ends (``timeout``: the longest wait for each).
-
-        Args:
-            prompts: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (optionally
-                with ``"cache_salt"``), or a list of these.
-            params: a ``BeamSearchParams`` or a dict of its fields.
-        Raises:
-            ValueError: a bad prompt or parameter (before anything is sent). ServerError: the
-            server rejected or failed a search (the others are aborted). ClientTimeoutError.
-        """
-        timeout = self.timeout if timeout == -1 else timeout
-        batch = _BeamSearches(prompts, params)
-        queues = []
-        try:
-            for rid, frames in batch.requests:
-                queues.append(self._submit(rid, frames))
-            for q, acc in zip(queues, batch.accs):
-                while not acc.out.finished:
-                    batch.add(acc, *self._get(q, timeout))
-        finally:
-            for rid, finished in batch.unfinished(len(queues)):
-                self._release(rid)
-                if not finished and not self._closed:
-                    self._post(M.encode("abort", request_id=rid))
-        return batch.results()
-
-    def _call(self, msg_type: str, timeout) -> dict:
-        cid = uuid.uuid4().hex
-        q = self._submit(cid, M.encode(msg_type, corr_id=cid))
-        try:
-            t, f = self._get(q, self.timeout if timeout == -1 else timeout)
-        finally:
-            self._release(cid)
-        if t == "error":
-            _raise_error(f)
-        return f
-
-    def health(self, timeout: float | None = -1) -> dict:
-        """``{"healthy": bool, **detail}``."""
-        f = self._call("health", timeout)
-        return {"healthy": f["healthy"], **f["detail"]}
-
-    def get_metrics(self, timeout: float | None = -1) -> dict:
-        """The server's metrics (engine + server counters; see ``ipc.server.Server.get_metrics``)."""
-        return self._call("metrics", timeout)["metrics"]
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            os.write(self._wake_w, b"x")        # wake the I/O thread so it sees _closed at once
-        except OSError:
-            pass
-        self._thread.join(2.0)
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# asyncio client
-# ---------------------------------------------------------------------------------------------
-
-class AsyncClient:
-    """asyncio client (one event loop); use as ``async with AsyncClient(addr) as c:``.
-
-    Same methods as ``Client`` as coroutines; ``generate_stream`` is an async generator. Cancelling
-    the task that iterates a stream, or leaving the loop early, sends ``abort`` to the server.
     """
 
     def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 120.0,
@@ -606,7 +343,14 @@ class AsyncClient:
     def generate_stream(self, prompt: str | dict | None = None, sampling_params=None, *, prompt_token_ids=None,
                         request_id: str | None = None, cache_salt: str | None = None,
                         messages: list | None = None, timeout: float | None = -1) -> AsyncIterator[StreamDelta]:
-        """Async generator of ``StreamDelta``s (see ``Client.generate_stream``)."""
+        """Stream one request: an async generator of ``StreamDelta``s (the request is sent at the first
+        iteration; leaving early aborts it).
+
+        Raises:
+            ValueError: a malformed prompt (at the call, nothing is sent). ServerError: the server
+            rejected or failed the request. ClientTimeoutError: no message for ``timeout`` seconds
+            (default: the client's).
+        """
         rid = request_id or uuid.uuid4().hex
         frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt, messages)
         return self._stream(rid, frames, self.timeout if timeout == -1 else timeout, _Accumulator(rid))
@@ -614,8 +358,19 @@ class AsyncClient:
     async def generate(self, prompt=None, sampling_params=None, *, prompt_token_ids=None,
                        request_id: str | None = None, cache_salt: str | None = None,
                        timeout: float | None = -1):
-        """Run requests to the end (see ``Client.generate``: one prompt -> a ``RequestOutput``, a
-        list -> a list of them; a failure cancels, hence aborts, the rest)."""
+        """Run requests to the end, like ``LLM.generate``.
+
+        Args:
+            prompt: a string, a ``{"prompt" | "prompt_token_ids", "cache_salt"}`` dict, or a list of these.
+            sampling_params: a ``SamplingParams`` or dict of its fields; for a list of prompts also a
+                list with one per prompt.
+        Returns:
+            a ``RequestOutput`` (cumulative, finished) for one prompt; a list of them, in prompt
+            order, for a list of prompts (all submitted at once, so the server batches them).
+        Raises:
+            ValueError: a malformed prompt (nothing is sent). ServerError: the server rejected or
+            failed a request (the others of the list are cancelled, hence aborted).
+        """
         if isinstance(prompt, (list, tuple)):
             if prompt_token_ids is not None:
                 raise ValueError("give a list of prompts or prompt_token_ids, not both")
@@ -629,9 +384,13 @@ class AsyncClient:
             finally:
                 for t in tasks:
                     t.cancel()
+        return await self._run_to_end(request_id, prompt, prompt_token_ids, sampling_params, cache_salt, timeout)
+
+    async def _run_to_end(self, request_id, prompt, prompt_token_ids, sampling_params, cache_salt, timeout,
+                          messages=None) -> RequestOutput:
         rid = request_id or uuid.uuid4().hex
         acc = _Accumulator(rid)
-        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt)
+        frames = _request_frames(rid, prompt, prompt_token_ids, sampling_params, cache_salt, messages)
         agen = self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc)
         try:
             async for _ in agen:
@@ -642,22 +401,27 @@ class AsyncClient:
 
     async def chat(self, messages: list[dict], sampling_params=None, *, request_id: str | None = None,
                    cache_salt: str | None = None, timeout: float | None = -1) -> RequestOutput:
-        rid = request_id or uuid.uuid4().hex
-        acc = _Accumulator(rid)
-        frames = _request_frames(rid, None, None, sampling_params, cache_salt, messages)
-        agen = self._stream(rid, frames, self.timeout if timeout == -1 else timeout, acc)
-        try:
-            async for _ in agen:
-                pass
-        finally:
-            await agen.aclose()
-        return acc.out
+        """Chat with the model's chat template (rendered by the server); the finished ``RequestOutput``."""
+        return await self._run_to_end(request_id, None, None, sampling_params, cache_salt, timeout, messages)
 
     async def abort(self, request_id: str) -> None:
+        """Abort a request (its stream then ends with finish_reason "abort")."""
         self._send_now(M.encode("abort", request_id=request_id))
 
     async def beam_search(self, prompts, params, *, timeout: float | None = -1) -> list:
-        """``Client.beam_search`` for asyncio (cancelling the task aborts the searches)."""
+        """Beam search on the server (``LLM.beam_search``'s semantics): one ``BeamSearchOutput`` per
+        prompt, in order, ``sequences`` best first. Every prompt is sent at once; each answers with
+        one message when its search ends (``timeout``: the longest wait for each). Cancelling the
+        task aborts the searches.
+
+        Args:
+            prompts: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (optionally
+                with ``"cache_salt"``), or a list of these.
+            params: a ``BeamSearchParams`` or a dict of its fields.
+        Raises:
+            ValueError: a bad prompt or parameter (before anything is sent). ServerError: the
+            server rejected or failed a search (the others are aborted). ClientTimeoutError.
+        """
         timeout = self.timeout if timeout == -1 else timeout
         batch = _BeamSearches(prompts, params)
         queues = []
@@ -686,10 +450,13 @@ class AsyncClient:
         return f
 
     async def health(self, timeout: float | None = -1) -> dict:
+        """``{"healthy": bool, **detail}``."""
         f = await self._call("health", timeout)
         return {"healthy": f["healthy"], **f["detail"]}
 
     async def get_metrics(self, timeout: float | None = -1) -> dict:
+        """The server's metrics (engine + server counters; see ``Server.get_metrics`` in
+        ``ipc/scheduler_process.py``)."""
         return (await self._call("metrics", timeout))["metrics"]
 
     async def close(self) -> None:
@@ -710,3 +477,168 @@ class AsyncClient:
     async def __aexit__(self, *exc):
         await self.close()
 
+
+# ---------------------------------------------------------------------------------------------
+# blocking client: the asyncio client on an event loop of its own
+# ---------------------------------------------------------------------------------------------
+
+_END = object()
+
+
+async def _construct(*args) -> AsyncClient:
+    return AsyncClient(*args)       # in the loop's thread: its socket belongs to that loop
+
+
+async def _next(agen):
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _aclose(agen) -> None:
+    """Close a stream (aborting its request if it has not finished). Right after the caller's wait
+    was interrupted (Ctrl-C) its cancelled ``__anext__`` may still be unwinding on the loop (its own
+    clean-up sends the abort): closing then raises "already running", so try again once it ended."""
+    for _ in range(1000):
+        try:
+            return await agen.aclose()
+        except RuntimeError:
+            await asyncio.sleep(0.001)
+
+
+class Client:
+    """Blocking client; safe to share between threads. It runs an ``AsyncClient`` on an event loop
+    of its own (one daemon thread, which owns the socket), and each method is the ``AsyncClient``
+    method of the same name run there: the two share every line of protocol code.
+
+    Args:
+        address: the server's address (``tcp://127.0.0.1:5555`` by default).
+        timeout: seconds to wait for each reply / next streamed message (``None`` = forever).
+        connect_timeout: seconds to wait at construction for a ZeroMQ handshake with the server
+            (``None``: no check; requests then wait up to ``timeout``).
+    Raises:
+        ConnectionError: nothing at ``address`` answered within ``connect_timeout``.
+    """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 120.0,
+                 max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT):
+        self.address = address
+        self.max_message_bytes = max_message_bytes
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="folio-client-io")
+        self._thread.start()
+        try:
+            self._async = self._run(_construct(address, timeout, max_message_bytes, connect_timeout))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def timeout(self) -> float | None:
+        return self._async.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._async.timeout = value
+
+    def _run(self, coro):
+        """Run ``coro`` on the client's loop and wait for it; an exception here (Ctrl-C) cancels it,
+        which aborts its requests."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("client is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def _iterate(self, agen) -> Iterator[StreamDelta]:
+        # a generator: the request is sent at the first next(), as a stream is consumed; leaving
+        # it early closes the async stream, which aborts the request
+        try:
+            while (d := self._run(_next(agen))) is not _END:
+                yield d
+        finally:
+            if self._closed:
+                pass
+            elif threading.current_thread() is self._thread:   # collected on the loop's thread
+                self._loop.create_task(_aclose(agen))
+            else:
+                self._run(_aclose(agen))
+
+    def generate_stream(self, prompt: str | dict | None = None, sampling_params=None, *, prompt_token_ids=None,
+                        request_id: str | None = None, cache_salt: str | None = None,
+                        messages: list | None = None, timeout: float | None = -1) -> Iterator[StreamDelta]:
+        """Stream one request (``AsyncClient.generate_stream``); closing the iterator early aborts it."""
+        return self._iterate(self._async.generate_stream(
+            prompt, sampling_params, prompt_token_ids=prompt_token_ids, request_id=request_id,
+            cache_salt=cache_salt, messages=messages, timeout=timeout))
+
+    def generate(self, prompt=None, sampling_params=None, *, prompt_token_ids=None,
+                 request_id: str | None = None, cache_salt: str | None = None, timeout: float | None = -1):
+        """Run requests to the end (``AsyncClient.generate``)."""
+        return self._run(self._async.generate(prompt, sampling_params, prompt_token_ids=prompt_token_ids,
+                                              request_id=request_id, cache_salt=cache_salt, timeout=timeout))
+
+    def chat(self, messages: list[dict], sampling_params=None, *, request_id: str | None = None,
+             stream: bool = False, cache_salt: str | None = None, timeout: float | None = -1):
+        """Chat with the model's chat template; ``RequestOutput``, or a delta iterator if ``stream``."""
+        if stream:
+            return self.generate_stream(None, sampling_params, request_id=request_id, cache_salt=cache_salt,
+                                        messages=messages, timeout=timeout)
+        return self._run(self._async.chat(messages, sampling_params, request_id=request_id, cache_salt=cache_salt,
+                                          timeout=timeout))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream then ends with finish_reason "abort")."""
+        self._run(self._async.abort(request_id))
+
+    def beam_search(self, prompts, params, *, timeout: float | None = -1) -> list:
+        """Beam search on the server (``AsyncClient.beam_search``)."""
+        return self._run(self._async.beam_search(prompts, params, timeout=timeout))
+
+    def health(self, timeout: float | None = -1) -> dict:
+        """``{"healthy": bool, **detail}``."""
+        return self._run(self._async.health(timeout))
+
+    def get_metrics(self, timeout: float | None = -1) -> dict:
+        """The server's metrics (``AsyncClient.get_metrics``)."""
+        return self._run(self._async.get_metrics(timeout))
+
+    def close(self) -> None:
+        """Close the socket and stop the loop; a call still waiting in another thread is cancelled."""
+        if self._closed:
+            return
+        try:
+            self._run(self._async.close())
+        finally:
+            self._closed = True
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(2.0)
+            except Exception:
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(2.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

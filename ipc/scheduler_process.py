@@ -272,26 +272,22 @@ class Server:
         self.stats["num_requests"] += 1
 
     def _prepare(self, msg_type: str, f: dict):
+        """``(prompt text, token ids, params)`` of a client's request: the engine's
+        ``InputProcessor`` renders and tokenizes it here, while the worker computes, rather than in
+        ``engine.add_request``. Raises ``ValueError`` (``InputError``) / ``TypeError``."""
         from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams
         sp = BeamSearchParams.from_dict(f["params"]) if msg_type == "beam_search" else \
             SamplingParams.from_dict(f["sampling"])
+        inputs = self.engine.input_processor
         if msg_type == "chat":
-            msgs = f["messages"]
-            if not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in msgs):
-                raise ValueError("messages must be a non-empty list of {role: str, content: str}")
-            prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=f.get("add_generation_prompt",
-                                                                                          True))
-            return prompt, self.tokenizer.encode(prompt), sp
+            prompt = inputs.render_chat(f["messages"], f.get("add_generation_prompt", True))
+            return prompt, inputs.tokenize(prompt, param="messages", max_tokens=sp.max_tokens), sp
         prompt, ids = f.get("prompt"), f.get("prompt_token_ids")
         if (prompt is None) == (ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
         if ids is not None:
-            if ids.ndim != 1 or ids.dtype.kind not in "iu":
-                raise ValueError("prompt_token_ids must be a 1-D integer array")
-            return None, ids.tolist(), sp
-        # tokenize here (while the worker computes) rather than in engine.add_request
-        return prompt, self.tokenizer.encode(prompt), sp
+            return None, inputs.check_token_ids(ids), sp
+        return prompt, inputs.tokenize(prompt, max_tokens=sp.max_tokens), sp
 
     @staticmethod
     def _engine_id(identity: bytes, rid: str) -> str:

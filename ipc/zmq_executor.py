@@ -35,6 +35,13 @@ class WorkerDiedError(RuntimeError):
     """The worker process exited, stopped answering, or failed to start."""
 
 
+def _when(what: str) -> str:
+    """When a worker died, for its message: "idle", "start-up", or "step N" (a step it was running)."""
+    if what in ("idle", "start-up"):
+        return "while idle" if what == "idle" else "during start-up"
+    return f"while {what} was running"
+
+
 class ZmqExecutor:
     """Spawn a worker process and drive it one StepPlan at a time.
 
@@ -114,12 +121,12 @@ class ZmqExecutor:
         code = self.proc.poll()
         if code is not None:
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            self.dead_reason = f"worker process died ({how}) during {what}"
+            self.dead_reason = f"worker process died ({how}) {_when(what)}"
             raise WorkerDiedError(self.dead_reason)
         now = time.monotonic()
         if now - self._last_beat > (heartbeat_timeout or self.heartbeat_timeout):
             self.dead_reason = f"worker stopped answering (no heartbeat for {now - self._last_beat:.1f} s) " \
-                               f"during {what}"
+                               f"{_when(what)}"
             self._kill()
             raise WorkerDiedError(self.dead_reason)
         if timeout is not None and now - started > timeout:
@@ -157,7 +164,8 @@ class ZmqExecutor:
         if self.dead_reason is not None:
             raise WorkerDiedError(self.dead_reason)
         self._drain_heartbeats()
-        self._check_alive(time.monotonic(), None, "idle")
+        # steps handed over and not answered yet: the worker was running the oldest one
+        self._check_alive(time.monotonic(), None, f"step {self._submitted[0][0]}" if self._submitted else "idle")
 
     def _send_plan(self, frames, what: str) -> None:
         # a DEALER with no connected worker blocks on send: wait for writability while checking

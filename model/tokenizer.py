@@ -102,9 +102,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special-token strings in the text become their ids.
 
-        ``add_special_tokens=True`` applies the post-processor (e.g. Llama 3's BOS).
+        ``add_special_tokens=True`` applies the post-processor (e.g. Llama 3's BOS). Runs through
+        ``encode_batch``, which releases the GIL (``encode`` holds it for the whole call), so a long
+        text tokenized on a worker thread does not stall the caller's other threads (the HTTP front
+        end's event loop).
         """
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (any int sequence); special tokens dropped when ``skip_special_tokens``."""

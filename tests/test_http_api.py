@@ -188,7 +188,17 @@ BAD_REQUESTS = [   # (path, body, text the message must contain, param)
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "echo"),
     ("/v1/completions", {"prompt": [[1], [-4]]}, "token ids", "prompt"),
     ("/v1/completions", {"prompt": [10 ** 6]}, "vocabulary", None),
-    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 4095}, "4097 exceeds max_model_len (4096)", "prompt"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 4095}, "4097 exceeds max_model_len (4096)", "max_tokens"),
+    ("/v1/completions", {"prompt": [5], "max_tokens": 1000000},
+     "prompt (1 token) + max_tokens (1000000) = 1000001 exceeds max_model_len (4096)", "max_tokens"),
+    # provably too long from its length in characters (at most 81 per token for this tokenizer)
+    ("/v1/completions", {"prompt": "x" * 400_000}, "prompt (at least", "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 257}, "stop takes at most 256 strings", "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["s" * 16385]}, "at most 16384 characters", "stop"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "stream", "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs must", "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "use_beam_search": True, "n": 2},
+     "use_beam_search", "prompt_logprobs"),
     ("/v1/completions", {"prompt": [1] * 5000}, "max_model_len (4096)", "prompt"),
     ("/v1/completions", {"prompt": "", "max_tokens": 1}, "empty", None),
     ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
@@ -197,6 +207,10 @@ BAD_REQUESTS = [   # (path, body, text the message must contain, param)
      "only text", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "logprobs", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1000},
+     "top_logprobs must be an integer in [0, 20]", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10 ** 6},
+     "+ max_completion_tokens (1000000)", "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tool", "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
@@ -205,7 +219,7 @@ BAD_REQUESTS = [   # (path, body, text the message must contain, param)
     ("/detokenize", {"tokens": [-1]}, "vocabulary", "tokens"),
     # values JSON carries but the engine's wire (msgpack, int64 arrays, UTF-8) cannot: a 400, not a
     # request that never answers; lone surrogates written as JSON escapes (valid JSON, invalid text)
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2 ** 64}, "64 bits", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2 ** 64}, "max_tokens (18446744073709551616)", "max_tokens"),
     ("/v1/completions", {"prompt": [2 ** 63]}, "64 bits", None),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [2 ** 64]}, "64 bits", None),
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "Unicode", None),
@@ -274,6 +288,7 @@ def test_503_when_the_engine_is_gone():
         assert rest[-1] == "data: [DONE]"
         err = json.loads(rest[-2][6:])["error"]
         assert err["code"] == 503 and "worker" in err["message"]
+        assert "while step" in err["message"] and "idle" not in err["message"], err   # it died mid-step
         poll_until(lambda: httpx.get(url + "/health").status_code == 503, 30, "/health to report 503")
         _check_error(httpx.get(url + "/health"), 503)
         err = _check_error(httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503)
@@ -375,3 +390,119 @@ def test_tokenize_detokenize_models_version(http, golden):
     import folio
     assert http.get("/version").json() == {"version": folio.__version__}
     assert http.get("/health").status_code == 200
+
+
+# -- prompt logprobs -----------------------------------------------------------------------------------------
+
+def test_prompt_logprobs_in_vllms_shape(http, tokenizer):
+    from ipc_fake_runner import echo_logprobs
+    prompt = [100, 200, 300]
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    expected = [None]
+    for pos in (1, 2):       # EchoRunner: the prompt token at -3.0, rank 7; candidates after the token before
+        ids, lps = echo_logprobs([prompt[pos - 1]], 2)
+        entry = {str(t): {"logprob": pytest.approx(float(lp)), "rank": j} for j, (t, lp) in
+                 enumerate(zip(ids[0, 1:].tolist(), lps[0, 1:].tolist()), 1)}
+        entry[str(prompt[pos])] = {"logprob": -3.0, "rank": 7}
+        for t, e in entry.items():
+            e["decoded_token"] = tokenizer.decode([int(t)], skip_special_tokens=False)
+        expected.append(entry)
+    assert got == expected
+    assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["choices"][0][
+        "prompt_logprobs"] is None
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    lps = chat["prompt_logprobs"]     # as vLLM: on the response, not on a choice
+    assert lps[0] is None and len(lps) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and list(e.values())[0]["rank"] == 7 for e in lps[1:])
+
+
+# -- the front door under big requests ------------------------------------------------------------------------
+
+def _send_head(url: str, headers: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Authorization: Bearer {API_KEY}\r\n{headers}\r\n".encode())
+    return s
+
+
+def _read_response(s: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+            [h for h in data.split(b"\r\n") if h.lower().startswith(b"content-length:")][0].split(b":")[1]):
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_20_mb_body_is_refused_by_its_content_length_before_it_is_sent(echo_http):
+    s = _send_head(echo_http[2], f"Content-Length: {20 * 10 ** 6}\r\n")
+    try:
+        s.sendall(b'{"prompt": "' + b"x" * 1000)      # the rest of the 20 MB is never sent
+        status, body = _read_response(s)
+    finally:
+        s.close()
+    assert status == 413 and body["error"]["code"] == 413 and "--max-request-bytes" in body["error"]["message"]
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(echo_http):
+    limit = 1 << 20        # the default for max_model_len 4096: max(1 MiB, 64 bytes x 4096)
+    s = _send_head(echo_http[2], "Transfer-Encoding: chunked\r\n")
+    try:
+        chunk = b"x" * 65536
+        s.sendall(b'c\r\n{"prompt": "\r\n')
+        for _ in range(limit // len(chunk) + 1):      # past the limit, and no final chunk
+            s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        status, body = _read_response(s)
+    finally:
+        s.close()
+    assert status == 413 and "over this server's limit of 1048576 bytes" in body["error"]["message"]
+
+
+def test_health_answers_while_a_large_body_is_tokenized(echo_http, tokenizer):
+    # the front end in this process, on the running scheduler, with a tokenizer that holds a long
+    # text until /health has answered: were tokenization on the event loop, /health would wait
+    import threading
+
+    from folio.api.app import build_app
+    from folio.api.serving import FrontEnd
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            if len(text) > 100_000:
+                entered.set()
+                release.wait(60)
+            return tokenizer.encode(text, add_special_tokens)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    front = FrontEnd(scheduler_address=echo_http[1], tokenizer=HeldTokenizer(), served_model_names=["echo"],
+                     model_root="echo", max_model_len=4096, kv_capacity_tokens=8192, max_request_bytes=1 << 20)
+    app = build_app(front)
+
+    async def main():
+        await front.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as c:
+                # 300,000 characters: under the character bound (81 x 4096), so it is tokenized
+                big = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hello " * 50_000}))
+                while not entered.is_set():
+                    assert not big.done(), big.result().text
+                    await asyncio.sleep(0.01)
+                health = await c.get("/health")
+                assert health.status_code == 200 and not big.done()
+                release.set()
+                r = await big
+                assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"   # 50,000 tokens
+        finally:
+            release.set()
+            await front.close()
+
+    asyncio.run(main())

@@ -207,3 +207,19 @@ def test_worker_dies_with_its_parent():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_death_found_between_polls_names_the_step_it_was_running():
+    # the scheduler's loop checks the worker's health after each poll; a worker killed mid-step
+    # (a stream in progress) was reported as dying "during idle"
+    ex = ZmqExecutor(EngineConfig(extra={"step_s": 60.0}), runner=RUNNER, env=ENV)
+    try:
+        ex.check_health()                         # alive, nothing submitted
+        ex.submit(_plan(5))
+        os.kill(ex.worker_pid, signal.SIGKILL)
+        ex.proc.wait(10)
+        with pytest.raises(WorkerDiedError) as e:
+            ex.check_health()
+        assert "while step 5 was running" in str(e.value) and "idle" not in str(e.value)
+    finally:
+        ex.shutdown()

@@ -8,19 +8,27 @@ gone), ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, 
 Errors: every error is ``{"error": {"message", "type", "param", "code"}}``. Invalid input is a
 400 (never FastAPI's 422, never a 500), an unknown model a 404, a missing or wrong API key a 401
 (``Authorization: Bearer KEY``; ``/``, ``/health``, ``/metrics``, ``/version`` and ``/docs`` need
-none), an engine that is gone a 503.
+none), a body over ``--max-request-bytes`` a 413, an engine that is gone a 503.
+
+The event loop only moves bytes: a request's body is read on it (``BodyLimit`` counting), and
+everything that costs CPU per request (JSON parsing and validation, the chat template,
+tokenization, decoding) runs on the front end's thread pool (``FrontEnd.offload``), so a large
+request never delays ``/health`` or the other streams.
 """
 
 from __future__ import annotations
 
 import hmac
 import html
+import json
 import logging
 from contextlib import asynccontextmanager
 from importlib import resources
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,6 +64,74 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(dict.fromkeys(parts)) or "invalid request", param
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered 413 at once, before it is read
+    whole: by its ``Content-Length`` before any of it is read, or, sent without one (chunked), as
+    soon as the bytes received pass the limit. ``max_bytes`` ``None`` or 0: no limit."""
+
+    def __init__(self, app, max_bytes: int | None):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _message(self, size: str) -> str:
+        return (f"the request body ({size}) is over this server's limit of {self.max_bytes} bytes "
+                "(folio serve --max-request-bytes)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.max_bytes:
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _error(413, self._message(f"{int(length)} bytes"))(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:       # the route's handler answers with the 413
+                    raise StarletteHTTPException(413, self._message(f"over {received} bytes so far"))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _parse(model: type[pydantic.BaseModel], body: bytes):
+    """A request model from the body's JSON, with FastAPI's validation errors (a thread-pool job)."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)),
+                                       "msg": "JSON decode error", "input": {},
+                                       "ctx": {"error": getattr(e, "msg", None) or str(e)}}]) from None
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+def _document_bodies(app: FastAPI, bodies: dict[str, type[pydantic.BaseModel]]) -> None:
+    """The routes parse their bodies themselves (off the event loop): put their request models
+    into the OpenAPI schema as FastAPI would."""
+    from pydantic.json_schema import models_json_schema
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            for path, m in bodies.items():
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{m.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(front: FrontEnd) -> FastAPI:
     """The application for one ``FrontEnd`` (its client is opened and closed with the app's lifespan)."""
     metrics = Metrics(front.model_name)
@@ -70,6 +146,10 @@ def build_app(front: FrontEnd) -> FastAPI:
 
     app = FastAPI(title="folio", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of a folio engine")
+    app.add_middleware(BodyLimit, max_bytes=front.max_request_bytes)
+
+    async def parse(request: Request, model):
+        return await front.offload(_parse, model, await request.body())
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -118,17 +198,21 @@ def build_app(front: FrontEnd) -> FastAPI:
         body = await cancel_on_disconnect(request, runner.response())
         if body is None:                                 # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(body)
+        return await front.offload(JSONResponse, body)   # (it serializes the body as it is made)
+
+    def prepare(run_cls, req, path):
+        log_unknown_fields(req, path)
+        return run_cls(front, req)          # validation, chat template, tokenization
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        log_unknown_fields(req, request.url.path)
-        return await run(request, CompletionRun(front, req))
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        return await run(request, await front.offload(prepare, CompletionRun, req, request.url.path))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        log_unknown_fields(req, request.url.path)
-        return await run(request, ChatRun(front, req))
+    async def chat_completions(request: Request):
+        req = await parse(request, ChatCompletionRequest)
+        return await run(request, await front.offload(prepare, ChatRun, req, request.url.path))
 
     # -- models, tokenizer, health, metrics ------------------------------------------------------------
     def model_card(name: str) -> dict:
@@ -144,9 +228,8 @@ def build_app(front: FrontEnd) -> FastAPI:
         front.check_model(model)
         return model_card(model)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest, request: Request):
-        log_unknown_fields(req, request.url.path)
+    def tokenize_body(req: TokenizeRequest, path: str) -> dict:
+        log_unknown_fields(req, path)
         front.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
@@ -155,15 +238,24 @@ def build_app(front: FrontEnd) -> FastAPI:
         return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids,
                 "token_strs": front.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest, request: Request):
-        log_unknown_fields(req, request.url.path)
+    def detokenize_body(req: DetokenizeRequest, path: str) -> dict:
+        log_unknown_fields(req, path)
         front.check_model(req.model)
         vocab = front.tokenizer.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
         return {"prompt": front.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse(request, TokenizeRequest)
+        return await front.offload(tokenize_body, req, request.url.path)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse(request, DetokenizeRequest)
+        return await front.offload(detokenize_body, req, request.url.path)
 
     @app.get("/health")
     async def health():
@@ -194,4 +286,6 @@ def build_app(front: FrontEnd) -> FastAPI:
     async def chat_page():
         return HTMLResponse(page.replace("{{MODEL}}", html.escape(front.model_name, quote=True)))
 
+    _document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     return app

@@ -21,6 +21,17 @@ import socket
 import sys
 
 
+REQUEST_BYTES_PER_TOKEN = 64      # default --max-request-bytes: this many bytes per token of max_model_len,
+MIN_MAX_REQUEST_BYTES = 1 << 20   # and at least 1 MiB
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """``folio serve``'s default ``--max-request-bytes``: ``max(1 MiB, 64 * max_model_len)``, room for
+    a full-length prompt of long tokens written as JSON escapes (a token is a few characters, a
+    character up to 6 bytes as ``\\uXXXX``; a token id up to 8 bytes), plus the other fields."""
+    return max(MIN_MAX_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * int(max_model_len))
+
+
 def load_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a path to a jinja2 file, or the template text itself (as vLLM takes it).
 
@@ -67,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--kv-capacity-tokens", type=int, required=True)
     p.add_argument("--chat-template", default=None)
+    p.add_argument("--max-request-bytes", type=int, default=None, help="largest request body (413 beyond); 0: none")
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
     a = p.parse_args(argv)
@@ -91,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     front = FrontEnd(scheduler_address=a.scheduler_address, tokenizer=tokenizer,
                      served_model_names=a.served_model_name, model_root=a.model_root,
                      max_model_len=a.max_model_len, kv_capacity_tokens=a.kv_capacity_tokens,
-                     api_key=os.environ.get("FOLIO_API_KEY") or None)
+                     api_key=os.environ.get("FOLIO_API_KEY") or None, max_request_bytes=a.max_request_bytes or None)
     level = a.uvicorn_log_level
     config = uvicorn.Config(build_app(front), log_level=level, access_log=level in ("info", "debug", "trace"),
                             timeout_graceful_shutdown=a.graceful_shutdown_s, lifespan="on")

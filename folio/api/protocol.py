@@ -4,7 +4,7 @@ Field names, types and defaults follow OpenAI's API reference (completions, chat
 vLLM's extensions of it (``vllm/entrypoints/openai/protocol.py``: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, cache_salt, add_generation_prompt, chat_template_kwargs,
-return_tokens_as_token_ids, use_beam_search with length_penalty; folio's beam_width). Unknown fields are accepted and ignored (the app logs their names).
+return_tokens_as_token_ids, prompt_logprobs, use_beam_search with length_penalty; folio's beam_width). Unknown fields are accepted and ignored (the app logs their names).
 Value ranges are checked by ``SamplingParams`` (one place for the rules, offline and served).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the
@@ -18,7 +18,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
@@ -76,6 +76,8 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     return_tokens_as_token_ids: bool = False
+    # per prompt token after the first: its logprob and this many top ones (not with stream)
+    prompt_logprobs: int | None = None
     # beam search (vLLM's extension: the width is ``n``; ``beam_width``, when given, sets it instead)
     use_beam_search: bool = False
     beam_width: int | None = None

@@ -2,9 +2,11 @@
 
 One HTTP request becomes one engine request per prompt (each with ``n`` samples, which the engine
 runs as parallel sampling); choice ``k`` of the response is sample ``k % n`` of prompt ``k // n``,
-as vLLM numbers them. The front end tokenizes (and applies the chat template) itself and sends
-token ids, so it knows each prompt's length; the engine still validates every request (its
-message, e.g. a prompt over ``max_model_len`` naming both numbers, becomes a 400).
+as vLLM numbers them. The front end tokenizes (and applies the chat template) itself, with the
+same ``InputProcessor`` as the engine (``runtime/frontend/input_processor.py``), on its thread
+pool, and sends token ids: it knows each prompt's length and refuses one that cannot fit
+``max_model_len`` naming the field at fault; the engine still validates every request (its
+message becomes a 400).
 
 Streaming (Server-Sent Events, ``data: {json}`` ... ``data: [DONE]``): the status line is sent only
 after every engine request has answered once (first token or error), so a request the engine
@@ -25,11 +27,14 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import AsyncIterator
 
 from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
 from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams
+from ..runtime.frontend.input_processor import InputError, InputProcessor
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 log = logging.getLogger("folio.api")
@@ -44,6 +49,8 @@ def api_error_from(exc: Exception) -> APIError:
     request the client could not send (``_WIRE_ERRORS``: a 400)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, InputError):
+        return APIError(400, str(exc), exc.param)
     if isinstance(exc, _WIRE_ERRORS):
         return APIError(400, f"the request has a value the engine cannot take (integers must fit in 64 bits, "
                              f"text must be valid Unicode): {exc}")
@@ -74,6 +81,8 @@ class FrontEnd:
         max_model_len: the engine's limit on prompt + output tokens.
         kv_capacity_tokens: token slots of the whole KV cache (caps a chat's default max_tokens).
         api_key: the Bearer key ``/v1`` routes need, or None.
+        max_request_bytes: the largest request body taken (413 beyond), or None: no limit.
+        max_workers: threads of the pool that runs the per-request CPU work (``offload``).
     """
 
     scheduler_address: str
@@ -86,6 +95,19 @@ class FrontEnd:
     client: AsyncClient | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict = field(default_factory=dict)
+    max_request_bytes: int | None = None
+    max_workers: int = 4
+    inputs: InputProcessor = field(init=False)
+
+    def __post_init__(self):
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len)
+        # tokenization, chat templates, request parsing: off the event loop (HF tokenizers' batch
+        # encode releases the GIL, so /health and the streams run meanwhile)
+        self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="folio-api-cpu")
+
+    async def offload(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the front end's thread pool (per-request CPU work)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
 
     @property
     def model_name(self) -> str:
@@ -98,6 +120,7 @@ class FrontEnd:
     async def close(self) -> None:
         if self.client is not None:
             await self.client.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
@@ -120,30 +143,34 @@ class FrontEnd:
         Raises:
             APIError(400): content parts other than text, no chat template, or a template error.
         """
-        if add_generation_prompt and continue_final_message:
-            raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
-                           "continue_final_message")
         msgs = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                                      **(kwargs or {}))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), "messages") from None
-        if continue_final_message:
-            end = text.rfind(msgs[-1]["content"])
-            if msgs[-1]["content"] and end >= 0:
-                text = text[:end + len(msgs[-1]["content"])]    # leave the final message open
-        return text
+            return self.inputs.render_chat(msgs, add_generation_prompt, continue_final_message, kwargs)
+        except InputError as e:
+            raise api_error_from(e) from None
 
-    def encode(self, text: str, add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
-        """Token ids of ``text``. Raises ``APIError(400)`` for text that is not valid Unicode (a lone
-        surrogate, which JSON's escapes can carry)."""
+    def encode(self, text: str, add_special_tokens: bool = False, param: str = "prompt",
+               max_tokens: int | None | bool = False, max_tokens_param: str = "max_tokens") -> list[int]:
+        """Token ids of ``text`` (``InputProcessor.tokenize``: with ``max_tokens`` given, a text too
+        long for ``max_model_len`` is refused, before tokenizing when its length proves it).
+
+        Raises:
+            APIError(400): text that is not valid Unicode, or too long (naming ``param`` or
+                ``max_tokens_param``).
+        """
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(400, f"{param}: not valid Unicode text (lone surrogate at {e.start})",
-                           param) from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self.inputs.tokenize(text, add_special_tokens, param=param, max_tokens=max_tokens,
+                                        max_tokens_param=max_tokens_param)
+        except InputError as e:
+            raise api_error_from(e) from None
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, param: str = "prompt",
+                     max_tokens_param: str = "max_tokens") -> None:
+        """Raises ``APIError(400)`` when the prompt + ``max_tokens`` cannot fit ``max_model_len``."""
+        try:
+            self.inputs.check_length(num_prompt, max_tokens, param=param, max_tokens_param=max_tokens_param)
+        except InputError as e:
+            raise api_error_from(e) from None
 
 
 def _message_text(m: ChatMessage, i: int) -> str:
@@ -174,19 +201,25 @@ def log_unknown_fields(body, path: str) -> None:
         log.info("%s: ignoring unknown field(s): %s", path, ", ".join(names))
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> dict:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, renames: dict | None = None) -> dict:
     """The ``SamplingParams`` fields of a request (defaults where the request leaves one out).
 
+    Args:
+        renames: ``{SamplingParams field: request field}`` where the request names a value
+            differently (chat's ``top_logprobs`` is ``logprobs``): an error names the request's field.
     Raises:
         APIError(400): an unsupported feature or an invalid value (message from ``SamplingParams``).
     """
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs are not available when stream is true (as vLLM)", "prompt_logprobs")
     d = {"n": req.n, "max_tokens": max_tokens, "presence_penalty": req.presence_penalty,
          "frequency_penalty": req.frequency_penalty, "seed": req.seed, "stop": req.stop,
          "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
          "include_stop_str_in_output": req.include_stop_str_in_output,
-         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs}
+         "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
+         "prompt_logprobs": req.prompt_logprobs}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(req, name) is not None:
             d[name] = getattr(req, name)
@@ -195,8 +228,13 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> dict:
     try:
         return SamplingParams.from_dict(d).to_dict()
     except ValueError as e:
-        name = str(e).split(" ", 1)[0]
-        raise APIError(400, str(e), name if name in _SAMPLING_NAMES else None) from None
+        message = str(e)
+        name = message.split(" ", 1)[0]
+        if renames and name in renames:
+            name = renames[name]
+            message = name + message[message.index(" "):]
+        raise APIError(400, message, name if name in _SAMPLING_NAMES | set((renames or {}).values()) else None) \
+            from None
 
 
 def beam_search_params(req, sampling: dict) -> dict:
@@ -212,8 +250,9 @@ def beam_search_params(req, sampling: dict) -> dict:
     for name in ("stop", "stop_token_ids", "min_tokens"):
         if sampling.get(name):
             raise APIError(400, f"{name} is not supported with use_beam_search", name)
-    if sampling.get("logprobs") is not None:
-        raise APIError(400, "logprobs are not supported with use_beam_search", "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if sampling.get(name) is not None:
+            raise APIError(400, f"{name} are not supported with use_beam_search", name)
     try:
         return BeamSearchParams(
             beam_width=req.beam_width if req.beam_width is not None else req.n,
@@ -362,12 +401,15 @@ class _Accumulator:
         self.choices = [_Choice() for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.cached_tokens = [0] * num_prompts
+        self.prompt_logprobs: list = [None] * num_prompts     # per prompt: [None, {id: Logprob}, ...]
 
     def add(self, i: int, d: StreamDelta) -> tuple[int, _Choice]:
         k = i * self.n + d.index
         c = self.choices[k]
         self.prompt_tokens[i] = d.num_prompt_tokens or self.prompt_tokens[i]
         self.cached_tokens[i] = max(self.cached_tokens[i], d.num_cached_tokens or 0)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = d.prompt_logprobs
         c.text.append(d.text)
         c.num_tokens += len(d.token_ids)
         if d.logprobs is not None:
@@ -392,6 +434,18 @@ def _top(entries: dict, k: int) -> list:
     ranked = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k),
                     key=lambda x: x[1].rank)
     return ranked[:k]
+
+
+def prompt_logprobs_json(front: FrontEnd, positions: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` in JSON: ``None`` for the first prompt token, then per position
+    ``{"token_id": {"logprob", "rank", "decoded_token"}}`` (the prompt token and the top ones)."""
+    if positions is None:
+        return None
+    return [None if pos is None else
+            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                      "decoded_token": lp.decoded_token if lp.decoded_token is not None
+                      else front.token_text(t, False)} for t, lp in pos.items()}
+            for pos in positions]
 
 
 def completion_logprobs(front: FrontEnd, items: list, k: int, offset: int, as_ids: bool) -> tuple[dict, int]:
@@ -449,10 +503,12 @@ def completion_prompts(front: FrontEnd, req: CompletionRequest) -> list[tuple[st
     out = []
     for x in texts_or_ids:
         if isinstance(x, str):
-            out.append((x, front.encode(x, req.add_special_tokens)))
+            out.append((x, front.encode(x, req.add_special_tokens, max_tokens=req.max_tokens)))
         else:
             if any(t < 0 for t in x):
                 raise APIError(400, "prompt token ids must be >= 0", "prompt")
+            if x:    # (an empty prompt: the engine's message)
+                front.check_length(len(x), req.max_tokens)
             out.append((None, list(x)))
     return out
 
@@ -495,8 +551,15 @@ class _Run:
                 self.acc.add(i, d)
         finally:
             await self.group.close()
+        return await self.front.offload(self._body)     # texts, logprobs: per-request CPU work
+
+    def _body(self) -> dict:
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.front.model_name,
-                "choices": [self._choice(k, c) for k, c in enumerate(self.acc.choices)], "usage": self.acc.usage()}
+                "choices": [self._choice(k, c) for k, c in enumerate(self.acc.choices)], "usage": self.acc.usage(),
+                **self._response_extra()}
+
+    def _response_extra(self) -> dict:
+        return {}
 
     async def stream(self) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
@@ -546,7 +609,8 @@ class CompletionRun(_Run):
     def _choice(self, k: int, c: _Choice) -> dict:
         prefix = self._echo(k // self.req.n) if self.req.echo else ""
         return {"index": k, "text": prefix + "".join(c.text), "logprobs": self._logprobs(c, c.logprobs),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_logprobs": None}
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_logprobs_json(self.front, self.acc.prompt_logprobs[k // self.req.n])}
 
     def _stream_choices(self, i, k, c, d, new_logprobs):
         text = d.text
@@ -574,13 +638,18 @@ class ChatRun(_Run):
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         text = front.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs)
-        ids = front.encode(text, param="messages")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        ids = front.encode(text, param="messages", max_tokens=max_tokens, max_tokens_param=limit_name)
         if max_tokens is None:     # as vLLM: up to the model's length (here also what the KV cache holds)
             room = min(front.max_model_len, front.kv_capacity_tokens) - len(ids)
             max_tokens = room if room > 0 else None   # None: the engine explains why nothing fits
         self.top_k = (req.top_logprobs or 0) if req.logprobs else None
-        super().__init__(front, req, [ids], sampling_params(req, max_tokens, self.top_k), "chatcmpl")
+        renames = {"logprobs": "top_logprobs", "max_tokens": limit_name}
+        super().__init__(front, req, [ids], sampling_params(req, max_tokens, self.top_k, renames), "chatcmpl")
+
+    def _response_extra(self) -> dict:
+        return {"prompt_logprobs": prompt_logprobs_json(self.front, self.acc.prompt_logprobs[0])}   # as vLLM
 
     def _logprobs(self, items: list):
         if self.top_k is None:

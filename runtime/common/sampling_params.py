@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass, fields
 
 _EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (vLLM's default max_logprobs)
+# the bounds on ``stop`` (vLLM sets none; OpenAI takes 4 strings): every string is looked for after
+# each new token, so the count and the total length bound that work per token
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 16384    # all stop strings together, in characters
 
 
 @dataclass
@@ -35,7 +39,9 @@ class SamplingParams:
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated
             (and stop strings are not checked before).
         stop: string(s) that end generation; the output is cut right before the match unless
-            ``include_stop_str_in_output``. A single string is normalised to a one-item list.
+            ``include_stop_str_in_output``. A single string is normalised to a one-item list. At
+            most ``MAX_STOP_STRINGS`` (256) non-empty strings of ``MAX_STOP_CHARS`` (16384)
+            characters in all.
         stop_token_ids: token ids that end generation (their text is not part of the output
             unless ``include_stop_str_in_output``).
         ignore_eos: keep generating after EOS.
@@ -129,6 +135,11 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings take at most {MAX_STOP_CHARS} characters in all, got "
+                             f"{sum(map(len, self.stop))}")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

@@ -27,8 +27,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable
 
-import numpy as np
-
 from ..common.config import EngineConfig
 from ..common.executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
 from .kv_cache_manager import cdiv
@@ -39,6 +37,7 @@ from ..common.sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from ..common.step import make_step_plan
+from ..frontend.input_processor import InputProcessor
 
 
 class LLMEngine:
@@ -82,6 +81,7 @@ class LLMEngine:
                                                 + list(getattr(tokenizer, "eos_token_ids", []) or [])))
         self.scheduler = scheduler_cls(config, int(executor.num_blocks), self.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
+        self.input_processor = InputProcessor(tokenizer, self.max_model_len, self.vocab_size)
         # steps handed to the executor whose results were not read yet, oldest first:
         # (the step, whether the worker's idle time before it counts as time between steps)
         self._in_flight: deque[tuple[SchedulerOutput, bool]] = deque()
@@ -93,10 +93,16 @@ class LLMEngine:
                       "num_decode_only_steps": 0, "decode_only_forward_time": 0.0}
 
     # -- requests ------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | dict | None,
+                    sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, cache_salt: str | None = None,
                     arrival_time: float | None = None) -> None:
         """Validate, tokenize and queue a request. Nothing is allocated before validation passes.
+
+        ``prompt`` takes every form ``folio.LLM.generate`` takes (vLLM's ``add_request`` too): a
+        string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (either with
+        ``"cache_salt"``), or ``None`` with ``prompt_token_ids``. The prompt goes through the
+        ``InputProcessor`` (``runtime/frontend/input_processor.py``), then the engine's own checks.
 
         ``max_tokens=0`` is a defined prompt-only result: the request's only delta comes with the
         next step, with no tokens, empty text and ``finish_reason="length"``; no block is used.
@@ -104,11 +110,12 @@ class LLMEngine:
         (``runtime/scheduler/beam_search.py``) whose only delta, when it ends, carries one completion per
         result sequence, best first.
         Raises:
-            ValueError: a request that could never run, before it is admitted: duplicate id, no
-                prompt, empty prompt, a token id outside the vocabulary, prompt + max_tokens over
-                ``max_model_len``, more KV blocks for one sample than the whole cache, ``n`` (or
-                ``beam_width``) over ``max_num_seqs``, beams that could not all fit the cache
-                unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
+            ValueError: a request that could never run, before it is admitted (``InputError``, a
+                ``ValueError`` naming the field, for the prompt's own checks): duplicate id, no
+                prompt, a bad prompt form, empty prompt, a token id outside the vocabulary,
+                prompt + max_tokens over ``max_model_len``, more KV blocks for one sample than
+                the whole cache, ``n`` (or ``beam_width``) over ``max_num_seqs``, beams that could
+                not all fit the cache unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
                 ``max_num_batched_tokens`` when chunked prefill is off, or a bad cache_salt /
                 sampling_params type.
         """
@@ -122,36 +129,10 @@ class LLMEngine:
                              f"{type(sampling_params).__name__}")
         if request_id in self.scheduler.requests or self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("a request needs a prompt or prompt_token_ids")
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompt is not valid Unicode text (lone surrogate at {e.start})") from None
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt_token_ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty (0 tokens); at least one token is needed")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        num_prompt = len(prompt_token_ids)
-        max_tokens = sampling_params.max_tokens
-        if max_tokens is None:
-            if num_prompt >= self.max_model_len:
-                raise ValueError(f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
-                                 "which leaves no room to generate")
-            max_tokens = self.max_model_len - num_prompt
-        elif num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt + max_tokens} exceeds max_model_len ({self.max_model_len})")
+        inputs = self.input_processor.process(prompt, sampling_params.max_tokens,
+                                              prompt_token_ids=prompt_token_ids, cache_salt=cache_salt)
+        prompt, prompt_token_ids, cache_salt = inputs.prompt, inputs.prompt_token_ids, inputs.cache_salt
+        num_prompt, max_tokens = len(prompt_token_ids), inputs.max_tokens
         if sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({sampling_params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request run side by side")

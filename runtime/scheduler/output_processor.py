@@ -53,6 +53,15 @@ class OutputProcessor:
         self._token_text: dict[bool, dict[int, str]] = {}    # skip_special_tokens -> single-token texts
         self._states: dict[str, _RequestState] = {}
         self._prompt_logprobs_ready: dict[str, list] = {}  # complete, for the request's next delta
+        self._decoded: dict[int, str] = {}                 # token id -> its text alone (Logprob.decoded_token)
+
+    def decoded_token(self, token_id: int) -> str:
+        """A token's text on its own, special tokens kept (``Logprob.decoded_token``; vLLM decodes
+        each logprob's token alone too); a partial UTF-8 character shows as U+FFFD."""
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self._decoded[token_id] = self._hf.decode([token_id], skip_special_tokens=False)
+        return text
 
     def add_request(self, request: Request) -> None:
         state = self._states[request.request_id] = _RequestState(request)
@@ -158,9 +167,12 @@ class OutputProcessor:
             entries = state.prompt_logprobs
             if len(entries) != pos + 1:
                 raise RuntimeError(f"prompt logprobs of {request.request_id!r} at {pos} after {len(entries) - 1}")
+            decoded = self.decoded_token
             for r in range(row, row + count):
-                entry = {int(ids[r, j]): Logprob(float(lps[r, j]), rank=j) for j in range(1, k + 1)}
-                entry[int(ids[r, 0])] = Logprob(float(lps[r, 0]), rank=int(ranks[r]))
+                entry = {int(t): Logprob(float(lps[r, j]), j, decoded(int(t)))
+                         for j, t in enumerate(ids[r, 1:k + 1], 1)}
+                t = int(ids[r, 0])
+                entry[t] = Logprob(float(lps[r, 0]), int(ranks[r]), decoded(t))
                 entries.append(entry)
             row += count
             if len(entries) == len(request.prompt_token_ids):
@@ -184,10 +196,11 @@ class OutputProcessor:
         ids = np.asarray(result.logprob_token_ids[row])
         entry = {}
         for j in range(1, min(k, len(lps) - 1) + 1):
-            entry[int(ids[j])] = Logprob(float(lps[j]), rank=j)
+            t = int(ids[j])
+            entry[t] = Logprob(float(lps[j]), j, self.decoded_token(t))
         sampled = int(ids[0])
         if sampled not in entry:
-            entry[sampled] = Logprob(float(lps[0]))
+            entry[sampled] = Logprob(float(lps[0]), None, self.decoded_token(sampled))
         if seq.logprobs is None:
             seq.logprobs = []
             seq.cumulative_logprob = 0.0
