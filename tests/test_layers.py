@@ -10,6 +10,7 @@ folders and from the entry points must land in the file that defines the name.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -74,3 +75,17 @@ def test_cross_folder_imports_resolve_statically():
         if not any(f.startswith(str(ROOT / top) + "/") for f in files):
             unresolved.append(f"{path.relative_to(ROOT)}:{line} {name} -> {sorted(files) or 'nothing'}")
     assert not unresolved, "imports static tools cannot follow:\n" + "\n".join(unresolved)
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml names the packages explicitly (the subpackages come through links): a new
+    folder with an ``__init__.py`` must be listed, or the installed wheel would lack it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = set()
+    for folder, _, files in os.walk(ROOT / "folio", followlinks=True):  # through folio/kernels -> ../kernels
+        rel = pathlib.Path(folder).relative_to(ROOT)
+        if "__init__.py" in files and "__pycache__" not in rel.parts:
+            on_disk.add(".".join(rel.parts))
+    assert on_disk == listed, f"missing from pyproject: {sorted(on_disk - listed)}; not packages: {sorted(listed - on_disk)}"
