@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from ...kernels import get_kernels
-from ...kernels.table import KernelTable
+from ...kernels.table import CudaKernelTable, KernelTable
 from ...model.attention import AttentionMetadata
 from ...model.loader import allocate_kv_caches, load_model, resolve_device
 from ..common.config import EngineConfig
@@ -170,10 +170,11 @@ class ModelRunner:
         self.bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(itemsize)
         self.device_step = None
         if self.device == "cuda":
+            cuda: CudaKernelTable = self.kernels  # the CUDA table's extras (kernels/table.py)
             mc = self.model_config
             graph_rows = 1 << max(0, (cfg.max_num_seqs - 1).bit_length())  # decode graphs pad to this
-            self.kernels.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
-            self.device_step = DeviceStep(self.kernels, self.model, max_num_seqs=cfg.max_num_seqs,
+            cuda.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
+            self.device_step = DeviceStep(cuda, self.model, max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                                           max_model_len=self.max_model_len, block_size=self.block_size,
                                           enforce_eager=getattr(cfg, "enforce_eager", False))
@@ -199,7 +200,7 @@ class ModelRunner:
         the peak bytes in use in the memory pool; then ``gpu_kv_budget``.
         """
         cfg = self.config
-        dev = self.kernels.device
+        dev = self.device_step.dev  # the CUDA table's KernelDevice
         lens = profile_step_shape(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
         nb = sum(cdiv(n, self.block_size) for n in lens)
         with dev.peak_tracker() as peak:
