@@ -279,7 +279,7 @@ class LLMEngine:
     # -- warm-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Run throwaway requests so that every kernel a first batch of clients meets is compiled
-        (Numba, on a cold cache ~1-2 min) or loaded before any timed or served request.
+        (Numba, on a cold compile cache ~1-2 min) or loaded before any timed or served request.
 
         Shapes, one phase after the other (run together they would make one batch, and the
         single-sequence shapes would never run): one prompt shorter than a block (the serial

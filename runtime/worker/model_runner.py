@@ -12,8 +12,8 @@ KV cache sizing (docs/architecture.md, "KV cache"; vLLM's ``determine_num_availa
 ``cpu_kv_cache_fraction`` of the available RAM (``MemAvailable`` in /proc/meminfo) and on GPU
 ``gpu_memory_utilization`` of device memory minus what a profiling step of the largest shape used
 (``gpu_kv_budget``: memory outside CuPy's pool, such as the CUDA context, plus the pool's *peak*
-bytes in use during the step: weights, activation buffers, sampler temporaries; blocks the pool
-keeps cached but free are not counted as used). The automatic sizes are capped at what
+bytes in use during the step: weights, activation buffers, sampler temporaries; memory the pool
+holds for reuse but is not using is not counted as used). The automatic sizes are capped at what
 ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever need (plus one block per
 sequence for copy-on-write).
 
@@ -109,13 +109,13 @@ def gpu_kv_budget(total: int, free: int, pool_held: int, pool_peak_used: int, pr
 
     Args:
         total, free: device memory after the profiling step (``cudaMemGetInfo``).
-        pool_held: bytes CuPy's pool holds then (in use or cached free).
+        pool_held: bytes CuPy's pool holds then (in use, or free and kept for reuse).
         pool_peak_used: the most bytes in use in the pool during the step (weights, buffers,
             temporaries and the profiling step's own KV cache of ``profile_kv_bytes``).
     Returns:
         ``gpu_memory_utilization * total - (total - free - pool_held) - (pool_peak_used -
         profile_kv_bytes)``: the memory outside the pool (CUDA context, libraries) and the
-        pool's peak, less the profiling cache that the real cache replaces.
+        pool's peak, less the profiling step's KV cache that the real one replaces.
     """
     outside_pool = (total - free) - pool_held
     return int(gpu_memory_utilization * total - outside_pool - (pool_peak_used - profile_kv_bytes))
