@@ -9,10 +9,12 @@ included. Token bookkeeping follows vLLM V1's unified view: a sequence has ``all
 ``num_computed_tokens``; prefill, chunked prefill, decode and recompute after preemption are all
 "compute the tokens from ``num_computed_tokens`` up to the target".
 
-Who writes what (docs/architecture.md): the scheduler owns every field of ``Sequence`` and
-``Request`` except ``Sequence.detokenizer`` / ``logprobs`` / ``cumulative_logprob`` and
-``Request.finished_time`` (set when the request's last delta is made), which only the output
-processor writes.
+Who writes what (docs/architecture.md): a ``Request`` sets its own fields from its constructor's
+arguments (``n`` and ``beam`` included); after that the scheduler, with its collaborators
+(``beam_search.BeamSearchCoordinator``, ``prompt_logprobs.PromptLogprobsTracker``), owns every field
+of ``Sequence`` and ``Request`` except ``Sequence.detokenizer`` / ``logprobs`` /
+``cumulative_logprob`` and ``Request.finished_time`` (set when the request's last delta is made),
+which only the output processor writes.
 """
 
 from __future__ import annotations
