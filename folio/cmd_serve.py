@@ -55,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="KV cache bytes on CPU (None: a quarter of available memory, capped by what "
                         "max_num_seqs x max_model_len can use)")
-    p.add_argument("--num-kv-blocks-override", "--num-gpu-blocks-override", dest="num_kv_blocks_override", type=int,
+    p.add_argument("--num-kv-blocks-override", dest="num_kv_blocks_override", type=int,
                    default=d.num_kv_blocks_override,
                    help="KV cache size in blocks on any device, overriding the sizing (None: sized from memory)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,

@@ -38,7 +38,7 @@ import gc
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -57,9 +57,6 @@ class _Request:
 
     identity: bytes
     client_request_id: str
-    sent_tokens: dict[int, int] = field(default_factory=dict)   # sample index -> token ids sent
-    sent_text: dict[int, int] = field(default_factory=dict)     # sample index -> characters sent
-    sent_logprobs: dict[int, int] = field(default_factory=dict)
     started: bool = False
 
 

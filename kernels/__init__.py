@@ -3,14 +3,16 @@
 ``get_kernels(device)`` returns the kernel table the forward pass is written against, a
 ``table.KernelTable``: ``xp`` (numpy or cupy) and the operations of ``reference.py`` plus
 ``linear``, ``embedding``, ``prepare_weight`` and ``kv_cache_dtype``. Only the table differs
-between CPU and GPU.
+between CPU and GPU: the CPU's is also a ``table.CpuKernelTable``, the CUDA one a
+``table.CudaKernelTable`` (the extras the GPU step calls, its device included); the model and the
+runtime import neither ``cpu/`` nor ``cuda/`` (an import-linter contract in pyproject.toml).
 """
 
 from __future__ import annotations
 
-from .table import KernelTable, to_numpy
+from .table import CpuKernelTable, CudaKernelTable, KernelDevice, KernelTable, to_numpy
 
-__all__ = ["KernelTable", "get_kernels", "to_numpy"]
+__all__ = ["CpuKernelTable", "CudaKernelTable", "KernelDevice", "KernelTable", "get_kernels", "to_numpy"]
 
 
 def get_kernels(device: str) -> "KernelTable":

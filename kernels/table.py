@@ -1,18 +1,22 @@
 """The kernel table: the operations the forward pass calls, one implementation per device.
 
-``get_kernels("cpu")`` returns ``cpu.CPU_KERNELS`` (Numba), ``get_kernels("cuda")`` a
-``cuda_ops.CudaKernels`` (CuPy RawKernels); both conform to ``KernelTable`` (a test checks the
-members and their signatures), and the model code is written against this protocol only. The
+``get_kernels("cpu")`` returns ``cpu.table.CPU_KERNELS`` (Numba), ``get_kernels("cuda")`` a
+``cuda.table.CudaKernels`` (CuPy RawKernels). The model code and the runtime are written against
+the protocols here only, never against a device's module:
+
+* ``KernelTable``: what every table has, the operations of the forward pass;
+* ``CpuKernelTable(KernelTable)``: the CPU table's extras (``decoder_layers``, every decoder layer
+  of a step in one compiled call, and ``zeros``, huge-page arrays for the KV cache and the weight
+  stacks), which ``model/llama.py`` and ``model/loader.py`` use when a table has them;
+* ``CudaKernelTable(KernelTable)``: the CUDA table's extras, which ``runtime/worker/device_step.py``
+  (the GPU step), ``runtime/worker/sampler.py`` (device sampling), ``runtime/worker/model_runner.py``
+  and ``model/loader.py`` (dummy weights made on the device) call: its ``KernelDevice``, the decode
+  partitioning, scratch buffers, graph capture and the sampling kernels.
+
+tests/test_protocols.py checks each table's members and signatures against its protocols. The
 semantics of every operation are the NumPy specifications in ``reference.py``; shapes below use
 ``T`` tokens, ``S`` sequences, ``H`` / ``Hkv`` query / KV heads, ``D`` head size. ``out=``
 arguments name preallocated results (the forward pass allocates nothing per layer).
-
-A table may also have ``random_weight(shape, seed, std, mean)`` (the CUDA one does), used by
-``model/loader.py`` to make dummy weights on the device, and ``decoder_layers`` (the CPU one
-does, ``cpu_forward.py``), which runs every decoder layer of a step in one call over weights
-stacked per kind, and ``zeros(shape, dtype)`` (the CPU one does: ``cpu_memory.huge_page_zeros``),
-which ``allocate_kv_caches`` and the weight stacks use for their large long-lived arrays; all
-three are optional and not part of the protocol.
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ class KernelTable(Protocol):
         xp: the array module of the table's arrays (``numpy`` or ``cupy``).
         kv_cache_dtype: dtype of the KV cache arrays (float32 on CPU, bf16 bit patterns on GPU).
         act_dtype: dtype of activations (float32).
+        matmul_input_dtype: dtype the norms and activations hand to ``linear`` (float32 on CPU,
+            bf16 bit patterns on GPU).
     """
 
     name: str
     xp: Any
     kv_cache_dtype: np.dtype
     act_dtype: np.dtype
+    matmul_input_dtype: np.dtype
 
     def paged_attention(self, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
                         max_query_len: int | None = None, max_seq_len: int | None = None, out=None):
@@ -91,4 +98,117 @@ class KernelTable(Protocol):
 
     def prepare_weight(self, w):
         """A host weight array in the table's storage format on its device."""
+        ...
+
+
+@runtime_checkable
+class CpuKernelTable(KernelTable, Protocol):
+    """The CPU table's extras (``kernels/cpu/table.py``), used by the model code when a table has
+    them."""
+
+    def decoder_layers(self, weights: dict, buffers: dict, positions, attn_metadata, kv_caches, cos_sin_cache,
+                       scale: float, num_heads: int, num_kv_heads: int, eps: float):
+        """Every decoder layer of a step in one call over weights stacked per kind, in place in
+        ``buffers``; returns ``(hidden, residual)`` ``[T, hidden]`` float32 (``cpu/forward.py``)."""
+        ...
+
+    def zeros(self, shape, dtype=np.float32):
+        """A zeroed array for the large long-lived arrays (KV cache, weight stacks), on huge
+        pages when large (``cpu/memory.py``)."""
+        ...
+
+
+@runtime_checkable
+class KernelDevice(Protocol):
+    """The device services under the CUDA table (``kernels/cuda/device.py``: ``CupyDevice`` on a
+    GPU, ``HostDevice`` on the CPU for tests and dry runs). The GPU step touches the device only
+    through these."""
+
+    def activate(self):
+        """Context manager under which all of a step's work goes to the device's stream."""
+        ...
+
+    def launch(self, fn, *args):
+        """Run ``fn(*args)`` on the device's stream (recorded instead while capturing)."""
+        ...
+
+    def empty(self, shape, dtype):
+        """A device array."""
+        ...
+
+    def pinned_empty(self, nbytes: int):
+        """``[nbytes]`` uint8 page-locked host memory."""
+        ...
+
+    def h2d(self, dst, src):
+        """One asynchronous host-to-device copy of a contiguous uint8 buffer."""
+        ...
+
+    def d2h(self, dst, src):
+        """One asynchronous device-to-host copy of a contiguous uint8 buffer."""
+        ...
+
+    def synchronize(self):
+        """Wait for the device."""
+        ...
+
+    def capture(self):
+        """Context manager capturing the launches of its body into a graph (``.replay()``)."""
+        ...
+
+    def timer(self):
+        """``(mark, elapsed)``: ``mark()`` records a point on the stream; after a sync
+        ``elapsed(a, b)`` is the seconds between two marks."""
+        ...
+
+    def memory(self):
+        """``(free_bytes, total_bytes, pool_held_bytes)``."""
+        ...
+
+    def peak_tracker(self):
+        """Context manager whose ``.peak`` is the most bytes the memory pool held inside it."""
+        ...
+
+
+@runtime_checkable
+class CudaKernelTable(KernelTable, Protocol):
+    """The CUDA table's extras (``kernels/cuda/table.py``), all the runtime calls beyond
+    ``KernelTable``.
+
+    Attributes:
+        device: the ``KernelDevice`` the table launches on and the GPU step copies and syncs with.
+        decode_partition_size: tokens per split-K partition of the decode attention kernel.
+        max_decode_partitions: partitions grow past ``decode_partition_size`` rather than exceed this.
+        scratch_generation: bumped whenever a scratch buffer moves (captured graphs hold addresses
+            and must then be captured again).
+    """
+
+    device: KernelDevice
+    decode_partition_size: int
+    max_decode_partitions: int
+    scratch_generation: int
+
+    def reserve_decode_scratch(self, max_num_seqs: int, num_heads: int, head_dim: int, max_model_len: int):
+        """Allocate the split-K partials of the largest decode step now (fixed addresses for
+        graphs, and counted by the KV sizing's profile)."""
+        ...
+
+    def capture(self):
+        """Context manager capturing the launches of its body into a graph (``.replay()``)."""
+        ...
+
+    def sample(self, logits, params, uniforms, out):
+        """One token per row of ``logits [R, V]`` float32 into ``out [R]`` int64; ``params [R, 4]``
+        float32 ``(temperature, top_k, top_p, min_p)``, ``uniforms [R]`` float64 (the semantics of
+        ``runtime/worker/sampler.py``)."""
+        ...
+
+    def apply_penalties(self, logits, entries, row_params, num_entries: int):
+        """Penalties and min_tokens masks on ``logits [R, V]`` in place: ``entries [N, 3]`` int64
+        ``(row * V + token, output count, flags)``, ``row_params [R, 3]`` float32."""
+        ...
+
+    def random_weight(self, shape, seed: int = 0, std: float = 0.02, mean: float = 0.0):
+        """A random weight of ``shape`` made on the device, in the storage format of
+        ``prepare_weight`` (dummy weights without a host copy)."""
         ...

@@ -67,7 +67,7 @@ def _is_current_import(folder: Path, source: Path) -> bool:
     return info.get("format_version") == IMPORT_FORMAT_VERSION and info.get("source_bytes") == source.stat().st_size
 
 
-def import_gguf_cached(gguf_path, out_dir) -> Path:
+def ensure_gguf_import(gguf_path, out_dir) -> Path:
     """``out_dir`` holding the import of ``gguf_path``, converting only when it is absent or stale.
 
     Safe against concurrent first runs: each converter writes its own temporary folder and renames
@@ -127,9 +127,9 @@ def resolve_model(name_or_path) -> Path:
             raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return import_gguf_cached(path, folio_home() / "models" / path.stem)
+        return ensure_gguf_import(path, folio_home() / "models" / path.stem)
     if text in KNOWN_MODELS:
-        return import_gguf_cached(find_packaged_gguf(text), folio_home() / "models" / text)
+        return ensure_gguf_import(find_packaged_gguf(text), folio_home() / "models" / text)
     if path.suffix == ".gguf" or os.sep in text:
         raise FileNotFoundError(f"no such model file or folder: {text}")
-    return import_gguf_cached(find_packaged_gguf(text), folio_home() / "models" / text)  # raises ValueError
+    return ensure_gguf_import(find_packaged_gguf(text), folio_home() / "models" / text)  # raises ValueError

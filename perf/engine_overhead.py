@@ -54,17 +54,19 @@ def make_engine(mode: str, max_seqs: int, tests_dir: str, async_scheduling: bool
     from folio.runtime.common.config import EngineConfig
     from folio.runtime.scheduler.engine import LLMEngine
     kw = dict(max_num_seqs=max_seqs, max_model_len=2048, max_num_batched_tokens=4096,
-              enable_prefix_caching=True, extra={"num_blocks": 8192, "echo_period": ECHO_PERIOD})
+              enable_prefix_caching=True)
     if async_scheduling is not None and "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["async_scheduling"] = async_scheduling
     cfg = EngineConfig(**kw)
     if mode == "zmq":
         from folio.ipc.zmq_executor import ZmqExecutor
         path = tests_dir + os.pathsep + os.environ.get("PYTHONPATH", "")
-        executor = ZmqExecutor(cfg, runner="ipc_fake_runner:EchoRunner", env={**os.environ, "PYTHONPATH": path})
+        executor = ZmqExecutor(cfg, runner="ipc_fake_runner:EchoRunner",
+                               env={**os.environ, "PYTHONPATH": path, "FOLIO_ECHO_NUM_BLOCKS": "8192",
+                                    "FOLIO_ECHO_PERIOD": str(ECHO_PERIOD)})
     else:
         from ipc_fake_runner import EchoRunner
-        executor = EchoRunner(cfg)
+        executor = EchoRunner(cfg, num_blocks=8192, echo_period=ECHO_PERIOD)
     return LLMEngine(cfg, executor=executor)
 
 

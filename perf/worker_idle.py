@@ -39,10 +39,11 @@ def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
     from folio.runtime.scheduler.engine import LLMEngine
     if worker == "echo":
         cfg = EngineConfig(max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=4096,
-                           async_scheduling=overlap, extra={"num_blocks": 8192, "step_s": step_ms / 1000,
-                                                            "echo_period": ECHO_PERIOD})
+                           async_scheduling=overlap)
         tests = os.path.join(ROOT, "tests")
-        env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "FOLIO_ECHO_NUM_BLOCKS": "8192", "FOLIO_ECHO_STEP_S": str(step_ms / 1000),
+               "FOLIO_ECHO_PERIOD": str(ECHO_PERIOD)}
         ex = ZmqExecutor(cfg, runner="ipc_fake_runner:EchoRunner", env=env)
     else:
         cfg = EngineConfig(device="cpu", max_num_seqs=n, max_model_len=256, max_num_batched_tokens=2048,

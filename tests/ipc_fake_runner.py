@@ -1,12 +1,14 @@
 """A stand-in runner for ipc tests and engine benchmarks: the worker machinery without a model.
 
 ``EchoRunner`` answers each sampled row with (last input token + 1), a placeholder input being the
-token the sequence sampled in the step before (overlap scheduling); ``config.extra`` tunes it:
+token the sequence sampled in the step before (overlap scheduling). Its keyword arguments tune it:
 ``num_blocks`` (default 64), ``step_s`` (simulated forward seconds), ``fail_init`` (raise at start),
 ``echo_period`` (benchmarks: answers wrap into ``[1000, 1000 + echo_period)``, so the vocabulary a
-long run sees is bounded as a model's is, instead of a new id every step); the environment
-variables FOLIO_ECHO_NUM_BLOCKS / FOLIO_ECHO_STEP_S set the same through ``folio serve``.
-FOLIO_ECHO_INIT_S makes start-up take that many seconds (as loading a model does).
+long run sees is bounded as a model's is, instead of a new id every step). A worker process builds
+it from the config alone (``ZmqExecutor(..., runner="ipc_fake_runner:EchoRunner")``, ``folio
+serve``): there the environment variables FOLIO_ECHO_NUM_BLOCKS, FOLIO_ECHO_STEP_S,
+FOLIO_ECHO_FAIL_INIT and FOLIO_ECHO_PERIOD give the same settings (pass them in the executor's
+``env``). FOLIO_ECHO_INIT_S makes start-up take that many seconds (as loading a model does).
 Rows that ask for logprobs (beam search asks for ``2 * beam_width``) or prompt logprobs get made-up
 ones from ``echo_logprobs``, a function of the row's last input token alone.
 """
@@ -38,14 +40,14 @@ def echo_logprobs(last_ids, K: int):
 
 
 class EchoRunner:
-    def __init__(self, config):
-        extra = config.extra or {}
-        if extra.get("fail_init"):
+    def __init__(self, config, num_blocks=None, step_s=None, fail_init=None, echo_period=None):
+        env = os.environ.get
+        if fail_init if fail_init is not None else env("FOLIO_ECHO_FAIL_INIT", "") not in ("", "0"):
             raise RuntimeError("fake init failure")
-        self.num_blocks = int(extra.get("num_blocks", os.environ.get("FOLIO_ECHO_NUM_BLOCKS", 64)))
-        self.step_s = float(extra.get("step_s", os.environ.get("FOLIO_ECHO_STEP_S", 0.0)))
-        time.sleep(float(os.environ.get("FOLIO_ECHO_INIT_S", 0.0)))
-        self.period = extra.get("echo_period")
+        self.num_blocks = int(num_blocks if num_blocks is not None else env("FOLIO_ECHO_NUM_BLOCKS", 64))
+        self.step_s = float(step_s if step_s is not None else env("FOLIO_ECHO_STEP_S", 0.0))
+        time.sleep(float(env("FOLIO_ECHO_INIT_S", 0.0)))
+        self.period = echo_period if echo_period is not None else (int(env("FOLIO_ECHO_PERIOD", 0)) or None)
         self.model_config = None
         self.seen_seqs = set()
         self.want: dict[int, tuple] = {}   # seq_id -> (logprobs, prompt_logprobs) asked for

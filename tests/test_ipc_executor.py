@@ -49,7 +49,7 @@ def _wait_gone(pid, deadline_s=10.0):
 
 
 def test_round_trip_and_clean_shutdown():
-    ex = ZmqExecutor(EngineConfig(extra={"num_blocks": 37}), runner=RUNNER, env=ENV)
+    ex = ZmqExecutor(EngineConfig(), runner=RUNNER, env={**ENV, "FOLIO_ECHO_NUM_BLOCKS": "37"})
     try:
         assert ex.num_blocks == 37 and ex.is_alive()
         for step in range(1, 4):
@@ -75,7 +75,8 @@ def _decode_plan(step_id, S=3, inputs=None):
 def test_plans_queue_up_in_order_and_placeholders_take_the_last_sample():
     # overlap scheduling: plan 2 is sent before plan 1's result is read; its inputs are
     # placeholders the worker fills with what each sequence sampled in plan 1
-    ex = ZmqExecutor(EngineConfig(extra={"num_blocks": 8, "step_s": 0.05}), runner=RUNNER, env=ENV)
+    ex = ZmqExecutor(EngineConfig(), runner=RUNNER,
+                     env={**ENV, "FOLIO_ECHO_NUM_BLOCKS": "8", "FOLIO_ECHO_STEP_S": "0.05"})
     try:
         first = _plan(1)
         ex.submit(first)
@@ -95,7 +96,7 @@ def test_plans_queue_up_in_order_and_placeholders_take_the_last_sample():
 
 def test_start_up_failure_is_reported():
     with pytest.raises(WorkerDiedError, match="fake init failure"):
-        ZmqExecutor(EngineConfig(extra={"fail_init": True}), runner=RUNNER, env=ENV, startup_timeout=60)
+        ZmqExecutor(EngineConfig(), runner=RUNNER, env={**ENV, "FOLIO_ECHO_FAIL_INIT": "1"}, startup_timeout=60)
 
 
 @pytest.mark.parametrize("where", ["spawn", "bind"])
@@ -132,7 +133,8 @@ def test_an_interrupted_start_up_leaves_no_folders(tmp_path, monkeypatch, where)
 @pytest.mark.parametrize("sig, hb_timeout, needle", [(signal.SIGKILL, 10.0, "died"),
                                                      (signal.SIGSTOP, 1.0, "stopped answering")])
 def test_worker_death_or_silence_raises_quickly(sig, hb_timeout, needle):
-    ex = ZmqExecutor(EngineConfig(extra={"step_s": 60.0}), runner=RUNNER, env=ENV, heartbeat_timeout=hb_timeout)
+    ex = ZmqExecutor(EngineConfig(), runner=RUNNER, env={**ENV, "FOLIO_ECHO_STEP_S": "60"},
+                     heartbeat_timeout=hb_timeout)
     t0 = time.monotonic()
     try:
         ex.submit(_plan())

@@ -244,7 +244,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
         "eos_token_id": 2, "tie_word_embeddings": True}
 
 
-def test_runner_sizes_cpu_cache(runner, tmp_path, monkeypatch):
+def test_runner_sizes_the_kv_cache_on_cpu(runner, tmp_path, monkeypatch):
     cfg = runner.model_config
     per_block = BS * cfg.kv_bytes_per_token(4)
     assert per_block == BS * 2 * 30 * 3 * 64 * 4

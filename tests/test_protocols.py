@@ -1,15 +1,20 @@
-"""The written contracts hold: both kernel tables conform to ``KernelTable``, every executor to
-``Executor``, the runners to ``StepRunner`` (members present, and every method accepts the
-protocol's call shape: its parameters by the same names and kinds, extra ones only with defaults)."""
+"""The written contracts hold: both kernel tables conform to ``KernelTable`` and each to its own
+extension (``CpuKernelTable``, ``CudaKernelTable``) and not to the other's, the CUDA table's devices
+to ``KernelDevice``, every executor to ``Executor``, the runners to ``StepRunner`` (members present,
+and every method accepts the protocol's call shape: its parameters by the same names and kinds,
+extra ones only with defaults)."""
 
 import inspect
+import os
+from typing import Generic, Protocol
 
 import numpy as np
 import pytest
 
 from folio.kernels.cpu.table import CPU_KERNELS
+from folio.kernels.cuda.device import CupyDevice, HostDevice
 from folio.kernels.cuda.table import CudaKernels
-from folio.kernels.table import KernelTable
+from folio.kernels.table import CpuKernelTable, CudaKernelTable, KernelDevice, KernelTable
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
 
@@ -55,11 +60,69 @@ def assert_conforms(obj, proto):
         assert why is None, f"{type(obj).__name__}.{name}: {why}"
 
 
-@pytest.mark.parametrize("table", [CPU_KERNELS, CudaKernels(np, lambda name: None, gemm=lambda *a: None)],
-                         ids=["cpu", "cuda"])
-def test_kernel_tables_conform(table):
-    assert_conforms(table, KernelTable)
-    assert table.name in ("cpu", "cuda") and table.xp is np
+def protocol_members(proto):
+    """Every member a protocol declares, its bases' included (the extensions inherit ``KernelTable``)."""
+    names = set()
+    for cls in proto.__mro__:
+        if cls in (object, Protocol, Generic) or not getattr(cls, "_is_protocol", False):
+            continue
+        names |= protocol_attributes(cls) | set(protocol_methods(cls))
+    return names
+
+
+# the CUDA table built on the CPU (NumPy arrays, a HostDevice), as tests/test_device_step.py runs it
+CUDA_ON_HOST = CudaKernels(np, lambda name: None, gemm=lambda *a: None)
+TABLES = {"cpu": (CPU_KERNELS, CpuKernelTable), "cuda": (CUDA_ON_HOST, CudaKernelTable)}
+
+
+@pytest.mark.parametrize("device", list(TABLES))
+@pytest.mark.parametrize("proto", [KernelTable, CpuKernelTable, CudaKernelTable], ids=lambda p: p.__name__)
+def test_kernel_tables_conform_to_their_protocols(device, proto):
+    table, own = TABLES[device]
+    if proto in (KernelTable, own):
+        for cls in proto.__mro__:   # the extension's members and the base's, each signature checked
+            if getattr(cls, "_is_protocol", False) and cls not in (Protocol, Generic):
+                assert_conforms(table, cls)
+        assert table.name == device and table.xp is np
+    else:  # the other device's extension: the runtime must not take this table for it
+        assert not isinstance(table, proto)
+        missing = sorted(n for n in protocol_members(proto) - protocol_members(KernelTable) if not hasattr(table, n))
+        assert missing, f"{device} table has every extra of {proto.__name__}"
+
+
+def test_the_cuda_tables_devices_conform():
+    assert_conforms(CUDA_ON_HOST.device, KernelDevice)
+    assert isinstance(CUDA_ON_HOST.device, HostDevice)
+    for name, fn in protocol_methods(KernelDevice).items():   # the GPU's, checked without a GPU
+        assert accepts_call_shape(fn, getattr(CupyDevice, name)) is None, name
+
+
+def table_members_used(path) -> set[str]:
+    """Attribute names the worker-side file at ``path`` reads from a kernel table: ``X`` in
+    ``kernels.X``, ``k.X``, ``cuda.X``, ``self.k.X``, ``self.kernels.X`` (its names for the table)."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if isinstance(v, ast.Name) and v.id in ("kernels", "k", "cuda") or (
+                isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == "self"
+                and v.attr in ("k", "kernels")):
+            names.add(node.attr)
+    return names
+
+
+def test_the_protocols_declare_what_the_worker_calls():
+    # every member the GPU step, the device sampler and the model runner read from a table is
+    # declared (the CUDA path runs every one of them, so CudaKernelTable must declare them all)
+    import folio.runtime.worker as worker
+    root = os.path.dirname(worker.__file__)
+    used = set()
+    for name in ("device_step.py", "sampler.py", "model_runner.py"):
+        used |= table_members_used(os.path.join(root, name))
+    assert {"capture", "sample", "reserve_decode_scratch"} <= used   # the scan sees the calls
+    assert used - protocol_members(CudaKernelTable) == set()
 
 
 def test_a_table_without_an_operation_does_not_conform():
@@ -72,7 +135,7 @@ def test_a_table_without_an_operation_does_not_conform():
 def test_runners_and_executors_conform():
     from ipc_fake_runner import EchoRunner
     from test_scheduler import FakeExecutor
-    runners = [EchoRunner(EngineConfig(extra={"num_blocks": 8})), FakeExecutor(8, 4)]
+    runners = [EchoRunner(EngineConfig(), num_blocks=8), FakeExecutor(8, 4)]
     for runner in runners:
         assert_conforms(runner, StepRunner)
         for wrapper in (InlineExecutor(runner), ThreadedExecutor(runner)):

@@ -57,7 +57,7 @@ from numba import cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import jit_cache as cpu_cache  # noqa: F401  (before any kernel is defined: one cache stamp for all of them)
+from . import jit_cache  # noqa: F401  (before any kernel is defined: one cache stamp for all of them)
 
 __all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "numba_threads", "region_guard", "blas_name",
            "sgemm", "ptr", "prefetch", "fetch_add", "atomic_add", "atomic_load", "sched_yield", "ROW_MAJOR", "NO_TRANS",

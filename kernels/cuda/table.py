@@ -109,6 +109,7 @@ class CudaKernels:
         self._ptr = ptr or (lambda a: a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data)
         self.smem_limit = smem_limit
         self.decode_partition_size = DECODE_PARTITION_SIZE
+        self.max_decode_partitions = MAX_DECODE_PARTITIONS
         self.rope_inv_freq = reference.rope_inv_freq
         self.rope_cos_sin_cache = reference.rope_cos_sin_cache
         self._scratch_bufs: dict = {}

@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit, prange
 
-from folio.kernels.cpu import jit_cache as cpu_cache
+from folio.kernels.cpu import jit_cache
 from folio.kernels.cpu.attention import attention_item, attention_scratch, finish_attention, plan
 from folio.kernels.cpu.forward import wait_items_done
 from folio.kernels.cpu.linear import linear_item, linear_items, linear_plan
@@ -70,7 +70,7 @@ from folio.kernels.cpu.math import LOG2E
 from folio.kernels.cpu.threads import NO_TRANS, ROW_MAJOR, TRANS, atomic_add, ptr, sgemm
 
 # the regions below link kernels of other files: their cache entries must follow those sources
-cpu_cache.cover(__file__)
+jit_cache.cover(__file__)
 
 _MODEL = dict(hidden=576, inter=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
 

@@ -372,7 +372,7 @@ def make_plots(data: dict, out_dir: Path) -> dict:
         ch = r["changed_token"]
         axs[1].plot([c["position"] for c in ch], [c["cached_tokens"] for c in ch], "o-", label="cached tokens")
         axs[1].set_xlabel("position of the one changed system-prompt token")
-        axs[1].set_ylabel("prompt tokens served from cache")
+        axs[1].set_ylabel("prompt tokens served from the prefix cache")
         ax2 = axs[1].twinx()
         ax2.plot([c["position"] for c in ch], [c["ttft_s"] for c in ch], "r^--", label="TTFT")
         ax2.set_ylabel("TTFT (s)", color="r")
@@ -694,7 +694,7 @@ def render_markdown(data: dict, figs: dict, size_name: str = "full") -> str:
               "reuse its KV blocks and skip its prefill.", "",
               f"**Setup**: a {r['system_len']}-token system prompt followed by {r['num_questions']} different short "
               f"questions (random token ids), {r['output_len']} output tokens each, submitted together; prefix "
-              "caching off, then on. Then, into the warm cache, the first question again with one token of the "
+              "caching off, then on. Then, into the warm prefix cache, the first question again with one token of the "
               "system prompt changed at various positions.", ""] + fig("fig5") + [
               "| prefix caching | total (s) | mean TTFT (s) | median TTFT (s) | hit rate (tokens) |",
               "|---|---|---|---|---|",

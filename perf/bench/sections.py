@@ -100,7 +100,7 @@ def run_section5(host: ModelHost, size, bar=None) -> dict:
                  for _ in range(size.s5_num_questions)]
     reqs = [BenchRequest(system + q, size.s5_output_len) for q in questions]
     out = {"system_len": size.s5_system_len, "num_questions": len(reqs), "output_len": size.s5_output_len}
-    for caching in (False, True):  # on last: its cache stays warm for the lesson below
+    for caching in (False, True):  # on last: its prefix cache stays warm for the lesson below
         eng = host.engine(enable_prefix_caching=caching)
         res = run_trace(eng, reqs, ignore_eos_params)
         m = res.metrics
@@ -112,10 +112,10 @@ def run_section5(host: ModelHost, size, bar=None) -> dict:
             "cached_tokens": sum(o.num_cached_tokens for o in res.outputs.values()),
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs)}
         if caching:
-            warm = eng  # its cache holds the original system prompt
+            warm = eng  # its prefix cache holds the original system prompt
         if bar is not None:
             bar.update(1)
-    # the prompt-design lesson: one token of the system prompt changed, into a warm cache
+    # the prompt-design lesson: one token of the system prompt changed, into a warm prefix cache
     changes = []
     q = questions[0]
     for pos in size.s5_change_positions:

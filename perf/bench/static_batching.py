@@ -20,7 +20,7 @@ class StaticBatchScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self._batch: set[str] = set()
 
-    def _may_admit(self, seq: Sequence) -> bool:
+    def may_admit(self, seq: Sequence) -> bool:
         if not self.running and not any(rid in self.requests for rid in self._batch):
             self._batch = set()
             for waiting in self.waiting:

@@ -76,7 +76,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
     engine = host.engine(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     bar = tqdm(total=len(requests), desc="folio", disable=not progress, dynamic_ncols=True)
     with numba_threads(threads):
-        host.warm_up()  # a cold Numba cache compiles here, not inside the timed run
+        host.warm_up()  # a cold Numba compile cache compiles here, not inside the timed run
     with numba_threads(threads), BusyProcesses(busy):
         res = run_trace(engine, requests, ignore_eos_params, sample_kv=True, progress=bar)
     bar.close()
@@ -143,7 +143,7 @@ def format_throughput(out: dict) -> str:
         f"{out['machine'].get('loadavg_1m', 0):.1f}; threads per engine: {out['engine']['threads']}"
         + (f"; folio's sgemm: OpenBLAS {out['machine']['blas_kernels']} kernels" if out["machine"].get("blas_kernels") else "")
         + (f"; {out['busy_processes']} competing busy process(es) during every run" if out.get("busy_processes") else ""),
-        *([f"folio warm-up before timing (kernels compiled or loaded from the cache): {out['warm_up_s']:.1f} s"]
+        *([f"folio warm-up before timing (kernels compiled or loaded from Numba's compile cache): {out['warm_up_s']:.1f} s"]
           if out.get("warm_up_s") is not None else []),
         "",
         f"{'engine':<{c}}{'wall s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}",

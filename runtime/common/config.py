@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -25,9 +24,7 @@ class EngineConfig:
         enable_chunked_prefill: split prefills that do not fit the step's token budget.
         num_kv_blocks_override / kv_cache_memory: size the KV cache by block count (any device),
             or by bytes (CPU; default: ``cpu_kv_cache_fraction`` of available RAM, capped by what
-            max_num_seqs x max_model_len could ever use). ``num_gpu_blocks_override`` (vLLM's name)
-            is accepted as a deprecated alias of ``num_kv_blocks_override``; the new name wins when
-            both are given.
+            max_num_seqs x max_model_len could ever use).
         gpu_memory_utilization: fraction of device memory folio may use (GPU).
         load_format: ``"auto"`` (weights from files) or ``"dummy"`` (random weights of the config's
             shapes, for benchmarks).
@@ -59,14 +56,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     async_scheduling: bool = True
-    extra: dict = field(default_factory=dict)
-    num_gpu_blocks_override: InitVar[int | None] = None
 
-    def __post_init__(self, num_gpu_blocks_override: int | None = None):
-        if num_gpu_blocks_override is not None and self.num_kv_blocks_override is None:
-            warnings.warn("num_gpu_blocks_override is deprecated; use num_kv_blocks_override",
-                          DeprecationWarning, stacklevel=3)
-            self.num_kv_blocks_override = num_gpu_blocks_override
+    def __post_init__(self):
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -114,15 +105,9 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from keyword arguments; unknown names raise ``TypeError`` naming them."""
-        names = {f.name for f in fields(cls)} | {"num_gpu_blocks_override"}
+        names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
-
-# the deprecated name reads the new field (set after the dataclass is built, so that it is not
-# taken for the InitVar's default)
-EngineConfig.num_gpu_blocks_override = property(  # type: ignore[assignment]
-    lambda self: self.num_kv_blocks_override,
-    doc="Deprecated alias of ``num_kv_blocks_override`` (vLLM's name; it sizes the CPU cache too).")

@@ -158,10 +158,6 @@ class SamplingParams:
         return self.temperature < _EPS
 
     @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
-    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

@@ -10,12 +10,13 @@ reach ``max_tokens`` (or ``max_model_len``) they are finished hypotheses too, an
 the ``beam_width`` best hypotheses by ``cum_logprob / len ** length_penalty``.
 
 What is folio's own (docs/architecture.md, "Beam search"): the beams are ``Sequence`` objects of
-one request inside the scheduler, not new requests per step. After each step the scheduler
-(``Scheduler._advance_beams``) keeps a beam that has one surviving extension as it is (it takes
-its parent's blocks), forks a beam that has several (``KVCacheManager.fork``: the children share
-every block by reference count; the shared partly filled last block is copied on write when each
-writes its next token, as for ``n > 1``), and frees a beam that has none at once. This file holds
-only the arithmetic: which extensions survive, which finish, and the final ranking.
+one request inside the scheduler, not new requests per step. The scheduler's collaborator
+``BeamSearchCoordinator`` (below) is called at admission, at preemption and after each step:
+after a step it keeps a beam that has one surviving extension as it is (it takes its parent's
+blocks), forks a beam that has several (``Scheduler.fork_after``, ``KVCacheManager.fork``: the
+children share every block by reference count; the shared partly filled last block is copied on
+write when each writes its next token, as for ``n > 1``), and frees a beam that has none at once.
+``BeamState`` holds the arithmetic: which extensions survive, which finish, and the final ranking.
 
 Where folio differs from vLLM (README "Beam search"): the length in the length penalty counts the
 generated tokens (vLLM counts the prompt too; the issue text asks for the generated length), at
@@ -107,6 +108,11 @@ class BeamState:
         self.finished: list[Hypothesis] = []
         self.done = False
 
+    def start(self, seq) -> None:
+        """The search starts from one live beam, ``seq`` (the prompt), with logprob 0."""
+        self.live = [seq]
+        self.cum = {seq.seq_id: 0.0}
+
     def add_candidates(self, seq, token_ids, logprobs) -> bool:
         """Record the candidates of ``seq`` (a live beam) from its row of a step result: column
         0 is the sampled token, columns 1.. the top ``2 * width`` by raw logprob. Returns whether
@@ -163,3 +169,120 @@ class BeamState:
             return [Hypothesis([], 0.0, "length", 0)]
         lp = self.params.length_penalty
         return sorted(self.finished, key=lambda h: -beam_score(h.length, h.cum_logprob, lp))[:self.width]
+
+
+class BeamSearchCoordinator:
+    """The scheduler's beam search collaborator: what a beam needs at admission, at preemption and
+    after a step, so that ``Scheduler``'s core loop stays plain scheduling.
+
+    The scheduler calls it only for beams (``Sequence.is_beam``); it reads the scheduler's queues
+    and limits and changes them only through the scheduler's methods (``preempt``, ``release``,
+    ``fork_after``). Each search's state is its request's ``BeamState``.
+
+    Args:
+        scheduler: the ``Scheduler`` it serves.
+    """
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    # admission
+    def can_admit(self, seq) -> bool:
+        """A waiting beam is admitted only while the seats and the free blocks could take every
+        waiting beam of its search (the first beam: all ``beam_width`` it becomes) to its next
+        token, no sharing counted: a search is not split by a lack of room that its own admitted
+        part holds."""
+        sched = self.scheduler
+        waiting = [s for s in seq.request.beam.live if s.is_waiting]
+        seats = seq.request.n if seq.num_output_tokens == 0 else len(waiting)
+        if sched.running and len(sched.running) + seats > sched.max_num_seqs:
+            return False
+        bs = sched.block_size
+        need = sum(-(-(s.num_tokens + 1) // bs) for s in waiting)
+        return need <= sched.kv_cache_manager.get_num_free_blocks()
+
+    # preemption
+    def preemption_group(self, victim, step: int) -> list:
+        """What goes with ``victim`` when the scheduler preempts it: its whole search's running
+        beams not yet scheduled in ``step`` (siblings left holding blocks could only wait for it)."""
+        return [s for s in victim.request.beam.live if s.is_running and s.scheduled_step != step]
+
+    def on_preempt(self, seq) -> list:
+        """``seq`` was preempted: its recompute samples its candidates again. Returns its search's
+        other waiting beams, which the scheduler queues right behind it (``can_admit`` admits them
+        as one)."""
+        state = seq.request.beam
+        state.pending.pop(seq.seq_id, None)
+        return [s for s in state.live if s is not seq and s.is_waiting]
+
+    def idle_group(self) -> list:
+        """Nothing could be scheduled, sequences wait, and nothing is in flight: the running
+        sequences are beams holding blocks while they wait for siblings that wait for blocks. The
+        newest such search's running beams, for the scheduler to preempt (recomputed later), or
+        ``[]``."""
+        for seq in reversed(self.scheduler.running):
+            if seq.is_beam:
+                return [s for s in seq.request.beam.live if s.is_running]
+        return []
+
+    # after the step
+    def update_from_output(self, beams, result, now: float) -> list:
+        """Record each sampled beam's candidates (``beams``: ``(seq, row)``, its row of the
+        result's logprobs) and advance every search whose live beams all have theirs.
+
+        Returns:
+            the requests whose search ended in this step.
+        """
+        ready = []
+        for seq, row in beams:
+            request = seq.request
+            if request.beam.add_candidates(seq, result.logprob_token_ids[row], result.logprobs[row]):
+                ready.append(request)
+        ended = []
+        for request in ready:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            if self._advance(request):
+                ended.append(request)
+        return ended
+
+    def _advance(self, request) -> bool:
+        """One step of the search (``BeamState.select``): a beam with one surviving extension
+        appends it, one with k > 1 is forked k - 1 times first (the children share its blocks),
+        one with none is freed now; beams that reach the length limit finish. Returns whether the
+        search ended."""
+        sched = self.scheduler
+        state = request.beam
+        old = state.live
+        chosen = state.select()
+        first: dict = {}
+        extensions = []
+        for rank, (pos, token, cum) in enumerate(chosen):
+            parent = old[pos]
+            if pos not in first:
+                first[pos] = parent
+                seq = parent
+            else:  # fork before the parent appends its own token
+                seq = sched.fork_after(parent, rank)
+            seq.index = rank
+            extensions.append((seq, token, cum))
+        for pos, seq in enumerate(old):
+            if pos not in first:
+                sched.release(seq)  # fell off: its blocks go back now
+        state.cum = {}
+        for seq, token, cum in extensions:
+            seq.all_token_ids.append(token)
+            state.cum[seq.seq_id] = cum
+        state.live = [seq for seq, _, _ in extensions]
+        request.seqs = state.live
+        if state.live:
+            seq = state.live[0]
+            if seq.num_output_tokens >= request.max_output_tokens or seq.num_tokens >= sched.max_model_len:
+                state.finish_live("length")
+                for seq in state.live:
+                    sched.release(seq)
+                state.live = request.seqs = []
+        if not state.live:
+            state.done = True
+        return state.done

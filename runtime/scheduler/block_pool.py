@@ -120,7 +120,3 @@ class BlockPool:
     def get_num_registered_blocks(self) -> int:
         """Full blocks registered in the prefix-cache map (in use or cached-free)."""
         return len(self.cached_block_hash_to_block)
-
-    def get_usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks

@@ -32,7 +32,6 @@ from ..common.executor import Executor, InlineExecutor, StepRunner, ThreadedExec
 from .kv_cache_manager import cdiv
 from .output_processor import OutputProcessor
 from ..common.outputs import RequestDelta
-from .beam_search import BeamState
 from ..common.sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
@@ -153,10 +152,7 @@ class LLMEngine:
             raise ValueError(f"beam search with beam_width {beam.beam_width} needs up to {beam.beam_width * need} "
                              f"KV blocks ({need} per beam, nothing shared) but the whole cache has {total}")
         request = Request(request_id, prompt, prompt_token_ids, sampling_params, max_tokens, cache_salt,
-                          arrival_time, self.eos_token_ids)
-        if beam is not None:
-            request.n = beam.beam_width
-            request.beam = BeamState(beam, request.eos_stop_set)
+                          arrival_time, self.eos_token_ids, beam_params=beam)
         self.output_processor.add_request(request)
         if max_tokens == 0:
             self._pending.append(self.output_processor.finish_beams(request) if beam is not None
@@ -180,9 +176,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether ``step()`` has anything left to do (requests, deltas to hand out, steps in flight)."""
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._in_flight)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
 
     # -- steps ---------------------------------------------------------------------------------------
     def step(self, block: bool = True) -> list[RequestDelta]:
@@ -267,7 +260,7 @@ class LLMEngine:
     # -- warm-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Run throwaway requests so that every kernel a first batch of clients meets is compiled
-        (Numba, on a cold cache ~1-2 min) or loaded before any timed or served request.
+        (Numba, on a cold compile cache ~1-2 min) or loaded before any timed or served request.
 
         Shapes, one phase after the other (run together they would make one batch, and the
         single-sequence shapes would never run): one prompt shorter than a block (the serial
@@ -302,7 +295,7 @@ class LLMEngine:
                 self.add_request(f"folio-warm-up-{p}-{i}", None, params, prompt_token_ids=ids)
             while self.has_unfinished_requests():
                 self.step()
-        self.scheduler.kv_cache_manager.pool.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     # -- counters ------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, Any]:

@@ -34,6 +34,10 @@ class KVCacheManager:
         num_blocks: physical blocks in the KV cache.
         block_size: tokens per block.
         enable_caching: automatic prefix caching.
+        share_forked_blocks: ``fork`` shares the parent's blocks by reference count (the default);
+            ``False`` gives the child a private copy of each instead (fresh blocks and the plan's
+            block copies: the no-sharing baseline of the beam search benchmark,
+            ``perf/bench/separate_beams.py``).
     Attributes:
         prefix_cache_queries: prompt tokens looked up in the prefix cache (counted per lookup).
         prefix_cache_hits: of those, tokens served from cached blocks.
@@ -43,9 +47,11 @@ class KVCacheManager:
             one gather, not a rebuild. Grows by doubling.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 share_forked_blocks: bool = True):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.share_forked_blocks = share_forked_blocks
         self.pool = BlockPool(num_blocks, enable_caching)
         self.seq_blocks: dict[int, list[KVCacheBlock]] = {}
         self._num_registered_blocks: dict[int, int] = {}  # per seq: leading blocks in the prefix-cache map
@@ -173,12 +179,21 @@ class KVCacheManager:
     # sharing and freeing
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         """``child`` shares every block of ``parent`` (one more reference each; a block either
-        then writes is copied on write by ``allocate_slots``).
+        then writes is copied on write by ``allocate_slots``), or with ``share_forked_blocks``
+        off gets fresh blocks holding copies of them.
 
         Returns:
-            block copies the worker must do before ``child`` runs: none here (a subclass that
-            gives the child copies instead of shares, a benchmark baseline, returns them).
+            block copies the worker must do before ``child`` runs (none when sharing).
+        Raises:
+            ValueError: not sharing, and too few free blocks for the copies.
         """
+        if not self.share_forked_blocks:
+            src = self.seq_blocks.get(parent.seq_id, [])
+            dst = self.pool.get_new_blocks(len(src))
+            self.seq_blocks[child.seq_id] = dst
+            self._num_registered_blocks[child.seq_id] = 0
+            self._write_row(child.seq_id, dst, 0)
+            return [(a.block_id, b.block_id) for a, b in zip(src, dst)]
         blocks = list(self.seq_blocks.get(parent.seq_id, []))
         self.pool.touch(blocks)
         self.seq_blocks[child.seq_id] = blocks
@@ -211,6 +226,11 @@ class KVCacheManager:
             self.pool.drop_hash(block)
         if self._num_registered_blocks.get(seq.seq_id, 0) > first:
             self._num_registered_blocks[seq.seq_id] = first
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry (``BlockPool.reset_prefix_cache``); only possible when
+        no sequence holds a block. Returns whether it did."""
+        return self.pool.reset_prefix_cache()
 
     # block tables
     def get_block_tables(self, seq_ids: list[int]) -> np.ndarray:

@@ -16,18 +16,23 @@ token-level stop conditions (EOS, ``stop_token_ids``, ``max_tokens``, ``max_mode
 in vLLM V1), forks parents that reached their fork point, finishes and frees. A token sampled for
 a sequence that finished or was aborted while the step was in flight is discarded.
 
-Beam search requests (``Request.beam``) run their beams as sequences of the request: after each
-step whose candidates cover every live beam, ``_advance_beams`` keeps the best extensions
-(``beam_search.py``), forks a beam with several surviving extensions through the same path as
-``n > 1`` (``_fork_child``: shared blocks, copy-on-write of the partly filled last block), and
-frees a beam with none at once. A beam is never scheduled while a step sampling it is in flight
-(its next token is the scheduler's choice, so no placeholder can stand for it); docs/architecture.md
-("Beam search") has the whole design. Prompt logprobs: the rows of prompt positions whose next
-token's logprob a request asked for are listed per step (``prompt_logprob_spans``).
+Two features are collaborators the scheduler calls at fixed points, not branches of its loop:
+
+* beam search (``beam_search.BeamSearchCoordinator``, for sequences with ``is_beam``): at
+  admission (``can_admit``: a search is admitted whole), at preemption (``preemption_group``,
+  ``on_preempt``, ``idle_group``) and after the step (``update_from_output``: keep the best
+  extensions, fork a beam with several through ``fork_after``, the same path as ``n > 1``, free a
+  beam with none). A beam is never scheduled while a step sampling it is in flight (its next token
+  is the scheduler's choice, so no placeholder can stand for it); docs/architecture.md ("Beam
+  search") has the whole design;
+* prompt logprobs (``prompt_logprobs.PromptLogprobsTracker``, for requests with
+  ``prompt_logprobs_next >= 0``): at scheduling (the rows that give prompt logprobs), after the
+  step and at rollback.
 
 The block bookkeeping lives in ``kv_cache_manager.py`` (as in vLLM V1's ``sched/scheduler.py``);
-this file never touches a block. Subclasses may restrict admission (``_may_admit``), e.g. the
-benchmarks' request-level static batching (``perf/bench/static_batching.py``).
+this file never touches a block. Subclasses may restrict admission (``may_admit``), e.g. the
+benchmarks' request-level static batching (``perf/bench/static_batching.py``), or pass their own
+``KVCacheManager`` (``perf/bench/separate_beams.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..common.config import EngineConfig
+from .beam_search import BeamSearchCoordinator
 from .kv_cache_manager import KVCacheManager
+from .prompt_logprobs import PromptLogprobsTracker
 from .sequence import Request, Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
@@ -134,16 +141,25 @@ class Scheduler:
             enable_prefix_caching, enable_chunked_prefill).
         num_blocks: physical KV blocks available (from the executor).
         max_model_len: longest prompt + output in tokens (a sequence that reaches it stops).
+        kv_cache_manager: the ``KVCacheManager`` to use; ``None`` builds one over ``num_blocks``
+            blocks from ``config`` (block_size, enable_prefix_caching).
+    Attributes:
+        waiting, running: the queues (``running`` in admission order); requests: the unfinished
+            requests by id; kv_cache_manager; beam_search, prompt_logprobs: the collaborators.
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 kv_cache_manager: KVCacheManager | None = None):
         self.config = config
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = config.enable_chunked_prefill
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = kv_cache_manager if kv_cache_manager is not None else \
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.beam_search = BeamSearchCoordinator(self)
+        self.prompt_logprobs = PromptLogprobsTracker()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -164,8 +180,7 @@ class Scheduler:
         seed = getattr(request.sampling_params, "seed", None)
         if request.beam is not None:
             seqs = [Sequence(next(_SEQ_IDS), request, 0, request.prompt_token_ids, None, is_beam=True)]
-            request.beam.live = seqs
-            request.beam.cum[seqs[0].seq_id] = 0.0
+            request.beam.start(seqs[0])
         elif n > 1 and len(request.prompt_token_ids) >= 2:
             seqs = [Sequence(next(_SEQ_IDS), request, 0, request.prompt_token_ids,
                              derive_seed(seed, 0, n), is_parent=True)]
@@ -182,7 +197,7 @@ class Scheduler:
         that already finished."""
         if seq.status is _FINISHED:
             return
-        self._release(seq)
+        self.release(seq)
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         request = seq.request
@@ -190,8 +205,9 @@ class Scheduler:
         if request.is_finished:
             self.requests.pop(request.request_id, None)
 
-    def _release(self, seq: Sequence) -> None:
-        """Take ``seq`` out of its queue, free its blocks, tell the worker (with the next plan)."""
+    def release(self, seq: Sequence) -> None:
+        """Take ``seq`` out of its queue, free its blocks, tell the worker (with the next plan);
+        ``finish_seq`` does this and records why, a beam that fell off the search has no why."""
         if seq.status is _RUNNING:
             self.running.remove(seq)
         else:
@@ -218,6 +234,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry (``KVCacheManager.reset_prefix_cache``); only possible
+        when no sequence holds a block. Returns whether it did."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -268,7 +289,7 @@ class Scheduler:
             if seq.is_parent:
                 out.fork_ready.append(seq)
                 if seq.request.prompt_logprobs_next >= 0:  # its fork point is a prompt position
-                    self._prompt_logprob_span(out, seq, c, 1)
+                    self.prompt_logprobs.schedule(out, seq, c, 1)
             else:
                 sampled.append(seq)
                 seq.num_output_placeholders = p + 1
@@ -306,32 +327,17 @@ class Scheduler:
             out.block_tables = kv.get_block_tables([s.seq_id for s in out.seqs])
         return out
 
-    def _prompt_logprob_span(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
-        """List the rows of ``seq``'s tokens ``start .. start + num_new - 1`` (the last one
-        scheduled, at batch index ``len(out.seqs) - 1`` or about to be) whose logits give a prompt
-        logprob not yet scheduled."""
-        request = seq.request
-        last = len(request.prompt_token_ids) - 1
-        end = min(start + num_new, last)
-        first = max(start, request.prompt_logprobs_next)
-        if end > first:
-            out.prompt_logprob_spans.append((len(out.seqs) - 1, first, end - first))
-            request.prompt_logprobs_next = end if end < last else -1
-
     def _preempt_idle_beams(self, out: SchedulerOutput) -> None:
-        """Nothing could be scheduled, sequences wait, and nothing is in flight: the running
-        sequences are beams holding blocks while they wait for siblings that wait for blocks.
-        Preempt the newest such group (recomputed later) so the pass after admits the head."""
+        """Nothing could be scheduled and sequences wait: unless a result in flight will change
+        the picture, preempt the beams that hold blocks while their siblings wait for blocks
+        (``BeamSearchCoordinator.idle_group``), so the pass after admits the head."""
         if any(s.num_output_placeholders for s in self.running) or \
                 any(s.num_output_placeholders for s in self.waiting):
-            return  # a result in flight will change the picture
-        for seq in reversed(self.running):
-            if seq.is_beam:
-                group = [s for s in seq.request.beam.live if s.status is _RUNNING]
-                for s in group:
-                    self.preempt(s)
-                out.num_preempted += len(group)
-                return
+            return
+        group = self.beam_search.idle_group()
+        for s in group:
+            self.preempt(s)
+        out.num_preempted += len(group)
 
     def _allocate_or_preempt(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int):
         """Room for ``seq``'s tokens after the pool refused: preempt the newest running sequences
@@ -339,13 +345,7 @@ class Scheduler:
         ``seq`` itself was preempted."""
         while True:
             victim = self._pick_victim(step)
-            if victim.is_beam:
-                # the victim's whole beam group not yet in this step: siblings left holding blocks
-                # could only wait for it
-                group = [s for s in victim.request.beam.live
-                         if s.status is _RUNNING and s.scheduled_step != step]
-            else:
-                group = [victim]
+            group = self.beam_search.preemption_group(victim, step) if victim.is_beam else [victim]
             for s in group:
                 self.preempt(s)
             out.num_preempted += len(group)
@@ -355,19 +355,20 @@ class Scheduler:
             if copies is not None:
                 return copies
 
-    def _may_admit(self, seq: Sequence) -> bool:
-        """Policy hook: whether ``seq`` (at the head of the waiting queue) may start now."""
+    def may_admit(self, seq: Sequence) -> bool:
+        """Policy hook for subclasses: whether ``seq`` (at the head of the waiting queue) may
+        start now (the default: always; seats and blocks are checked after it)."""
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, step: int) -> None:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seq.num_output_placeholders or not self._may_admit(seq):
+            if seq.num_output_placeholders or not self.may_admit(seq):
                 break  # a preempted sequence waits for its in-flight token first
             request = seq.request
             if seq.is_beam:
-                if not self._beams_fit(seq):
+                if not self.beam_search.can_admit(seq):
                     break
             elif self.running and len(self.running) + (request.n if seq.is_parent else 1) > self.max_num_seqs:
                 break  # (a parent will become n sequences)
@@ -397,24 +398,11 @@ class Scheduler:
             self._add(out, seq, num_new, step)
             budget -= num_new
 
-    def _beams_fit(self, seq: Sequence) -> bool:
-        """A waiting beam is admitted only while the seats and the free blocks could take every
-        waiting beam of its search (the first beam: all ``beam_width`` it becomes) to its next
-        token, no sharing counted: a search is not split by a lack of room that its own admitted
-        part holds."""
-        waiting = [s for s in seq.request.beam.live if s.status is _WAITING]
-        seats = seq.request.n if seq.num_output_tokens == 0 else len(waiting)
-        if self.running and len(self.running) + seats > self.max_num_seqs:
-            return False
-        bs = self.block_size
-        need = sum(-(-(s.num_tokens + 1) // bs) for s in waiting)
-        return need <= self.kv_cache_manager.get_num_free_blocks()
-
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, step: int) -> None:
         start = seq.num_computed_tokens
         out.seqs.append(seq)
         if seq.request.prompt_logprobs_next >= 0:
-            self._prompt_logprob_span(out, seq, start, num_new)
+            self.prompt_logprobs.schedule(out, seq, start, num_new)
         out.num_new_tokens.append(num_new)
         out.num_computed_tokens.append(start)
         seq.num_computed_tokens = start + num_new
@@ -446,10 +434,8 @@ class Scheduler:
         seq.status = _WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += int(count)
-        if seq.is_beam:  # its recompute samples its candidates again
-            seq.request.beam.pending.pop(seq.seq_id, None)
-            # the search's waiting beams queue together (``_beams_fit`` admits them as one)
-            siblings = [s for s in seq.request.beam.live if s is not seq and s.status is _WAITING]
+        if seq.is_beam:  # the search's waiting beams queue together behind it
+            siblings = self.beam_search.on_preempt(seq)
             for s in siblings:
                 self.waiting.remove(s)
             for i, s in enumerate(siblings, 1):
@@ -474,8 +460,7 @@ class Scheduler:
             raise RuntimeError(f"the worker returned {len(tokens)} tokens for {len(sampled)} rows")
         update = SchedulerUpdate()
         if out.prompt_logprob_spans:
-            update.prompt_logprob_spans = [(out.seqs[i].request, pos, count)
-                                           for i, pos, count in out.prompt_logprob_spans]
+            update.prompt_logprob_spans = self.prompt_logprobs.update_from_output(out)
         upd_seqs, upd_rows = update.seqs, update.rows
         now = time.time()
         max_len = self.max_model_len
@@ -486,7 +471,7 @@ class Scheduler:
             if seq.status is _FINISHED:   # ended while this step was in flight: discard
                 row += 1
                 continue
-            if seq.is_beam:
+            if seq.is_beam:  # its token is the search's choice (the coordinator's, below)
                 if seq.status is _RUNNING:  # (a preempted beam samples its candidates again)
                     beams = beams or []
                     beams.append((seq, row))
@@ -510,7 +495,9 @@ class Scheduler:
             if seq.is_parent and seq.status is _RUNNING and seq.num_computed_tokens == len(seq.all_token_ids) - 1:
                 self._fork(seq)
         if beams:
-            self._beam_rows(beams, result, now, update)
+            for request in self.beam_search.update_from_output(beams, result, now):
+                update.finished_beams.append(request)
+                self.requests.pop(request.request_id, None)
         return update
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -540,63 +527,12 @@ class Scheduler:
             self._pending_copies.extend(copies)
         return child
 
-    # -- beam search ----------------------------------------------------------------------------
-    def _beam_rows(self, beams: list[tuple[Sequence, int]], result, now: float, update: SchedulerUpdate) -> None:
-        """Record each sampled beam's candidates (its row of the result's logprobs) and advance
-        every search whose live beams all have theirs."""
-        ready = []
-        for seq, row in beams:
-            request = seq.request
-            if request.beam.add_candidates(seq, result.logprob_token_ids[row], result.logprobs[row]):
-                ready.append(request)
-        for request in ready:
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            if self._advance_beams(request):
-                update.finished_beams.append(request)
-
-    def _advance_beams(self, request: Request) -> bool:
-        """One step of the search (``BeamState.select``): a beam with one surviving extension
-        appends it, one with k > 1 is forked k - 1 times first (the children share its blocks),
-        one with none is freed now; beams that reach the length limit finish. Returns whether the
-        search ended."""
-        state = request.beam
-        old = state.live
-        chosen = state.select()
-        first: dict[int, Sequence] = {}
-        extensions = []
-        for rank, (pos, token, cum) in enumerate(chosen):
-            parent = old[pos]
-            if pos not in first:
-                first[pos] = parent
-                seq = parent
-            else:  # fork before the parent appends its own token
-                seq = self._fork_child(parent, rank, None)
-                where = self.running.index(parent) + 1
-                self.running.insert(where, seq)
-            seq.index = rank
-            extensions.append((seq, token, cum))
-        for pos, seq in enumerate(old):
-            if pos not in first:
-                self._release(seq)  # fell off: its blocks go back now
-        state.cum = {}
-        for seq, token, cum in extensions:
-            seq.all_token_ids.append(token)
-            state.cum[seq.seq_id] = cum
-        state.live = [seq for seq, _, _ in extensions]
-        request.seqs = state.live
-        if state.live:
-            seq = state.live[0]
-            if seq.num_output_tokens >= request.max_output_tokens or seq.num_tokens >= self.max_model_len:
-                state.finish_live("length")
-                for seq in state.live:
-                    self._release(seq)
-                state.live = request.seqs = []
-        if not state.live:
-            state.done = True
-            self.requests.pop(request.request_id, None)
-        return state.done
+    def fork_after(self, parent: Sequence, index: int) -> Sequence:
+        """A running copy of ``parent`` (``_fork_child``, no seed of its own: a beam) placed right
+        after it in ``running``; the beam search coordinator forks beams through it."""
+        child = self._fork_child(parent, index, None)
+        self.running.insert(self.running.index(parent) + 1, child)
+        return child
 
     def rollback(self, outs: list[SchedulerOutput]) -> None:
         """Undo steps whose results will never come (the worker failed one): forget the hashes
@@ -610,10 +546,8 @@ class Scheduler:
                 if seq.status is _RUNNING:
                     kv.drop_unwritten_hashes(seq, start)
             finished.extend(out.finished_seq_ids)
-            for i, pos, _ in out.prompt_logprob_spans:  # their prompt logprobs never came
-                request = out.seqs[i].request
-                nxt = request.prompt_logprobs_next
-                request.prompt_logprobs_next = pos if nxt < 0 else min(nxt, pos)
+            if out.prompt_logprob_spans:  # their prompt logprobs never came
+                self.prompt_logprobs.rollback(out)
         for out in outs:
             for seq in out.seqs:
                 seq.num_output_placeholders = 0

@@ -9,10 +9,12 @@ included. Token bookkeeping follows vLLM V1's unified view: a sequence has ``all
 ``num_computed_tokens``; prefill, chunked prefill, decode and recompute after preemption are all
 "compute the tokens from ``num_computed_tokens`` up to the target".
 
-Who writes what (docs/architecture.md): the scheduler owns every field of ``Sequence`` and
-``Request`` except ``Sequence.detokenizer`` / ``logprobs`` / ``cumulative_logprob`` and
-``Request.finished_time`` (set when the request's last delta is made), which only the output
-processor writes.
+Who writes what (docs/architecture.md): a ``Request`` sets its own fields from its constructor's
+arguments (``n`` and ``beam`` included); after that the scheduler, with its collaborators
+(``beam_search.BeamSearchCoordinator``, ``prompt_logprobs.PromptLogprobsTracker``), owns every field
+of ``Sequence`` and ``Request`` except ``Sequence.detokenizer`` / ``logprobs`` /
+``cumulative_logprob`` and ``Request.finished_time`` (set when the request's last delta is made),
+which only the output processor writes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import enum
 import time
 from typing import Any
 
+from .beam_search import BeamState
 from .kv_cache_utils import BlockHash, extend_block_hashes
 
 
@@ -107,6 +110,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def is_running(self) -> bool:
+        return self.status is SequenceStatus.RUNNING
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.status is SequenceStatus.WAITING
+
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hash any newly completed full blocks of ``all_token_ids`` (chain, salt in block 0)."""
         return extend_block_hashes(self.block_hashes, self.all_token_ids, block_size,
@@ -124,12 +135,14 @@ class Request:
     Args:
         max_output_tokens: the resolved limit on generated tokens per sample
             (``SamplingParams.max_tokens``, or what ``max_model_len`` leaves when that is ``None``).
+        beam_params: a ``BeamSearchParams`` for a beam search request (``sampling_params`` are then
+            its ``worker_params()``), else ``None``.
     Attributes:
         request_id: the caller's id (unique among unfinished requests).
         prompt: the prompt text, or ``None`` when token ids were given.
         prompt_token_ids: the prompt's token ids (non-empty).
         sampling_params: a ``SamplingParams``.
-        n: number of samples.
+        n: number of samples (``beam_width`` for a beam search: its result sequences).
         max_output_tokens: see Args.
         cache_salt: a string that separates this request's prefix-cache entries, or ``None``.
         arrival_time: ``time.time()`` at ``add_request`` (seconds since the epoch).
@@ -150,12 +163,13 @@ class Request:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  sampling_params, max_output_tokens: int, cache_salt: str | None = None,
-                 arrival_time: float | None = None, eos_token_ids: list[int] | None = None):
+                 arrival_time: float | None = None, eos_token_ids: list[int] | None = None, beam_params=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.n = int(getattr(sampling_params, "n", 1) or 1)
+        self.n = int(beam_params.beam_width) if beam_params is not None \
+            else int(getattr(sampling_params, "n", 1) or 1)
         self.max_output_tokens = int(max_output_tokens)
         self.cache_salt = cache_salt
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -172,7 +186,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.aborted = False
-        self.beam = None
+        self.beam = BeamState(beam_params, self.eos_stop_set) if beam_params is not None else None
         wants = getattr(sampling_params, "prompt_logprobs", None) is not None
         self.prompt_logprobs_next = 0 if wants and len(self.prompt_token_ids) > 1 else -1
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...kernels.cuda.table import DECODE_PARTITION_SIZE, MAX_DECODE_PARTITIONS
+from ...kernels.table import CudaKernelTable
 from ...model.attention import AttentionMetadata
 from .sampler import max_logprobs, penalty_entries, sample_on_device, sampling_arrays
 
@@ -85,13 +85,13 @@ class DeviceStep:
     """Runs steps on the CUDA table (see the module docstring).
 
     Args:
-        kernels: the CUDA kernel table (its ``device`` does the copies, syncs and graphs).
+        kernels: a ``CudaKernelTable`` (its ``device`` does the copies, syncs and graphs).
         model: the ``LlamaForCausalLM`` on that table.
         max_num_seqs, max_num_batched_tokens, max_model_len, block_size: the engine's limits.
         enforce_eager: never capture CUDA graphs.
     """
 
-    def __init__(self, kernels, model, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+    def __init__(self, kernels: CudaKernelTable, model, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, enforce_eager: bool = False):
         self.k = kernels
         self.dev = kernels.device
@@ -108,8 +108,9 @@ class DeviceStep:
         self._graph_state = None
         self._graph_caches: list = []
         self.graph_error: str | None = None
-        self.max_graph_partitions = min(MAX_DECODE_PARTITIONS,
-                                        _bucket(-(-self.max_model_len // DECODE_PARTITION_SIZE)))
+        self.partition_size = int(kernels.decode_partition_size)
+        self.max_graph_partitions = min(int(kernels.max_decode_partitions),
+                                        _bucket(-(-self.max_model_len // self.partition_size)))
 
     # ---- one step ------------------------------------------------------------------------------
     def run(self, plan, states, kv_caches):
@@ -130,7 +131,7 @@ class DeviceStep:
         if not np.array_equal(np.asarray(plan.query_start_loc), np.arange(S + 1)) or \
                 not np.array_equal(np.asarray(plan.logits_indices), np.arange(S)):
             return None
-        need = -(-int(np.max(plan.seq_lens)) // DECODE_PARTITION_SIZE)
+        need = -(-int(np.max(plan.seq_lens)) // self.partition_size)
         P = _bucket(need)
         if P > self.max_graph_partitions or np.asarray(plan.block_tables).shape[1] > self.max_blocks:
             return None
@@ -184,13 +185,13 @@ class DeviceStep:
             try:
                 # warm-up: grows the workspace / scratch if this shape needs more (never while
                 # capturing), and lets cuBLAS pick its algorithm outside the graph
-                self._forward(v, kv_caches, B, 1, P * DECODE_PARTITION_SIZE)
+                self._forward(v, kv_caches, B, 1, P * self.partition_size)
                 state = (self.inp.generation, self.model.workspace_generation, self.k.scratch_generation, state[3])
                 if state != self._graph_state:  # buffers moved: graphs captured before are stale
                     self.graphs.clear()
                     self._graph_state = state
                 with self.k.capture() as g:
-                    self._forward(v, kv_caches, B, 1, P * DECODE_PARTITION_SIZE)
+                    self._forward(v, kv_caches, B, 1, P * self.partition_size)
             except Exception as e:  # noqa: BLE001 - a capture the driver refuses: run eagerly from now on
                 self.use_graphs = False
                 self.graph_error = f"{type(e).__name__}: {e}"
@@ -231,7 +232,7 @@ class DeviceStep:
                 mql = int(np.diff(qsl).max()) if len(qsl) > 1 else 0
                 msl = int(np.max(plan.seq_lens)) if len(plan.seq_lens) else 0
                 if key is not None:  # graphs were turned off while this step was being prepared
-                    mql, msl = 1, key[1] * DECODE_PARTITION_SIZE
+                    mql, msl = 1, key[1] * self.partition_size
                 logits = self._forward(v, kv_caches, len(v["logits_indices"]), mql, msl)[:R]
         t1 = mark()
         K = max_logprobs(states) if R else None

@@ -13,8 +13,8 @@ KV cache sizing (docs/architecture.md, "KV cache"; vLLM's ``determine_num_availa
 ``gpu_memory_utilization`` of device memory minus what a profiling step of the largest shape used
 (``gpu_kv_budget``: memory outside CuPy's pool, such as the CUDA context, plus the pool's *peak*
 bytes in use during the step: weights, the cuBLAS workspace, activation buffers, sampler
-temporaries; blocks the pool
-keeps cached but free are not counted as used). The automatic sizes are capped at what
+temporaries; memory the pool holds for reuse but is not using is not counted as used). The
+automatic sizes are capped at what
 ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever need (plus one block per
 sequence for copy-on-write).
 
@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from ...kernels import get_kernels
-from ...kernels.table import KernelTable
+from ...kernels.table import CudaKernelTable, KernelTable
 from ...model.attention import AttentionMetadata
 from ...model.loader import allocate_kv_caches, load_model, resolve_device
 from ..common.config import EngineConfig
@@ -110,13 +110,13 @@ def gpu_kv_budget(total: int, free: int, pool_held: int, pool_peak_used: int, pr
 
     Args:
         total, free: device memory after the profiling step (``cudaMemGetInfo``).
-        pool_held: bytes CuPy's pool holds then (in use or cached free).
+        pool_held: bytes CuPy's pool holds then (in use, or free and kept for reuse).
         pool_peak_used: the most bytes in use in the pool during the step (weights, buffers,
             temporaries and the profiling step's own KV cache of ``profile_kv_bytes``).
     Returns:
         ``gpu_memory_utilization * total - (total - free - pool_held) - (pool_peak_used -
         profile_kv_bytes)``: the memory outside the pool (CUDA context, libraries) and the
-        pool's peak, less the profiling cache that the real cache replaces.
+        pool's peak, less the profiling step's KV cache that the real one replaces.
     """
     outside_pool = (total - free) - pool_held
     return int(gpu_memory_utilization * total - outside_pool - (pool_peak_used - profile_kv_bytes))
@@ -171,10 +171,11 @@ class ModelRunner:
         self.bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(itemsize)
         self.device_step = None
         if self.device == "cuda":
+            cuda: CudaKernelTable = self.kernels  # the CUDA table's extras (kernels/table.py)
             mc = self.model_config
             graph_rows = 1 << max(0, (cfg.max_num_seqs - 1).bit_length())  # decode graphs pad to this
-            self.kernels.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
-            self.device_step = DeviceStep(self.kernels, self.model, max_num_seqs=cfg.max_num_seqs,
+            cuda.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
+            self.device_step = DeviceStep(cuda, self.model, max_num_seqs=cfg.max_num_seqs,
                                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                                           max_model_len=self.max_model_len, block_size=self.block_size,
                                           enforce_eager=getattr(cfg, "enforce_eager", False))
@@ -202,7 +203,7 @@ class ModelRunner:
         the peak bytes in use in the memory pool; then ``gpu_kv_budget``.
         """
         cfg = self.config
-        dev = self.kernels.device
+        dev = self.device_step.dev  # the CUDA table's KernelDevice
         lens = profile_step_shape(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
         nb = sum(cdiv(n, self.block_size) for n in lens)
         with dev.peak_tracker() as peak:

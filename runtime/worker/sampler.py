@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...kernels import to_numpy
+from ...kernels.table import CudaKernelTable
 from ..common.sampling_params import SamplingParams
 
 _MASK = -np.inf
@@ -412,12 +413,12 @@ def max_logprobs(states: list[SamplingState]) -> int | None:
     return max(want) if want else None
 
 
-def sample_on_device(kernels, logits, params, uniforms, penalties, K: int | None, tokens_out, lp_out=None,
+def sample_on_device(kernels: CudaKernelTable, logits, params, uniforms, penalties, K: int | None, tokens_out, lp_out=None,
                      ids_out=None) -> None:
     """``sample``'s pipeline on the device, writing into preallocated outputs (no host sync).
 
     Args:
-        kernels: the CUDA table (``sample``, ``apply_penalties``, ``xp``).
+        kernels: a ``CudaKernelTable`` (``sample``, ``apply_penalties``, ``xp``).
         logits: ``[R, V]`` float32 device array; penalties are applied to it in place.
         params, uniforms: from ``sampling_arrays`` (device views); penalties: ``(entries,
             row_params, num_entries)`` device views or ``None``.

@@ -8,7 +8,7 @@ import os
 import shutil
 
 from folio.kernels.cpu import attention as cpu_attention
-from folio.kernels.cpu import jit_cache as cpu_cache
+from folio.kernels.cpu import jit_cache
 from folio.kernels.cpu import forward as cpu_forward
 from folio.kernels.cpu import linear as cpu_linear
 from folio.kernels.cpu import threads as cpu_threads
@@ -22,7 +22,7 @@ def _load(path, name):
 
 
 def test_every_cached_kernel_carries_the_shared_stamp():
-    stamp = ("folio-cpu-kernels", cpu_cache.sources_digest())
+    stamp = ("folio-cpu-kernels", jit_cache.sources_digest())
     # the layer loop (which links kernels of four other files) and kernels of three other modules
     for fn in (cpu_forward._layers, cpu_linear.linear_into, cpu_attention._decode_item, cpu_threads._sgemm_fallback):
         assert fn._cache._impl.locator.get_source_stamp() == stamp, fn
@@ -41,13 +41,13 @@ def test_functions_outside_the_kernels_keep_numba_locators(tmp_path):
 def test_a_covered_caller_is_keyed_on_the_kernels_and_its_own_source(tmp_path):
     # a module outside the kernels' folder that calls them (the benchmark regions of
     # perf.bench.kernel_rates): its entries must go stale when a kernel or it changes
-    code = ("from folio.kernels.cpu import jit_cache as cpu_cache, math as cpu_math\nfrom numba import njit\n"
-            "cpu_cache.cover(__file__)\n\n@njit(cache=True)\ndef f(x):\n    return cpu_math.exp2(x)\n")
+    code = ("from folio.kernels.cpu import jit_cache, math as cpu_math\nfrom numba import njit\n"
+            "jit_cache.cover(__file__)\n\n@njit(cache=True)\ndef f(x):\n    return cpu_math.exp2(x)\n")
     src = tmp_path / "caller_a.py"
     src.write_text(code)
     mod = _load(src, "caller_a")
     stamp = mod.f._cache._impl.locator.get_source_stamp()
-    assert stamp[:2] == ("folio-cpu-kernels", cpu_cache.sources_digest()) and len(stamp) == 3
+    assert stamp[:2] == ("folio-cpu-kernels", jit_cache.sources_digest()) and len(stamp) == 3
     assert mod.f(3.0) == 8.0
     other = tmp_path / "caller_b.py"
     other.write_text(code + "# one more line\n")
@@ -60,52 +60,54 @@ def test_the_benchmark_regions_are_covered():
     from perf.bench import kernel_rates
     own = hashlib.sha256(open(kernel_rates.__file__, "rb").read()).hexdigest()
     for fn in (kernel_rates._products_region, kernel_rates._attention_region):
-        assert fn._cache._impl.locator.get_source_stamp() == cpu_cache._STAMP + (own,), fn
+        assert fn._cache._impl.locator.get_source_stamp() == jit_cache._STAMP + (own,), fn
 
 
 def test_every_cached_function_outside_the_kernels_is_covered():
-    # the package's modules that cache Numba functions outside kernels/ must call cover()
+    # the package's modules and the benchmarks (perf/) that cache Numba functions outside the
+    # kernels' folder must call cover()
     import folio
-    root = os.path.dirname(os.path.abspath(folio.__file__))
-    for folder, _, files in os.walk(root):
-        if os.path.abspath(folder) == os.path.abspath(cpu_cache._DIR) or "__pycache__" in folder:
+    import perf
+    roots = [os.path.dirname(os.path.abspath(m.__file__)) for m in (folio, perf)]
+    for folder, _, files in (entry for root in roots for entry in os.walk(root)):
+        if os.path.abspath(folder) == os.path.abspath(jit_cache._DIR) or "__pycache__" in folder:
             continue
         for n in files:
             if n.endswith(".py"):
                 text = open(os.path.join(folder, n)).read()
                 if "cache=True" in text:
-                    assert "cpu_cache.cover(__file__)" in text, os.path.join(folder, n)
+                    assert "jit_cache.cover(__file__)" in text, os.path.join(folder, n)
 
 
 def test_a_change_to_any_kernel_module_changes_the_stamp(tmp_path, monkeypatch):
-    src = cpu_cache._DIR
-    for name in cpu_cache.KERNEL_MODULES:
+    src = jit_cache._DIR
+    for name in jit_cache.KERNEL_MODULES:
         shutil.copy(f"{src}/{name}", tmp_path / name)
-    monkeypatch.setattr(cpu_cache, "_DIR", str(tmp_path))
-    base = cpu_cache.sources_digest()
-    assert base == cpu_cache._STAMP[1]  # the copies are the sources
-    for name in cpu_cache.KERNEL_MODULES:
+    monkeypatch.setattr(jit_cache, "_DIR", str(tmp_path))
+    base = jit_cache.sources_digest()
+    assert base == jit_cache._STAMP[1]  # the copies are the sources
+    for name in jit_cache.KERNEL_MODULES:
         original = (tmp_path / name).read_bytes()
         (tmp_path / name).write_bytes(original + b"# one more line\n")
-        assert cpu_cache.sources_digest() != base, name
+        assert jit_cache.sources_digest() != base, name
         (tmp_path / name).write_bytes(original)
-    assert cpu_cache.sources_digest() == base
+    assert jit_cache.sources_digest() == base
 
 
 def test_install_is_idempotent():
     from numba.core import caching
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
     before = list(impl._locator_classes)
-    cpu_cache.install()
+    jit_cache.install()
     assert impl._locator_classes == before
     assert sum(getattr(c, "_folio_kernels", False) for c in before) == len(before) // 2
 
 
 def test_the_stamp_covers_every_module_that_compiles_with_numba():
-    folder = cpu_cache._DIR
+    folder = jit_cache._DIR
     numba_modules = {n for n in os.listdir(folder) if n.endswith(".py")
                      and ("@njit" in open(os.path.join(folder, n)).read() or "@cfunc" in open(os.path.join(folder, n)).read())}
-    assert numba_modules and numba_modules <= set(cpu_cache.KERNEL_MODULES)
+    assert numba_modules and numba_modules <= set(jit_cache.KERNEL_MODULES)
 
 
 def test_kernels_import_where_no_cache_folder_is_writable():
@@ -134,4 +136,4 @@ print(cpu_forward._layers._cache._cache_path)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     path = r.stdout.strip()
-    assert path and not path.startswith(cpu_cache._DIR) and not os.path.exists(path)  # removed at exit
+    assert path and not path.startswith(jit_cache._DIR) and not os.path.exists(path)  # removed at exit
