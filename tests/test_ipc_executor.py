@@ -214,7 +214,7 @@ def test_worker_dies_with_its_parent():
 def test_a_death_found_between_polls_names_the_step_it_was_running():
     # the scheduler's loop checks the worker's health after each poll; a worker killed mid-step
     # (a stream in progress) was reported as dying "during idle"
-    ex = ZmqExecutor(EngineConfig(extra={"step_s": 60.0}), runner=RUNNER, env=ENV)
+    ex = ZmqExecutor(EngineConfig(), runner=RUNNER, env={**ENV, "FOLIO_ECHO_STEP_S": "60"})
     try:
         ex.check_health()                         # alive, nothing submitted
         ex.submit(_plan(5))
