@@ -59,7 +59,7 @@ from numba.extending import intrinsic
 
 from . import jit_cache as cpu_cache  # noqa: F401  (before any kernel is defined: one cache stamp for all of them)
 
-__all__ = ["apply_thread_policy", "num_threads", "numba_threads", "region_guard", "blas_name",
+__all__ = ["apply_thread_policy", "default_num_threads", "num_threads", "numba_threads", "region_guard", "blas_name",
            "sgemm", "ptr", "prefetch", "fetch_add", "atomic_add", "atomic_load", "sched_yield", "ROW_MAJOR", "NO_TRANS",
            "TRANS"]
 
@@ -215,6 +215,14 @@ _limits = None
 def blas_name() -> str:
     """Which ``sgemm`` the kernels call (library, version, file and symbol, or the fallback)."""
     return _blas_desc
+
+
+def default_num_threads() -> int:
+    """The cores this process may run on (``os.sched_getaffinity``), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 _threads: int | None = None  # set by numba_threads(): the count for every thread of the process
