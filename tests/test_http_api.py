@@ -338,21 +338,31 @@ def test_prometheus_metrics(http, zmq_client):
     for i in range(3):
         assert http.post("/v1/completions", json={"prompt": [700 + i, 800], "max_tokens": 5,
                                                   "ignore_eos": True}).status_code == 200
-    idle_metrics(zmq_client)
+    # a 33-token prompt twice: the second finds its first two 16-token blocks cached (the last
+    # prompt token is always computed)
+    for _ in range(2):
+        assert http.post("/v1/completions", json={"prompt": list(range(900, 933)), "max_tokens": 1,
+                                                  "ignore_eos": True}).status_code == 200
+    idle = idle_metrics(zmq_client)
     after = _scrape(http)
 
     def delta(name, labels=()):
         return after[(name, labels)] - before.get((name, labels), 0.0)
 
-    assert delta("folio:generation_tokens_total") == 15
-    assert delta("folio:prompt_tokens_total") == 6
-    assert delta("folio:request_success_total", (("finished_reason", "length"),)) == 3
-    assert delta("folio:time_to_first_token_seconds_count") == 3
-    assert delta("folio:e2e_request_latency_seconds_count") == 3
-    assert delta("folio:request_queue_time_seconds_count") == 3
+    assert idle["block_size"] == 16
+    assert delta("folio:generation_tokens_total") == 15 + 2
+    assert delta("folio:prompt_tokens_total") == 6 + 66
+    assert delta("folio:prefix_cache_queries_total") == 6 + 66 and delta("folio:prefix_cache_hits_total") == 32
+    assert delta("folio:num_preemptions_total") == 0                   # 512 blocks: room for all
+    assert delta("folio:request_success_total", (("finished_reason", "length"),)) == 5
+    assert delta("folio:time_to_first_token_seconds_count") == 5
+    assert delta("folio:e2e_request_latency_seconds_count") == 5
+    assert delta("folio:request_queue_time_seconds_count") == 5
     assert delta("folio:inter_token_latency_seconds_count") == 12      # 4 gaps per 5-token request
-    assert delta("folio:iteration_tokens_total_sum") >= 6 + 12         # every prompt token and decode token
-    assert after[("folio:num_requests_running", ())] == 0 and after[("folio:kv_cache_usage_perc", ())] >= 0
+    assert delta("folio:iteration_tokens_total_sum") >= 6 + 12 + 33 + 1  # every token computed
+    # idle: nothing running or waiting, every block free (cached blocks count as free)
+    assert after[("folio:num_requests_running", ())] == 0 and after[("folio:num_requests_waiting", ())] == 0
+    assert after[("folio:kv_cache_usage_perc", ())] == 0.0
     buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in after.items()
                       if k[0] == "folio:time_to_first_token_seconds_bucket"))
     assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))     # cumulative
