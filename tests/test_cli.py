@@ -129,7 +129,9 @@ def test_a_signal_stops_everything_cleanly(tmp_path, how, when):
     import httpx
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = echo_env(step_s=0.02, TMPDIR=str(tmp), FOLIO_ECHO_INIT_S="1.5" if when == "start-up" else "0")
+    # start-up: the worker's initialisation takes 60 s (as loading a model does), so the signal lands in
+    # it however slow the machine (checked below: the server never said it was ready)
+    env = echo_env(step_s=0.02, TMPDIR=str(tmp), FOLIO_ECHO_INIT_S="60" if when == "start-up" else "0")
     address = f"ipc://{tmp}/serve.sock"
     proc = subprocess.Popen([sys.executable, "-m", "folio", "serve", "--address", address, "--port", "0", *ECHO],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -171,6 +173,7 @@ def test_a_signal_stops_everything_cleanly(tmp_path, how, when):
     text = "".join(lines)
     assert proc.returncode == 0, text
     assert "Traceback" not in text and "Error" not in text, text
+    assert ("ready on" in text) == (when == "serving"), text
     poll_until(lambda: not _our_processes(str(tmp)), 30, "the worker and the front end to exit")
     assert sorted(os.listdir(tmp)) == [], "temporary folders left behind"
 
