@@ -140,12 +140,15 @@ def test_sse_streams_equal_the_whole_responses(http):
 
 def test_32_concurrent_streams(echo_http, tokenizer):
     _, _, url = echo_http
+    # 100 steps of 10 ms: each stream lasts 1 s or more, so they overlap even where a loaded machine
+    # spreads the 32 requests' arrival over most of a second
+    TOKENS = 100
 
     async def one(http, i):
         t = []
         text, usage = "", None
         async with http.stream("POST", "/v1/completions", json={
-                "prompt": [2000 + 10 * i], "max_tokens": 12, "ignore_eos": True, "stream": True,
+                "prompt": [2000 + 10 * i], "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -164,8 +167,8 @@ def test_32_concurrent_streams(echo_http, tokenizer):
 
     results = asyncio.run(main())
     for i, (text, usage, _, _) in enumerate(results):
-        assert text == tokenizer.decode(echo_chain(2000 + 10 * i, 12))
-        assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == 1
+        assert text == tokenizer.decode(echo_chain(2000 + 10 * i, TOKENS))
+        assert usage["completion_tokens"] == TOKENS and usage["prompt_tokens"] == 1
     firsts, lasts = [r[2] for r in results], [r[3] for r in results]
     assert min(lasts) > min(firsts) and sum(f < min(lasts) for f in firsts) >= 2   # streams overlapped
 
