@@ -301,7 +301,7 @@ def _ppid(pid):
 # -- REPL in a pseudo-terminal -------------------------------------------------------------------------
 
 def test_repl_in_a_pseudo_terminal(echo_server, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect   # in the test extra: missing, the install is broken (an error, not a skip)
     _, addr = echo_server
     env = {**os.environ, "FOLIO_HOME": str(tmp_path), "TERM": "dumb"}
     # started with SIGINT ignored, as by a parent that ignores it (ignored signals survive exec;
