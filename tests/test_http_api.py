@@ -372,6 +372,45 @@ def test_prometheus_metrics(http, zmq_client):
     assert buckets[-1][1] == after[("folio:time_to_first_token_seconds_count", ())]
 
 
+def test_prometheus_metrics_while_busy():
+    # room for 2 running sequences and 8 KV blocks of 16 tokens; three requests of 1 + 120 tokens
+    # (8 blocks each at most): the third waits, and the two running ones fill the 8 blocks at 64
+    # tokens each, so the newest is preempted (recompute); the metrics say so, then it is idle
+    import threading
+    proc, addr = spawn_server(ECHO + ["--max-num-seqs", "2"], env=echo_env(step_s=0.05, num_blocks=8),
+                              startup_timeout=180)
+    try:
+        with Client(addr, timeout=60) as c, httpx.Client(base_url=proc.http_url, timeout=60) as http:
+            sp = {"max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+            streams = [c.generate_stream(prompt_token_ids=[10 + i], sampling_params=sp, request_id=f"busy-{i}")
+                       for i in range(3)]
+            for s in streams[:2]:
+                next(s)
+            third = threading.Thread(target=lambda: list(streams[2]))     # sent now, runs to its end
+            third.start()
+
+            def scrape_when(want):
+                m = _scrape(http)
+                got = {k: m[("folio:" + k, ())] for k in want}
+                return got if all(want[k](v) for k, v in got.items()) else None
+            # 64 steps of 50 ms before the cache is full: time to see the queue
+            poll_until(lambda: scrape_when({"num_requests_running": lambda v: v == 2,
+                                            "num_requests_waiting": lambda v: v == 1,
+                                            "kv_cache_usage_perc": lambda v: 0 < v <= 1}), 30, "2 running, 1 waiting")
+            poll_until(lambda: scrape_when({"num_preemptions_total": lambda v: v >= 1}), 60, "a preemption")
+            for s in streams[:2]:
+                s.close()                          # aborts
+            c.abort("busy-2")
+            third.join(60)
+            idle_metrics(c)
+            m = _scrape(http)
+            assert m[("folio:num_requests_running", ())] == m[("folio:num_requests_waiting", ())] == 0
+            assert m[("folio:kv_cache_usage_perc", ())] == 0.0
+            assert m[("folio:num_preemptions_total", ())] == c.get_metrics()["num_preemptions"] >= 1
+    finally:
+        stop_server(proc)
+
+
 def test_tokenize_detokenize_models_version(http, golden):
     case = golden["tokenizer_cases"][0]
     r = http.post("/tokenize", json={"prompt": case["text"], "return_token_strs": True}).json()
