@@ -57,7 +57,7 @@ def force_parallel_kernels(monkeypatch):
     """Every CPU kernel on its parallel driver whatever the size (several row items per call),
     decode attention split into key ranges from 32 keys on 2 threads too: the paths a 2-core
     machine would otherwise only take for large steps."""
-    from folio.kernels.cpu import table as cpu
+    from folio.kernels.cpu import rows as cpu   # the row kernels and their thresholds
     from folio.kernels.cpu import attention as cpu_attention
     from folio.kernels.cpu import linear as cpu_linear
     monkeypatch.setattr(cpu, "_PARALLEL_MIN_ELEMENTS", 0)

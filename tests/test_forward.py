@@ -201,7 +201,7 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, m
     from types import SimpleNamespace
 
     from conftest import force_parallel_kernels
-    from folio.kernels.cpu import table as cpu
+    from folio.kernels.cpu import rows as cpu   # the row kernels: their num_threads
     from folio.kernels.cpu import attention as cpu_attention
     from folio.kernels.cpu import forward as cpu_forward
     from folio.kernels.cpu import linear as cpu_linear
