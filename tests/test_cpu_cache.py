@@ -41,7 +41,7 @@ def test_functions_outside_the_kernels_keep_numba_locators(tmp_path):
 def test_a_covered_caller_is_keyed_on_the_kernels_and_its_own_source(tmp_path):
     # a module outside the kernels' folder that calls them (the benchmark regions of
     # perf.bench.kernel_rates): its entries must go stale when a kernel or it changes
-    code = ("from folio.kernels import cpu_cache, cpu_math\nfrom numba import njit\n"
+    code = ("from folio.kernels.cpu import jit_cache as cpu_cache, math as cpu_math\nfrom numba import njit\n"
             "cpu_cache.cover(__file__)\n\n@njit(cache=True)\ndef f(x):\n    return cpu_math.exp2(x)\n")
     src = tmp_path / "caller_a.py"
     src.write_text(code)
