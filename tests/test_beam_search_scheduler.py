@@ -186,8 +186,16 @@ def test_text_score_order_and_ignore_eos():
         assert s.cum_logprob == pytest.approx(sum(
             float(toy_logprobs(p + s.token_ids[:i])[t]) for i, t in enumerate(
                 s.token_ids + ([EOS] if s.finish_reason == "stop" else []))), abs=1e-9)
-    scores = [beam_score(len(s.token_ids), s.cum_logprob, 1.0) for s in seqs]
+    # ranked by cum_logprob / generated length (length_penalty 1; a final EOS is not counted)
+    scores = [s.cum_logprob / max(len(s.token_ids), 1) for s in seqs]
     assert scores == sorted(scores, reverse=True)
+
+
+def test_beam_score_hand_computed():
+    assert beam_score(4, -2.0, 1.0) == -0.5
+    assert beam_score(4, -2.0, 0.5) == -1.0            # -2 / sqrt(4)
+    assert beam_score(4, -2.0, 0.0) == -2.0            # no length penalty: the sum itself
+    assert beam_score(0, -3.0, 1.0) == -3.0            # an EOS-first hypothesis: length floored at 1
 
 
 def test_fork_shares_blocks_copies_the_partial_block_and_frees_pruned_beams():

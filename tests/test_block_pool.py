@@ -141,6 +141,36 @@ OPS = st.lists(
 PREFIXES = [[7, 7, 7, 7, 1, 2, 3, 4], [7, 7, 7, 7, 1, 2, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5]]
 
 
+def chain_hashes(token_ids, salt=None):
+    """The block hashes of every full block of ``token_ids``, re-derived with hashlib from the
+    encoding ``hash_block_tokens`` documents (not by calling it): sha256 of the parent hash
+    (``NONE_HASH`` for block 0), the token count as little-endian uint32, the ids as little-endian
+    int64, then each extra key (block 0 of a salted request: ``"salt"`` and the salt, each a
+    string: b"s", its UTF-8 length as uint32, its bytes)."""
+    import hashlib
+    import struct
+    out, parent = [], NONE_HASH
+    for i in range(len(token_ids) // BS):
+        block = token_ids[i * BS:(i + 1) * BS]
+        h = hashlib.sha256(parent + struct.pack("<I", len(block)) + struct.pack(f"<{len(block)}q", *block))
+        if i == 0 and salt is not None:
+            for key in ("salt", salt):
+                b = key.encode()
+                h.update(b"s" + struct.pack("<I", len(b)) + b)
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+def test_block_hashes_follow_the_documented_encoding():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    for salt in (None, "tenant-a"):
+        assert extend_block_hashes([], tokens, BS, cache_salt=salt) == chain_hashes(tokens, salt)
+    # extending a list hashes only the blocks not hashed yet
+    first = extend_block_hashes([], tokens[:5], BS)
+    assert extend_block_hashes(first, tokens, BS) == chain_hashes(tokens)
+
+
 class Harness:
     def __init__(self, num_blocks):
         self.kv = KVCacheManager(num_blocks, BS)
@@ -150,7 +180,7 @@ class Harness:
         self.next_id = 0
 
     def _remember(self, seq):
-        hashes = extend_block_hashes([], seq.all_token_ids, BS, seq.request.cache_salt)
+        hashes = chain_hashes(seq.all_token_ids, seq.request.cache_salt)
         for i, h in enumerate(hashes):
             self.known[h] = tuple(seq.all_token_ids[i * BS:(i + 1) * BS])
 

@@ -101,8 +101,21 @@ def test_numba_threads_holds_for_other_threads():
     assert seen == [1]
 
 
-def test_default_threads_are_the_allowed_cores():
-    assert cpu_threads.default_num_threads() == len(os.sched_getaffinity(0))
+@pytest.mark.parametrize("cores,env,want", [("all", None, "all"), ("one", None, 1), ("one", "3", 3)],
+                         ids=["every allowed core", "a one-core affinity", "NUMBA_NUM_THREADS wins"])
+def test_kernels_default_to_every_allowed_core_unless_numba_num_threads(cores, env, want):
+    # the count the kernels' parallel regions run on (num_threads(), asked at every kernel call) in
+    # a fresh process, as an engine starts: every core the process may run on (its affinity, not
+    # the machine's core count), unless NUMBA_NUM_THREADS says otherwise, even above the cores
+    allowed = sorted(os.sched_getaffinity(0))
+    mask = set(allowed) if cores == "all" else {allowed[0]}
+    environ = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    if env is not None:
+        environ["NUMBA_NUM_THREADS"] = env
+    code = "from folio.kernels.cpu import threads; print(threads.num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, mask)).stdout
+    assert int(out) == (len(allowed) if want == "all" else want)
 
 
 @pytest.mark.parametrize("preset", [None, "active"])

@@ -140,12 +140,15 @@ def test_sse_streams_equal_the_whole_responses(http):
 
 def test_32_concurrent_streams(echo_http, tokenizer):
     _, _, url = echo_http
+    # 100 steps of 10 ms: each stream lasts 1 s or more, so they overlap even where a loaded machine
+    # spreads the 32 requests' arrival over most of a second
+    TOKENS = 100
 
     async def one(http, i):
         t = []
         text, usage = "", None
         async with http.stream("POST", "/v1/completions", json={
-                "prompt": [2000 + 10 * i], "max_tokens": 12, "ignore_eos": True, "stream": True,
+                "prompt": [2000 + 10 * i], "max_tokens": TOKENS, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -164,8 +167,8 @@ def test_32_concurrent_streams(echo_http, tokenizer):
 
     results = asyncio.run(main())
     for i, (text, usage, _, _) in enumerate(results):
-        assert text == tokenizer.decode(echo_chain(2000 + 10 * i, 12))
-        assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == 1
+        assert text == tokenizer.decode(echo_chain(2000 + 10 * i, TOKENS))
+        assert usage["completion_tokens"] == TOKENS and usage["prompt_tokens"] == 1
     firsts, lasts = [r[2] for r in results], [r[3] for r in results]
     assert min(lasts) > min(firsts) and sum(f < min(lasts) for f in firsts) >= 2   # streams overlapped
 
@@ -353,25 +356,74 @@ def test_prometheus_metrics(http, zmq_client):
     for i in range(3):
         assert http.post("/v1/completions", json={"prompt": [700 + i, 800], "max_tokens": 5,
                                                   "ignore_eos": True}).status_code == 200
-    idle_metrics(zmq_client)
+    # a 33-token prompt twice: the second finds its first two 16-token blocks cached (the last
+    # prompt token is always computed)
+    for _ in range(2):
+        assert http.post("/v1/completions", json={"prompt": list(range(900, 933)), "max_tokens": 1,
+                                                  "ignore_eos": True}).status_code == 200
+    idle = idle_metrics(zmq_client)
     after = _scrape(http)
 
     def delta(name, labels=()):
         return after[(name, labels)] - before.get((name, labels), 0.0)
 
-    assert delta("folio:generation_tokens_total") == 15
-    assert delta("folio:prompt_tokens_total") == 6
-    assert delta("folio:request_success_total", (("finished_reason", "length"),)) == 3
-    assert delta("folio:time_to_first_token_seconds_count") == 3
-    assert delta("folio:e2e_request_latency_seconds_count") == 3
-    assert delta("folio:request_queue_time_seconds_count") == 3
+    assert idle["block_size"] == 16
+    assert delta("folio:generation_tokens_total") == 15 + 2
+    assert delta("folio:prompt_tokens_total") == 6 + 66
+    assert delta("folio:prefix_cache_queries_total") == 6 + 66 and delta("folio:prefix_cache_hits_total") == 32
+    assert delta("folio:num_preemptions_total") == 0                   # 512 blocks: room for all
+    assert delta("folio:request_success_total", (("finished_reason", "length"),)) == 5
+    assert delta("folio:time_to_first_token_seconds_count") == 5
+    assert delta("folio:e2e_request_latency_seconds_count") == 5
+    assert delta("folio:request_queue_time_seconds_count") == 5
     assert delta("folio:inter_token_latency_seconds_count") == 12      # 4 gaps per 5-token request
-    assert delta("folio:iteration_tokens_total_sum") >= 6 + 12         # every prompt token and decode token
-    assert after[("folio:num_requests_running", ())] == 0 and after[("folio:kv_cache_usage_perc", ())] >= 0
+    assert delta("folio:iteration_tokens_total_sum") >= 6 + 12 + 33 + 1  # every token computed
+    # idle: nothing running or waiting, every block free (cached blocks count as free)
+    assert after[("folio:num_requests_running", ())] == 0 and after[("folio:num_requests_waiting", ())] == 0
+    assert after[("folio:kv_cache_usage_perc", ())] == 0.0
     buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in after.items()
                       if k[0] == "folio:time_to_first_token_seconds_bucket"))
     assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))     # cumulative
     assert buckets[-1][1] == after[("folio:time_to_first_token_seconds_count", ())]
+
+
+def test_prometheus_metrics_while_busy():
+    # room for 2 running sequences and 8 KV blocks of 16 tokens; three requests of 1 + 120 tokens
+    # (8 blocks each at most): the third waits, and the two running ones fill the 8 blocks at 64
+    # tokens each, so the newest is preempted (recompute); the metrics say so, then it is idle
+    import threading
+    proc, addr = spawn_server(ECHO + ["--max-num-seqs", "2"], env=echo_env(step_s=0.05, num_blocks=8),
+                              startup_timeout=180)
+    try:
+        with Client(addr, timeout=60) as c, httpx.Client(base_url=proc.http_url, timeout=60) as http:
+            sp = {"max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+            streams = [c.generate_stream(prompt_token_ids=[10 + i], sampling_params=sp, request_id=f"busy-{i}")
+                       for i in range(3)]
+            for s in streams[:2]:
+                next(s)
+            third = threading.Thread(target=lambda: list(streams[2]))     # sent now, runs to its end
+            third.start()
+
+            def scrape_when(want):
+                m = _scrape(http)
+                got = {k: m[("folio:" + k, ())] for k in want}
+                return got if all(want[k](v) for k, v in got.items()) else None
+            # 64 steps of 50 ms before the cache is full: time to see the queue
+            poll_until(lambda: scrape_when({"num_requests_running": lambda v: v == 2,
+                                            "num_requests_waiting": lambda v: v == 1,
+                                            "kv_cache_usage_perc": lambda v: 0 < v <= 1}), 30, "2 running, 1 waiting")
+            poll_until(lambda: scrape_when({"num_preemptions_total": lambda v: v >= 1}), 60, "a preemption")
+            for s in streams[:2]:
+                s.close()                          # aborts
+            c.abort("busy-2")
+            third.join(60)
+            idle_metrics(c)
+            m = _scrape(http)
+            assert m[("folio:num_requests_running", ())] == m[("folio:num_requests_waiting", ())] == 0
+            assert m[("folio:kv_cache_usage_perc", ())] == 0.0
+            assert m[("folio:num_preemptions_total", ())] == c.get_metrics()["num_preemptions"] >= 1
+    finally:
+        stop_server(proc)
 
 
 def test_tokenize_detokenize_models_version(http, golden):

@@ -15,7 +15,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -63,7 +62,7 @@ def _cross_folder_imports(limit_per_file: int = 3):
 
 
 def test_cross_folder_imports_resolve_statically():
-    jedi = pytest.importorskip("jedi", reason="jedi is in the test extra")
+    import jedi   # in the test extra: missing, the install is broken (an error, not a skip)
     project = jedi.Project(str(ROOT), sys_path=[str(ROOT)], smart_sys_path=False)
     cases = _cross_folder_imports()
     assert len(cases) >= 40, f"too few cross-folder imports found to check ({len(cases)})"

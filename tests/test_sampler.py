@@ -82,10 +82,14 @@ def test_penalties_match_reference(rep, freq, pres):
     f = lambda v: np.full(R, v, dtype=np.float32)  # noqa: E731
     pen = apply_penalties(logits, [s.prompt_token_ids for s in states],
                           [s.output_token_ids for s in states], f(rep), f(freq), f(pres))
-    # float32 against the float64 reference: at most 4 roundings per logit (the repetition
-    # division or product, frequency x count, + presence, the subtraction) of values below 30
-    # here (|logit| <= 20, rep <= 1.3, freq x count <= 12): 4 x 30 x 2^-24 = 7e-6 < 1e-5
-    np.testing.assert_allclose(pen, np.stack(refs), rtol=1e-5, atol=1e-5)
+    # float32 against the float64 reference: seven roundings per logit at most, each within u = 2^-24
+    # of the largest magnitude M in that logit's arithmetic: the three penalties' float32 values,
+    # the repetition division or product, frequency x count, + presence, the subtraction. M is at
+    # most max|logit| max(rep, 1/rep) + |freq| max count + |pres| (every intermediate is a partial sum
+    # of those terms), so |pen - ref| <= 7 u M, absolute (no rtol: the bound is not relative to ref)
+    most = max(max(np.unique(s.output_token_ids, return_counts=True)[1], default=0) for s in states)
+    m = float(np.abs(logits).max()) * max(rep, 1 / rep) + abs(freq) * most + abs(pres)
+    np.testing.assert_allclose(pen, np.stack(refs), rtol=0, atol=7 * 2.0 ** -24 * m)
 
 
 def test_penalties_only_touch_rows_that_ask():

@@ -55,7 +55,10 @@ def test_invalid_values_raise_naming_the_field(kwargs, field):
     dict(min_p=1.0), dict(max_tokens=0), dict(max_tokens=None, min_tokens=100), dict(logprobs=0),
 ])
 def test_boundary_values_accepted(kwargs):
-    SamplingParams(**kwargs)
+    p = SamplingParams(**kwargs)
+    for name, value in kwargs.items():           # kept as given, not clamped or replaced
+        assert getattr(p, name) == value, name
+    assert SamplingParams.from_dict(p.to_dict()) == p
 
 
 def test_dict_round_trip():

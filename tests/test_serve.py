@@ -138,11 +138,18 @@ def test_abort_and_killed_client_free_their_blocks_and_spare_other_streams(echo_
     with Client(addr, timeout=60) as c:
         idle = _idle_free_blocks(c)
         long_sp = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0.0}
-        # an untouched stream running across both disturbances
-        result = {}
-        t = threading.Thread(target=lambda: result.setdefault("out", c.generate(
-            prompt_token_ids=[1000, 1001], sampling_params={"max_tokens": 1000, "ignore_eos": True,
-                                                             "temperature": 0.0})))
+        # an untouched stream running across both disturbances (3000 steps of 10 ms: it outlasts
+        # them however slow the machine; read until told to stop, then closed)
+        untouched, stop = [], threading.Event()
+
+        def consume():
+            stream = c.generate_stream(prompt_token_ids=[1000, 1001], sampling_params=long_sp)
+            for d in stream:
+                untouched.extend(d.token_ids)
+                if stop.is_set() or d.finished:
+                    break
+            stream.close()
+        t = threading.Thread(target=consume)
         t.start()
         # 1) abort by leaving the stream early
         stream = c.generate_stream(prompt_token_ids=[10, 11, 12], sampling_params=long_sp)
@@ -159,12 +166,15 @@ def test_abort_and_killed_client_free_their_blocks_and_spare_other_streams(echo_
         finally:
             if p.poll() is None:
                 p.kill()
-        t.join(120)
-        out = result["out"]
-        assert out.outputs[0].token_ids == echo_chain(1001, 1000) and out.outputs[0].finish_reason == "length"
+        # it goes on streaming after the client died, its tokens unaffected
+        n = len(untouched)
+        poll_until(lambda: len(untouched) >= n + 10, 60, "the untouched stream to go on")
+        stop.set()
+        t.join(60)
+        assert not t.is_alive() and untouched == echo_chain(1001, len(untouched)) and len(untouched) < 3000
         m = poll_until(lambda: (lambda m: m if m["num_free_blocks"] == idle and m["num_requests_in_flight"] == 0
                                 else None)(c.get_metrics()), 30, "free blocks back to the idle count")
-        assert m["num_aborted"] >= 2 and m["num_vanished_clients"] >= 1 and m["num_running"] == 0
+        assert m["num_aborted"] >= 3 and m["num_vanished_clients"] >= 1 and m["num_running"] == 0
 
 
 def test_client_abort_call_and_asyncio_cancellation_abort_on_the_server(echo_server):
@@ -203,7 +213,7 @@ def test_client_abort_call_and_asyncio_cancellation_abort_on_the_server(echo_ser
 
 # -- worker death, SIGTERM -----------------------------------------------------------------------------
 
-def test_worker_sigkill_fails_every_inflight_request_within_10s():
+def test_worker_sigkill_fails_every_inflight_request_quickly():
     proc, addr = spawn_server(ECHO + ["--exit-grace", "3"], env=echo_env(step_s=0.02), startup_timeout=120)
     try:
         with Client(addr, timeout=30) as c:
@@ -219,7 +229,9 @@ def test_worker_sigkill_fails_every_inflight_request_within_10s():
                     for _ in s:
                         pass
                 assert ei.value.code == "worker_died" and "worker" in ei.value.message
-            assert time.monotonic() - t0 < 10.0
+            # long before the streams' 3000 steps of 20 ms would end, and before the client's 30 s
+            # timeout: the death, not the streams, ended them (a loaded machine has room)
+            assert time.monotonic() - t0 < 25.0
             h = c.health(timeout=5)                   # unhealthy, with the reason, until it exits
             assert not h["healthy"] and "worker" in h["reason"]
             with pytest.raises(ServerError, match="unhealthy"):
@@ -238,9 +250,9 @@ def test_worker_sigkill_while_idle_is_noticed_without_a_request():
         with Client(addr, timeout=30) as c:
             worker = c.health()["worker_pid"]
             os.kill(worker, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while c.health(timeout=5)["healthy"]:        # the idle server notices on its own
-                assert time.monotonic() < deadline, "idle server did not notice its worker died"
+            # the idle server notices on its own (the worker's exit, or at most its 10 s heartbeat
+            # timeout); the deadline leaves a loaded machine room
+            poll_until(lambda: not c.health(timeout=5)["healthy"], 60, "the idle server to notice its worker died")
             with pytest.raises(ServerError) as ei:      # a request now fails at once, never hangs
                 c.generate("hi", {"max_tokens": 2}, timeout=5)
             assert ei.value.code == "worker_died"
@@ -289,7 +301,7 @@ def _ppid(pid):
 # -- REPL in a pseudo-terminal -------------------------------------------------------------------------
 
 def test_repl_in_a_pseudo_terminal(echo_server, tmp_path):
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect   # in the test extra: missing, the install is broken (an error, not a skip)
     _, addr = echo_server
     env = {**os.environ, "FOLIO_HOME": str(tmp_path), "TERM": "dumb"}
     # started with SIGINT ignored, as by a parent that ignores it (ignored signals survive exec;
