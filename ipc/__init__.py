@@ -1,6 +1,6 @@
 """folio's processes and their wire: message schemas (``messages``), ZeroMQ plumbing (``transport``),
-the worker process (``worker``), its scheduler-side ``ZmqExecutor`` (``executor``), the scheduler
-process (``server``) and the client library (``client``: ``Client``, ``AsyncClient``)."""
+the worker process's main (``worker_process``), its scheduler-side ``ZmqExecutor`` (``zmq_executor``),
+the scheduler process's main and ``Server`` (``scheduler_process``) and the client library (``client``: ``Client``, ``AsyncClient``)."""
 
 _CLIENT_NAMES = ("Client", "AsyncClient", "ServerError", "ClientTimeoutError", "StreamDelta")
 

@@ -1,6 +1,6 @@
 """The scheduler process: clients on a ROUTER socket, the engine in a loop, the worker behind it.
 
-``Server`` binds a ROUTER socket for clients and runs ``runtime.engine.LLMEngine`` with a
+``Server`` binds a ROUTER socket for clients and runs ``runtime.scheduler.engine.LLMEngine`` with a
 ``ZmqExecutor`` (the forward pass runs in the worker process). The serving loop, all in
 ``serve_forever``:
 

@@ -1,11 +1,11 @@
 """The worker process: owns the device, the weights and the KV cache; runs one StepPlan per message.
 
-Life cycle (driven by ``ipc.executor.ZmqExecutor``, which spawns this module as
+Life cycle (driven by ``ipc.zmq_executor.ZmqExecutor``, which spawns this module as
 ``python -m folio.ipc.worker_process --address A --heartbeat-address H``):
 
 1. connect a DEALER to ``A`` and a PUSH to ``H``; start a heartbeat thread (one ``heartbeat`` every
    ``--heartbeat-interval`` seconds, from its own socket, since ZeroMQ sockets are single-threaded);
-2. receive ``init`` (the ``EngineConfig`` as a dict), build ``runtime.model_runner.ModelRunner``
+2. receive ``init`` (the ``EngineConfig`` as a dict), build ``runtime.worker.model_runner.ModelRunner``
    (loads the model, sizes and allocates the KV cache), answer ``ready`` with ``num_blocks``; on
    failure answer ``error`` and exit 1;
 3. loop: ``step`` -> ``runner.execute(plan)`` -> ``step_result`` (an exception inside a step

@@ -1,4 +1,4 @@
-"""``ZmqExecutor``: the scheduler side of the worker process (``runtime.executor.Executor`` over ZeroMQ).
+"""``ZmqExecutor``: the scheduler side of the worker process (``runtime.common.executor.Executor`` over ZeroMQ).
 
 ``LLMEngine(config, executor=ZmqExecutor(config))`` runs exactly as with the in-process
 ``ModelRunner``: ``submit(plan)`` sends one ``step`` message and returns, ``get_result()`` reads

@@ -115,7 +115,7 @@ class LlamaForCausalLM:
         # A table that runs all layers in one call (``decoder_layers``, the CPU's) takes each kind
         # of layer weight stacked [num_layers, ...]; the layers are then views of the stacks.
         self.layer_stacks: dict | None = {} if getattr(kernels, "decoder_layers", None) is not None else None
-        stack_alloc = getattr(kernels, "zeros", None) or xp.empty   # the CPU's: on huge pages (cpu_memory)
+        stack_alloc = getattr(kernels, "zeros", None) or xp.empty   # the CPU's: on huge pages (kernels/cpu/memory.py)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             q = self._check(weights, p + "self_attn.q_proj.weight", (H * D, hid))

@@ -97,7 +97,7 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ke
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
-    zeros = getattr(kernels, "zeros", None) or kernels.xp.zeros   # the CPU's: on huge pages (cpu_memory)
+    zeros = getattr(kernels, "zeros", None) or kernels.xp.zeros   # the CPU's: on huge pages (kernels/cpu/memory.py)
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     return [(zeros(shape, dtype=kernels.kv_cache_dtype), zeros(shape, dtype=kernels.kv_cache_dtype))
             for _ in range(config.num_hidden_layers)]

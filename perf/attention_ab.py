@@ -12,8 +12,8 @@ alternately, 5 rounds, best time each; printed: GB/s of K/V read and GFLOP/s (ca
 largest output difference. ``--hot`` points every block table entry at one of the first two
 blocks of a single layer: the same arithmetic with K/V in the core's caches, so that a kernel
 whose hot rate is no better than its rate from memory is shown to be bound by its own
-instructions, not by memory (perf/RESULTS.md, seventh and ninth passes). The VM this project measures on drifts 10-30% from
-minute to minute: only figures from one run of this script compare (perf/RESULTS.md, fifth pass).
+instructions, not by memory (perf/JOURNAL.md, seventh and ninth passes). The VM this project measures on drifts 10-30% from
+minute to minute: only figures from one run of this script compare (perf/JOURNAL.md, fifth pass).
 """
 
 from __future__ import annotations

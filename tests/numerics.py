@@ -38,7 +38,7 @@ def dot_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def exp2_rel_bound() -> float:
-    """Relative error bound of ``kernels.cpu_math.exp2``: the Taylor remainder of ``e^(f ln 2)``
+    """Relative error bound of ``kernels.cpu.math.exp2``: the Taylor remainder of ``e^(f ln 2)``
     after degree 7 for ``|f| <= 1/2`` plus 8 Horner steps (one float32 rounding each, partial
     results below 1.42), plus the rounding of ``x - round(x)``."""
     t = 0.5 * math.log(2.0)

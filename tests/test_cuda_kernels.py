@@ -3,7 +3,7 @@ derived from the arithmetic (tests/cuda_bounds.py).
 
 Without a GPU (CI, default) every kernel runs under the SIMT emulator (tests/simt): the same .cu
 sources compiled with g++, launched through the same Python code as on a GPU
-(``kernels.cuda_ops.CudaKernels`` over NumPy). With ``FOLIO_TEST_CUDA=1`` the same tests run the
+(``kernels.cuda.table.CudaKernels`` over NumPy). With ``FOLIO_TEST_CUDA=1`` the same tests run the
 real CuPy kernels on the GPU (``perf/gpu_check.sh`` does this).
 
 Cases are the shared random cases of tests/kernel_cases.py (the CPU kernel tests use the same).

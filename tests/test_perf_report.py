@@ -1,4 +1,4 @@
-"""The perf report (folio/bench/) at tiny sizes, so its code cannot rot.
+"""The perf report (perf/bench/) at tiny sizes, so its code cannot rot.
 
 One tiny report (all seven sections) is run once per module on the real default model; the tests
 check its figures against expectations computed independently (block arithmetic, config

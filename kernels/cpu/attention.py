@@ -12,7 +12,7 @@ limit (key positions ``<= their own``); chunks past the last row's limit are nev
 Two ways to compute an item, chosen by its number of rows:
 
 * **Tiles** (``rows >= TILE_MIN_ROWS``: prefill chunks), in explicit vector code
-  (``kernels.cpu_simd``) where ``head_dim`` and the chunk are multiples of the vector width:
+  (``kernels.cpu.simd``) where ``head_dim`` and the chunk are multiples of the vector width:
   per chunk of ``CHUNK_KEYS`` keys, the keys transposed into ``[head_dim, chunk]`` (``W x W``
   blocks in registers), then ``S = Q K^T`` as broadcast FMAs, ``TILE_RB`` rows x 4 vectors of
   keys in registers (keys outer, so their slice stays in L1 across the row blocks), each row block
@@ -24,16 +24,16 @@ Two ways to compute an item, chosen by its number of rows:
   single-threaded BLAS ``sgemm`` calls; the softmax between them is a vectorised loop per row.
   The vector tiles were 1.6-2.1x the sgemm ones at the default model's shapes and 1.5-1.7x at
   Llama-3's (OpenBLAS with the AVX2 kernels this project's environment selects, on short
-  inner dimensions; perf/RESULTS.md, eleventh pass).
+  inner dimensions; perf/JOURNAL.md, eleventh pass).
 * **Decodes** (fewer rows: one token, or a few, times the ``group``): one KV block at a time,
   the scores of every row against the block's keys, each row's largest score, the
   online-softmax update, then the block's values. Where the block size is a multiple of 16
   and ``head_dim`` of the vector width, whole blocks go through explicit vector code
-  (``kernels.cpu_simd``): each row against 16 keys in one pass with one transposed reduction
+  (``kernels.cpu.simd``): each row against 16 keys in one pass with one transposed reduction
   for the 16 scores, their ``exp2`` weights in vectors, and ``P V`` with the row's output held
   in registers over the block's keys. LLVM's own vectorisation of these Numba loops ended each
   score in a horizontal reduction and ran the 16-key loops in their scalar remainders: the
-  vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/RESULTS.md, tenth pass). A
+  vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/JOURNAL.md, tenth pass). A
   sequence's last, partly filled block takes the plain loops for its scores and weights (other
   shapes for everything). The block's
   values are requested while its scores are computed and the next block's keys while its
@@ -49,8 +49,8 @@ Two ways to compute an item, chosen by its number of rows:
   read every third 256-byte slice of the rows, and two threads were slower than one).
 
 Scores are kept in base 2 (``q * scale * log2(e)``) and exponentiated with the vectorised
-``cpu_math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items are
-taken largest first from a shared counter by one task per thread (``kernels.cpu_threads``); every
+``kernels.cpu.math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items are
+taken largest first from a shared counter by one task per thread (``kernels.cpu.threads``); every
 buffer is per task and allocated before the parallel region. Planning is one compiled call and
 buffers plus region another: each Python-level call costs tens of microseconds when a decode
 step's weight stream has just evicted the interpreter's data from the caches.
@@ -84,14 +84,14 @@ CHUNK_KEYS = 128       # keys per online-softmax step (rounded down to whole blo
 _PARALLEL_MIN_WORK = 1 << 18   # multiply-adds below which a step runs on the calling thread
 SPLIT_MIN_KEYS = 128  # shortest key range of a partitioned decode (FlashDecoding)
 # Fewest threads at which few decodes are split into key ranges. On the 2-vCPU EPYC this
-# project measures on (perf/RESULTS.md, fourth pass), one sequence's decode attention on 2
+# project measures on (perf/JOURNAL.md, fourth pass), one sequence's decode attention on 2
 # threads against 1 item: ~1.0x at 330 keys (the region's wake-up eats the gain), 1.3-1.5x at
 # 600-1000, 1.8x at 4000 (default model); Llama-3 shapes 1.2-1.7x.
 SPLIT_MIN_THREADS = 2
 # Prefill tiles in explicit vector code (else two sgemm calls per chunk) where head_dim and the
 # chunk are multiples of the lanes; with 8 lanes (AVX2) only up to head_dim 64: compiled for
 # Haswell on the Zen 5 VM, the vector tiles were 1.14-1.41x sgemm's at head_dim 64 and
-# 0.83-1.05x at 128 (perf/RESULTS.md, eleventh pass).
+# 0.83-1.05x at 128 (perf/JOURNAL.md, eleventh pass).
 TILE_VECTOR = True
 _SCORE_KEYS = 64       # keys per pass of a tile's scores over its row blocks
 _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastmath assumes no inf)
@@ -215,7 +215,7 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         o0 = max(0, k0 - bi * bs)
         n = min(bs, k1 - bi * bs)
         if fast and o0 == 0 and n == bs:
-            # a whole block: each row against 16 keys per call (cpu_simd.qk16), the block's values
+            # a whole block: each row against 16 keys per call (simd.qk16), the block's values
             # requested a share of its keys before each of the R x bs / 16 calls
             calls = R * (bs // 16)
             c = 0
@@ -265,7 +265,7 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 _softmax_update(sc, r, o0, n, max(m[r], bm[r]), m, l, acc)
         nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
         if fast:
-            # each row's P V over this block's keys (cpu_simd.pv), the next block's keys
+            # each row's P V over this block's keys (simd.pv), the next block's keys
             # requested a share of them before each of the R calls
             c = 0
             for hh in range(h1 - h0):
@@ -343,7 +343,7 @@ def _merge_partitions(items, group, pm, pl, pacc, out):
 @njit(cache=True, fastmath=True)
 def _tile_chunks(key_cache, value_cache, block_tables, s, h0, R, n_keys, first_pos, group, qs, kb, ko, sc, acc, m,
                  l):
-    # A tile's chunks of keys in explicit vector code (cpu_simd.tile_scores / tile_pv): per
+    # A tile's chunks of keys in explicit vector code (simd.tile_scores / tile_pv): per
     # chunk, its keys transposed into kb as [D, CH] (keys along the vectors) and the flat offsets
     # of its rows in ko (the values are read in place through them); then S for each block of
     # TILE_RB rows only up to the keys its last row sees (the causal triangle of the diagonal

@@ -8,8 +8,8 @@ megabytes of weights through the caches. Measured on the 2-vCPU EPYC after 16 MB
 ``linear`` of a [64, 576] weight 34 against 5.5; 270 such calls per step of the default model
 were several milliseconds of a ~35 ms single-sequence decode step.
 
-``decoder_layers`` runs the same kernels (the bodies of ``cpu``, ``cpu_linear`` and
-``cpu_attention``, unchanged) in the same order from one ``@njit`` function that loops over the
+``decoder_layers`` runs the same kernels (the bodies of ``rows.py``, ``linear.py`` and
+``attention.py``, unchanged) in the same order from one ``@njit`` function that loops over the
 layers. Everything that depends only on the step's shapes is planned once per step in Python:
 the tasks and tiles (``linear_plan``) of the four matrix products, the tasks of the row kernels,
 and the attention work items (the same for every layer: the same sequences and lengths), so the
@@ -19,10 +19,10 @@ tuples, so the compiled loop can index them by layer.
 
 **One parallel region per step** (``ONE_REGION``, with two threads or more). A region per
 kernel call is ~120 regions per decode step, each waking the pool's sleeping threads (OpenMP's
-passive wait, ``kernels/cpu_threads``). ``_layers_region`` instead opens one ``prange`` region
+passive wait, ``kernels/cpu/threads.py``). ``_layers_region`` instead opens one ``prange`` region
 whose tasks all walk the same phases of every layer (norm, QKV product, RoPE and cache append,
 attention items, their merge, o_proj, norm, gate/up product, SwiGLU, down product). A phase's
-work items (``cpu_linear.linear_items``: the weight-row blocks, streamed tiles or sgemm tiles of
+work items (``linear.linear_items``: the weight-row blocks, streamed tiles or sgemm tiles of
 ``linear_into``'s own region, row blocks of ``_ROWS_PER_ITEM``, attention items) are claimed from
 the phase's counter; each finished item is counted (``atomic_add``, acquire-release), and a task that finds no item left waits until
 the phase's count is complete before it starts the next phase (``atomic_load``, acquire). It
@@ -30,7 +30,7 @@ never waits for an item nobody has claimed, so the region cannot deadlock when i
 one after another (a pool smaller than the plan, a nested call); the wait spins a little, then
 gives the core away each turn (``sched_yield``), so a busy machine's other work and the
 engine's scheduling thread still run. Same items, same arithmetic: bit-identical to the
-per-call path and the per-kernel loop (tests/test_forward.py). Measured (perf/RESULTS.md,
+per-call path and the per-kernel loop (tests/test_forward.py). Measured (perf/JOURNAL.md,
 fourth pass): 64 requests, 2 threads, +1-8% output tokens/s on a quiet machine, +18% with a
 busy process on one core; single-sequence decode within noise (+2-5% in one sitting, -6% in
 another).

@@ -2,11 +2,11 @@
 
 ``@njit(cache=True)`` stores machine code beside each module (``__pycache__``) and reuses it
 while the function's *own* source file is unchanged: Numba does not look at the files of the
-functions it calls. The CPU kernels call across files (``cpu_forward``'s layer loop links the
-products of ``cpu_linear``, the attention of ``cpu_attention``, the row kernels of ``cpu``, all
-of them ``cpu_math``'s ``exp2`` and ``cpu_threads``' atomics), so a change to one of them (an
+functions it calls. The CPU kernels call across files (``forward.py``'s layer loop links the
+products of ``linear.py``, the attention of ``attention.py``, the row kernels of ``rows.py``, all
+of them ``math.py``'s ``exp2`` and ``threads.py``' atomics), so a change to one of them (an
 upgrade, a checkout) would leave its callers running machine code built from the old source:
-this was seen when ``GEMV_MAX_ROWS`` changed in ``cpu_linear`` and the cached layer loop kept
+this was seen when ``GEMV_MAX_ROWS`` changed in ``linear.py`` and the cached layer loop kept
 the old threshold. Here every CPU kernel module's cache entries carry one stamp, the SHA-256 of
 all those modules' source, so a change to any of them recompiles all of them. A module outside
 this folder whose cached functions call the kernels (``perf.bench.kernel_rates``' regions) asks
@@ -22,7 +22,7 @@ Numba's own comes a last resort for the kernels, a private temporary folder of t
 (``_ProcessCacheLocator``): where nothing else is writable (a read-only install whose user has no
 writable home) Numba would raise when a kernel is defined. A user's
 own ``NUMBA_CACHE_LOCATOR_CLASSES`` replaces the list and this with it. Imported (and installed)
-by ``cpu_threads``, which every CPU kernel module imports before defining a kernel.
+by ``threads.py``, which every CPU kernel module imports before defining a kernel.
 
 Source: Numba's documentation, "Cache invalidation" (numba.readthedocs.io, notes on caching:
 changes in other files are not tracked) and ``numba/core/caching.py``.

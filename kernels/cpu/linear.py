@@ -1,6 +1,6 @@
 """Matrix products of the CPU forward pass: ``out = x @ weight.T`` for ``weight [out, in]``.
 
-Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads``' policy:
+Two shapes, two kernels, both parallel over the threads of ``kernels.cpu.threads``' policy:
 
 * **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading
   the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (64
@@ -20,7 +20,7 @@ Two shapes, two kernels, both parallel over the threads of ``kernels.cpu_threads
   ``GEMV_MAX_ROWS`` tokens (chunks of equal size), the tiles of one weight block consecutive
   so that it is read from L2: its 4 x 4 register block in AVX-512 code ran at 1.22-1.44x the
   sgemm tiles from T = 65 to 512 with the AVX2 OpenBLAS kernels this project's environment
-  selects, and at 0.60-0.90x OpenBLAS's AVX-512 kernels from T = 128 (perf/RESULTS.md,
+  selects, and at 0.60-0.90x OpenBLAS's AVX-512 kernels from T = 128 (perf/JOURNAL.md,
   eleventh pass). Otherwise BLAS ``sgemm`` on 2-D tiles of the output (``tile_m`` tokens x ``tile_n`` weight
   rows), each tile one single-threaded call, tiles taken by the threads from a shared counter.
   Each call packs its own weight tile; tiles are large enough (>= 64 x 64 outputs over the
@@ -50,7 +50,7 @@ _WIDE = compiles_avx512()
 # tokens per pass of the streaming kernel: 4 x 4 (token, weight row) sums need 16 vector
 # accumulators, which AVX2's 16 registers cannot hold beside the loaded values (6 of them
 # spilled to the stack, reloaded and stored every iteration). Measured with the kernels compiled
-# for each level on the Zen 5 VM (perf/RESULTS.md, ninth pass), T = 8..24, 1 thread: AVX-512,
+# for each level on the Zen 5 VM (perf/JOURNAL.md, ninth pass), T = 8..24, 1 thread: AVX-512,
 # 4 tokens 1.11-1.15x 2 tokens; AVX2, 2 tokens 1.32-1.40x the old 2 x 2 kernel, 4 tokens 1.14-1.19x
 TOKENS_PER_PASS = 4 if _WIDE else 2
 # up to this many tokens the streaming kernel, else sgemm tiles (OpenBLAS packs and computes a
@@ -73,7 +73,7 @@ def _blas_runs_avx512() -> bool:
 
 # Above GEMV_MAX_ROWS tokens: the streaming kernel on tiles of GEMV_BLOCK_ROWS weight rows x
 # token chunks of at most GEMV_MAX_ROWS where it takes 64 tokens (AVX-512) and sgemm does not
-# run AVX-512 kernels, else sgemm tiles. On the Zen 5 VM (perf/RESULTS.md, eleventh pass), T =
+# run AVX-512 kernels, else sgemm tiles. On the Zen 5 VM (perf/JOURNAL.md, eleventh pass), T =
 # 65-512: 1.22-1.44x OpenBLAS's AVX2 (Haswell) tiles, 0.60-0.90x its AVX-512 (SkylakeX) ones
 # from T = 128 (about 135 GFLOP/s per thread against 200)
 STREAM_TILES = GEMV_MAX_ROWS >= 64 and not _blas_runs_avx512()
@@ -276,7 +276,7 @@ def _linear_parallel(x, weight, out, tile_m, tile_n, n_tasks, counter):
 @njit(cache=True, nogil=True)
 def linear_into(x, weight, out, tasks, tile_m, tile_n):
     """``out[:] = x @ weight.T`` from compiled code (``linear`` and the fused forward of
-    ``cpu_forward``), as planned by ``linear_plan``: C-contiguous float32 ``x [T, in]``,
+    ``kernels/cpu/forward.py``), as planned by ``linear_plan``: C-contiguous float32 ``x [T, in]``,
     ``weight [out, in]``, ``out [T, out]``; ``tasks`` 1 (the calling thread) or the threads of
     the region; ``(tile_m, tile_n)`` how a product of more than ``GEMV_MAX_ROWS`` rows is cut
     (``linear_plan``)."""

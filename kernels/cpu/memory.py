@@ -16,7 +16,7 @@ tail of every array (up to 2 MiB each) stay on 4 KiB pages. ``huge_page_zeros`` 
 memory (zero-filled by the kernel), starts the array on a 2 MiB boundary and marks it from 2 MiB
 up, so all of it can be huge pages. What that gains depends on how much NumPy left uncovered: on
 the 2-vCPU EPYC this project measures on, decode attention over caches of 1.5-25 MB per layer
-read its K/V 6-17% faster, a plain read of the same blocks 1-19% (perf/RESULTS.md, seventh pass);
+read its K/V 6-17% faster, a plain read of the same blocks 1-19% (perf/JOURNAL.md, seventh pass);
 a cache of hundreds of MB per layer was almost all on huge pages already.
 
 Where THP is off (``never``), madvise is missing (not Linux) or refuses, the array is the same

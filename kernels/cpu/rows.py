@@ -255,7 +255,7 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 @njit(cache=True, fastmath=True, error_model="numpy")
 def _silu_and_mul_rows(x, out, t0, t1):
-    # silu(g) = g / (1 + e^-g), e^-g = 2^(-g log2 e) (vectorised, see cpu_math). error_model
+    # silu(g) = g / (1 + e^-g), e^-g = 2^(-g log2 e) (vectorised, see kernels/cpu/math.py). error_model
     # "numpy": Python's model checks each division for a zero divisor, a branch that kept LLVM
     # from vectorising the loop (3.5 ns per element, 1.0 without the check)
     inter = out.shape[1]
@@ -304,10 +304,10 @@ def prepare_weight(w):
     """A weight as the CPU table stores it: a C-contiguous float32 copy of ``w`` (``[out, in]`` or
     ``[n]``). Linear weights stay ``[out, in]``: the decode kernel then streams contiguous rows and
     BLAS takes ``W.T`` as a transpose flag (a pre-transposed copy measured no faster for prefill).
-    Weights of 2 MiB and more go on transparent huge pages (``cpu_memory.huge_page_zeros``)."""
+    Weights of 2 MiB and more go on transparent huge pages (``memory.huge_page_zeros``, kernels/cpu/memory.py)."""
     if np.size(w) * 4 < HUGE_PAGE_MIN_BYTES:
         return np.ascontiguousarray(w, dtype=_F32)
-    out = huge_page_zeros(np.shape(w), _F32)   # streamed every decode step: on huge pages (cpu_memory)
+    out = huge_page_zeros(np.shape(w), _F32)   # streamed every decode step: on huge pages (kernels/cpu/memory.py)
     out[...] = w
     return out
 

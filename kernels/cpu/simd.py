@@ -14,7 +14,7 @@ the Numba caller like any ``@intrinsic`` (no call, no reference counting of the 
   that leaves the 16 scores in ``16 / W`` vectors: ~30 shuffles for 16 scores instead of a
   reduction per score.
 * ``exp2_sum16``: the online softmax's weights ``2^(s - m)`` of 16 scores in place
-  (``cpu_math.exp2``'s range reduction and polynomial, lane-wise) and their sum.
+  (the range reduction and polynomial of kernels/cpu/math.py's ``exp2``, lane-wise) and their sum.
 * ``pv``: a row's ``acc += P V`` over ``n`` keys, ``4 W`` coordinates of ``acc`` held in
   registers across the keys (one load and store of ``acc`` per block, not per key).
 
@@ -212,7 +212,7 @@ def pv(typingctx, p, poff, n, v, voff, vstride, D, acc, aoff):
 
 
 def _exp2(builder, x):
-    # cpu_math.exp2 lane-wise: clamp to [-126, 126], k = floor(x + 1/2), f = x - k, 2^f from the
+    # kernels/cpu/math.py's exp2 lane-wise: clamp to [-126, 126], k = floor(x + 1/2), f = x - k, 2^f from the
     # degree-7 Taylor series of e^(f ln 2) by Horner's rule with fused multiply-adds, times 2^k
     # built in the exponent bits
     x = _call(builder, f"llvm.minnum.v{W}f32", [_call(builder, f"llvm.maxnum.v{W}f32", [x, _const(-126.0)]),
@@ -229,7 +229,7 @@ def _exp2(builder, x):
 
 @intrinsic
 def exp2_sum16(typingctx, s, soff, m):
-    """``s[soff + o] = 2^(s[soff + o] - m)`` for ``o = 0..15`` (``cpu_math.exp2``, lane-wise);
+    """``s[soff + o] = 2^(s[soff + o] - m)`` for ``o = 0..15`` (kernels/cpu/math.py's ``exp2``, lane-wise);
     returns the float32 sum of the 16 weights."""
     if not _f32_arrays(s):
         return None
@@ -433,7 +433,7 @@ def row_max(typingctx, s, soff, n, init):
 @intrinsic
 def row_exp2(typingctx, s, soff, nv, n, m):
     """``s[soff + j] = 2^(s[soff + j] - m)`` for ``j < nv`` and ``0`` for ``nv <= j < n``, in
-    vectors of ``W`` (``cpu_math.exp2`` lane-wise; the last vector is written whole: the
+    vectors of ``W`` (kernels/cpu/math.py's ``exp2`` lane-wise; the last vector is written whole: the
     array must extend to ``n`` rounded up to ``W``); returns the float32 sum of the weights."""
     if not _f32_arrays(s):
         return None

@@ -115,7 +115,7 @@ def fetch_add(typingctx, counter, value):
 def atomic_add(typingctx, arr, index, value):
     """Atomically add ``value`` to ``arr[index]`` (flat, int64) and return the old value, with
     acquire-release ordering: what this thread wrote before is visible to a thread that reads
-    the new value with ``atomic_load`` (a phase's claim and "items done" counts in ``cpu_forward``)."""
+    the new value with ``atomic_load`` (a phase's claim and "items done" counts in ``forward.py``)."""
     def codegen(context, builder, sig, args):
         a = context.make_array(sig.args[0])(context, builder, args[0])
         return builder.atomic_rmw("add", builder.gep(a.data, [args[1]]), args[2], "acq_rel")
@@ -303,7 +303,7 @@ def apply_thread_policy() -> None:
     module is imported, i.e. whenever folio's CPU kernels are loaded.
 
     NumPy's own matrix products in this process then run on one thread too; folio's products
-    go through ``kernels.cpu_linear``, which splits them over Numba's threads.
+    go through ``kernels.cpu.linear``, which splits them over Numba's threads.
     """
     global _limits
     if _limits is None:

@@ -14,7 +14,7 @@ Limits, measured here with the same thread counts as the kernels:
 * **sgemm**: NumPy's BLAS on its own thread pool (``threadpoolctl`` set to ``threads`` for the
   measurement), ``[T, K] x [K, N]`` float32.
 
-Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
+Kernels (``folio.kernels.cpu``, Numba's pool set to ``threads``):
 
 * **decode-sized products** (``T`` = 1..8 rows): the default model's four per-layer weights of
   every layer (30 x 14.2 MB, far beyond the last-level cache) streamed in turn; reported as GB/s
@@ -35,14 +35,14 @@ Kernels (``folio.kernels.cpu_*``, Numba's pool set to ``threads``):
   thread's own single-threaded BLAS calls ``[R, 64] x [64, C]`` and ``[R, C] x [C, 64]`` (a
   full tile's two products per chunk of keys, ``(R, C) = tile_shape()``; the inner dimensions
   64 and ``C`` are short for a packed GEMM), what BLAS reaches on a tile's own products (the
-  sgemm tiles' building block; the vector tiles of ``cpu_simd`` replace those calls where they
+  sgemm tiles' building block; the vector tiles of ``kernels/cpu/simd.py`` replace those calls where they
   apply). Decode and prefill are timed as the forward pass calls them: ``attention_into`` per
   layer, the step's work items planned once (the forward plans once per step for all its
   layers); the planning is timed on its own.
 
 **As the forward runs them, in one region** (2 threads or more): the forward pass runs a step's
 products and attention inside one parallel region whose tasks meet at a counter after each
-phase (``kernels/cpu_forward``), while the figures above call each kernel on its own, and each
+phase (``kernels/cpu/forward.py``), while the figures above call each kernel on its own, and each
 call opens a region whose sleeping threads must be woken (``region_overhead_us``: ~15 us on the
 Zen 3 VM, 57-73 us on a Zen 5 VM, where a thread woken late leaves a short product to its
 partner). The ``*_region`` figures run the same work items the same way the forward does: the
@@ -186,7 +186,7 @@ _REGION_REPS = 8   # calls of one batched product inside one region (its "in one
 @njit(parallel=True, cache=True)
 def _products_region(xs, stacks, ys, lin, reps, n_tasks):
     # reps rounds of the products xs[p] @ stacks[p][r % L].T -> ys[p] (tuples of one to four
-    # kinds, planned by lin[p]) as phases of one region, the way kernels/cpu_forward._layers_region
+    # kinds, planned by lin[p]) as phases of one region, the way kernels/cpu/forward.py's _layers_region
     # runs a step's products: items claimed from a counter per phase, every task waits at the
     # phase's end
     kinds = len(xs)
@@ -224,7 +224,7 @@ def products_region_call(xs, stacks, threads: int, reps: int | None = None):
 def _attention_region(q, key_caches, value_caches, block_tables, seq_lens, query_start_loc, qscale, out, items,
                       n_parts, n_tasks):
     # every layer's attention items, then its merge (one item), as phases of one region (as in
-    # kernels/cpu_forward._layers_region)
+    # kernels/cpu/forward.py's _layers_region)
     H, D = q.shape[1], q.shape[2]
     bs, Hkv = key_caches[0].shape[1], key_caches[0].shape[2]
     L = len(key_caches)
@@ -376,7 +376,7 @@ def _gather_read(key_cache, value_cache, block_tables, seq_lens, n_tasks):
 
 @njit(cache=True, nogil=True)
 def _tile_products(q, k, v, sc, acc, calls):
-    # a prefill tile's two sgemm calls per chunk of keys, as cpu_attention._attend_item makes
+    # a prefill tile's two sgemm calls per chunk of keys, as kernels/cpu/attention.py's _attend_item makes
     # them: S = Q K^T, then acc += P V (P: the scores buffer), ``calls`` times
     R, D = q.shape
     nk = k.shape[0]
@@ -388,7 +388,7 @@ def _tile_products(q, k, v, sc, acc, calls):
 
 
 def tile_shape(group: int = _MODEL["heads"] // _MODEL["kv_heads"]) -> tuple[int, int]:
-    """``(rows, keys)`` of a full prefill tile's products in ``cpu_attention``: whole tokens of
+    """``(rows, keys)`` of a full prefill tile's products in ``kernels/cpu/attention.py``: whole tokens of
     ``group`` query rows each, up to ``TILE_ROWS`` rows; ``CHUNK_KEYS`` keys per chunk."""
     from folio.kernels.cpu import attention as ca
     return max(1, ca.TILE_ROWS // group) * group, ca.CHUNK_KEYS
@@ -414,10 +414,10 @@ def sgemm_tile_gflops(threads: int, rows: int | None = None, keys: int | None = 
 
 def layers_call(q, caches, block_tables, seq_lens, query_start_loc, threads, module=None, out=None):
     """A function running paged attention over every layer's caches as the forward pass calls it
-    (``cpu_forward``): ``attention_into`` per layer into ``out`` (a new buffer when None), with
+    (``kernels/cpu/forward.py``): ``attention_into`` per layer into ``out`` (a new buffer when None), with
     the step's items planned once, here, outside the returned function (the forward plans once
     per step for all its layers; ``attention`` times the planning on its own). ``module``: the
-    ``cpu_attention`` module to call (``perf/attention_ab.py`` passes another revision's)."""
+    ``kernels/cpu/attention.py`` module to call (``perf/attention_ab.py`` passes another revision's)."""
     from folio.kernels.cpu import attention as cpu_attention
     mod = module or cpu_attention
     H, D = q.shape[1], q.shape[2]
