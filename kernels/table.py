@@ -128,8 +128,9 @@ class KernelDevice(Protocol):
         """Context manager under which all of a step's work goes to the device's stream."""
         ...
 
-    def launch(self, fn, *args):
-        """Run ``fn(*args)`` on the device's stream (recorded instead while capturing)."""
+    def launch(self, fn, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on the device's stream (recorded instead while capturing); a
+        kernel launch passes CuPy's ``(grid, block, args)`` positionally and ``shared_mem=`` by keyword."""
         ...
 
     def empty(self, shape, dtype):
@@ -149,7 +150,12 @@ class KernelDevice(Protocol):
         ...
 
     def synchronize(self):
-        """Wait for the device."""
+        """Wait for the device's stream (the one host sync of a step)."""
+        ...
+
+    def synchronize_device(self):
+        """Wait for all work on the device, every stream included (``cudaDeviceSynchronize``): set-up
+        runs on the legacy default stream, steps on their own non-blocking stream."""
         ...
 
     def capture(self):

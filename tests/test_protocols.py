@@ -97,6 +97,23 @@ def test_the_cuda_tables_devices_conform():
         assert accepts_call_shape(fn, getattr(CupyDevice, name)) is None, name
 
 
+def test_every_device_member_the_cuda_path_calls_is_declared():
+    # what the GPU step, the model runner and the CUDA table call on folio's device object
+    # (``device.X``, ``self.device.X``, ``k.device.X``; ``dev`` there is CuPy's own Device)
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent
+    used = set()
+    for path in [*sorted((root / "runtime" / "worker").glob("*.py")), root / "kernels" / "cuda" / "table.py"]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and (
+                    isinstance(node.value, ast.Name) and node.value.id == "device"
+                    or isinstance(node.value, ast.Attribute) and node.value.attr == "device"):
+                used.add(node.attr)
+    assert {"launch", "synchronize_device"} <= used, used   # the scan finds the calls
+    assert used <= protocol_members(KernelDevice), sorted(used - protocol_members(KernelDevice))
+
+
 def table_members_used(path) -> set[str]:
     """Attribute names the worker-side file at ``path`` reads from a kernel table: ``X`` in
     ``kernels.X``, ``k.X``, ``cuda.X``, ``self.k.X``, ``self.kernels.X`` (its names for the table)."""
