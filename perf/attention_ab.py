@@ -26,6 +26,8 @@ import numba
 import numpy as np
 from revision import load_kernel_module
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))  # perf.bench
+
 import folio.kernels.cpu.attention as current
 from perf.bench.kernel_rates import attention_case, layers_call
 
@@ -44,7 +46,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (best of)")
     a = p.parse_args(argv)
     print("command: python " + " ".join(sys.argv), flush=True)
-    old = load_kernel_module(a.rev, "cpu_attention")
+    old = load_kernel_module(a.rev, "attention")
     H, Hkv, D = SHAPES[a.model]
     rng = np.random.default_rng(0)
     for spec in a.cases.split():

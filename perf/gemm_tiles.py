@@ -4,7 +4,7 @@ thread (one call) and at 2 threads with several tilings: GFLOP/s, best of 30 cal
 Used for issue 9's thread-scaling analysis (perf/RESULTS.md): the same tiles measured minutes
 apart show how much the machine's second core delivers from one minute to the next.
 
-Run: ``PYTHONPATH=. .venv/bin/python perf/gemm_tiles.py``
+Run: ``.venv/bin/python perf/gemm_tiles.py``
 """
 
 import sys
@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from kernels import cpu_linear as L
-from kernels.cpu_threads import apply_thread_policy, numba_threads
+from folio.kernels.cpu import linear as L
+from folio.kernels.cpu.threads import apply_thread_policy, numba_threads
 
 
 def gflops(T, N, K, tile_m, tile_n, threads, rep=30, rng=np.random.default_rng(0)):

@@ -21,6 +21,8 @@ import numba
 import numpy as np
 from revision import load_kernel_module
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))  # perf.bench
+
 import folio.kernels.cpu.linear as current
 from perf.bench.kernel_rates import _model_weights
 
@@ -32,7 +34,7 @@ def main(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24])
     a = p.parse_args(argv)
     print("command: python " + " ".join(sys.argv), flush=True)
-    old = load_kernel_module(a.rev, "cpu_linear")
+    old = load_kernel_module(a.rev, "linear")
     stacks = _model_weights(np.random.default_rng(0), 30)
     nbytes = sum(st.nbytes for st in stacks)
     for threads in a.threads:
