@@ -32,7 +32,7 @@ def gflops(T, N, K, tile_m, tile_n, threads, rep=30, rng=np.random.default_rng(0
 
 def main():
     apply_thread_policy()
-    print("command:", "PYTHONPATH=. python " + " ".join(sys.argv))
+    print("command:", "python " + " ".join(sys.argv))
     T = 64
     for name, N, K in [("qkv_proj", 960, 576), ("down_proj", 576, 1536), ("o_proj", 576, 576),
                        ("gate_up_proj", 3072, 576)]:
