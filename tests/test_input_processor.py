@@ -193,11 +193,17 @@ def test_repl_samples_with_the_http_apis_default_top_p():
 
 
 def test_make_run_takes_the_http_port(monkeypatch):
-    make = subprocess.run(["make", "-n", "run", "PORT=8123"], cwd=ROOT, capture_output=True, text=True)
-    assert make.returncode == 0 and make.stdout.strip().splitlines()[-1].endswith("folio.demo --port 8123")
-    make = subprocess.run(["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "PORT"})
-    assert make.stdout.strip().splitlines()[-1].endswith("folio.demo")
+    # a make of its own: under `make test` the parent's MAKEFLAGS / MAKELEVEL would add directory lines
+    env = {k: v for k, v in os.environ.items() if k not in ("PORT", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+
+    def demo_line(*args):
+        make = subprocess.run(["make", "--no-print-directory", "-n", "run", *args], cwd=ROOT, capture_output=True,
+                              text=True, env=env)
+        assert make.returncode == 0, make.stderr
+        return [line for line in make.stdout.splitlines() if "folio.demo" in line][-1]
+
+    assert demo_line("PORT=8123").endswith("folio.demo --port 8123")
+    assert demo_line().endswith("folio.demo")
     import folio.demo as demo
     seen = {}
 
