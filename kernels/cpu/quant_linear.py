@@ -1,0 +1,337 @@
+"""Matrix products and the embedding lookup straight from GGUF-quantized weights, on the CPU.
+
+``quant_linear``: ``out [T, N] = x [T, K] @ W [N, K]^T`` with ``W`` stored as GGUF blocks, ``N`` rows
+of ``row_bytes(type, K)`` bytes (``kernels/quant_reference.py`` is the specification of every type:
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Made for decode steps (``T`` of 1
+to 8 tokens; any ``T`` is computed correctly, but the batched tiles of prefill are another kernel).
+
+How: **dequantize in registers against float32 activations.** A task takes a block of
+``QUANT_BLOCK_ROWS`` weight rows; for each row it decodes the row's blocks into a float32 scratch
+row of ``K`` values (per task, in L1/L2: 8 KB at K = 2048), with exactly the float32 operations
+of the reference's ``dequantize`` (this function is compiled without fast-math, so its values are
+bit-identical to the reference's and llama.cpp's), then takes the row's dot product with every
+token, 4 tokens per pass over the scratch row (fast-math: LLVM vectorises the sum into 8- or
+16-lane partial sums, float32 accumulation). Decoding once per row and reading it back from L1
+costs the same for any ``T``, so the weight bytes are read from memory once per step whatever the
+number of tokens. The integer path (activations quantized per row to 8 bits, integer dot
+products, as llama.cpp's ``ggml_vec_dot_q4_K_q8_K``) is not here.
+
+Threads: the project's policy (``threads.py``): one Numba ``prange`` region with a task per
+thread, tasks taking row blocks from a shared atomic counter (``fetch_add``); weights under
+``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch rows are allocated by the
+caller (``[tasks, K]``), none inside the region.
+
+``quant_embedding``: the rows of a quantized embedding table for a list of token ids, bit-identical
+to ``dequantize`` of those rows.
+
+Sources: llama.cpp ``ggml-quants.c`` ``dequantize_row_*`` (the value of each quant) and
+``ggml-cpu`` ``ggml_vec_dot_*`` (the decode-sized products); the GGUF specification
+(github.com/ggml-org/ggml/blob/master/docs/gguf.md, tensor data laid out in rows of blocks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
+from .threads import fetch_add, num_threads, region_guard
+
+__all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row",
+           "KERNEL_TYPES", "QUANT_BLOCK_ROWS"]
+
+_F32 = np.float32
+QUANT_BLOCK_ROWS = 16          # weight rows per work item
+_PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
+
+KERNEL_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+"""GGML type ids these kernels read (every type of ``quant_reference.QUANT_TYPES``)."""
+
+# 2^(e - 25) for the binary16 exponent field e = 1..30 (the significand with its leading 1 is an
+# integer < 2048, so integer x power of two is exact in float32); e = 0: 2^-24 (subnormals)
+_F16_SCALE = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
+
+
+@njit(cache=True, inline="always")
+def _f16(b, i):
+    # the binary16 at bytes b[i], b[i + 1] (little-endian) as float32, exactly
+    h = np.int32(b[i]) | (np.int32(b[i + 1]) << 8)
+    e = (h >> 10) & 31
+    m = h & 1023
+    if e == 31:
+        v = _F32(np.inf) if m == 0 else _F32(np.nan)
+    elif e == 0:
+        v = _F32(m) * _F16_SCALE[0]
+    else:
+        v = _F32(m | 1024) * _F16_SCALE[e]
+    return -v if h & 0x8000 else v
+
+
+@njit(cache=True, inline="always")
+def _i8(v):
+    # a uint8 read as int8
+    q = np.int32(v)
+    return q - ((q >> 7) << 8)
+
+
+@njit(cache=True, inline="always")
+def _u32(b, i):
+    return np.uint32(b[i]) | (np.uint32(b[i + 1]) << 8) | (np.uint32(b[i + 2]) << 16) | (np.uint32(b[i + 3]) << 24)
+
+
+@njit(cache=True, inline="always")
+def _k_scale_min(b, o, s):
+    # Q4_K / Q5_K: 6-bit scale and min of sub-block s from the 12 bytes at b[o:] (get_scale_min_k4)
+    if s < 4:
+        return np.int32(b[o + s]) & 63, np.int32(b[o + s + 4]) & 63
+    lo = np.int32(b[o + s + 4])
+    return (lo & 15) | ((np.int32(b[o + s - 4]) >> 6) << 4), (lo >> 4) | ((np.int32(b[o + s]) >> 6) << 4)
+
+
+@njit(cache=True)
+def decode_row(row, qtype, buf):
+    """``buf[:K] = dequantize(row, qtype)`` for one row of GGUF blocks (``row`` uint8, ``buf``
+    float32 of the row's ``K`` values), with the reference's float32 operations in its order
+    (compiled without fast-math: bit-identical)."""
+    nbytes = row.shape[0]
+    if qtype == F32:
+        bits = buf.view(np.uint32)
+        for k in range(nbytes // 4):
+            bits[k] = _u32(row, 4 * k)
+    elif qtype == F16:
+        for k in range(nbytes // 2):
+            buf[k] = _f16(row, 2 * k)
+    elif qtype == BF16:
+        bits = buf.view(np.uint32)
+        for k in range(nbytes // 2):
+            bits[k] = (np.uint32(row[2 * k]) | (np.uint32(row[2 * k + 1]) << 8)) << 16
+    elif qtype == Q8_0:
+        for b in range(nbytes // 34):
+            o, k0 = 34 * b, 32 * b
+            d = _f16(row, o)
+            for j in range(32):
+                buf[k0 + j] = _F32(_i8(row[o + 2 + j])) * d
+    elif qtype == Q4_0:
+        for b in range(nbytes // 18):
+            o, k0 = 18 * b, 32 * b
+            d = _f16(row, o)
+            for j in range(16):
+                v = np.int32(row[o + 2 + j])
+                buf[k0 + j] = d * _F32((v & 15) - 8)
+                buf[k0 + 16 + j] = d * _F32((v >> 4) - 8)
+    elif qtype == Q4_1:
+        for b in range(nbytes // 20):
+            o, k0 = 20 * b, 32 * b
+            d, m = _f16(row, o), _f16(row, o + 2)
+            for j in range(16):
+                v = np.int32(row[o + 4 + j])
+                buf[k0 + j] = d * _F32(v & 15) + m
+                buf[k0 + 16 + j] = d * _F32(v >> 4) + m
+    elif qtype == Q5_0 or qtype == Q5_1:
+        bb = 22 if qtype == Q5_0 else 24
+        for b in range(nbytes // bb):
+            o, k0 = bb * b, 32 * b
+            d = _f16(row, o)
+            if qtype == Q5_0:
+                qh = np.int64(_u32(row, o + 2))
+                for j in range(16):
+                    v = np.int32(row[o + 6 + j])
+                    lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
+                    hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+                    buf[k0 + j] = d * _F32(lo - 16)
+                    buf[k0 + 16 + j] = d * _F32(hi - 16)
+            else:
+                m = _f16(row, o + 2)
+                qh = np.int64(_u32(row, o + 4))
+                for j in range(16):
+                    v = np.int32(row[o + 8 + j])
+                    lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
+                    hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+                    buf[k0 + j] = d * _F32(lo) + m
+                    buf[k0 + 16 + j] = d * _F32(hi) + m
+    elif qtype == Q4_K or qtype == Q5_K:
+        bb = 144 if qtype == Q4_K else 176
+        qs0 = 16 if qtype == Q4_K else 48
+        for b in range(nbytes // bb):
+            o, k0 = bb * b, 256 * b
+            d, dmin = _f16(row, o), _f16(row, o + 2)
+            for c in range(4):
+                q = o + qs0 + 32 * c
+                for half in range(2):
+                    s = 2 * c + half
+                    sc, mn = _k_scale_min(row, o + 4, s)
+                    d1 = d * _F32(sc)
+                    m1 = dmin * _F32(mn)
+                    base = k0 + 32 * s
+                    if qtype == Q4_K:
+                        for l in range(32):
+                            v = (np.int32(row[q + l]) >> (4 * half)) & 15
+                            buf[base + l] = d1 * _F32(v) - m1
+                    else:
+                        for l in range(32):
+                            v = ((np.int32(row[q + l]) >> (4 * half)) & 15) | (((np.int32(row[o + 16 + l]) >> s) & 1) << 4)
+                            buf[base + l] = d1 * _F32(v) - m1
+    elif qtype == Q6_K:
+        for b in range(nbytes // 210):
+            o, k0 = 210 * b, 256 * b
+            d = _f16(row, o + 208)
+            for h in range(2):
+                ql, qh = o + 64 * h, o + 128 + 32 * h
+                for g in range(4):
+                    src = ql + 32 * (g & 1)
+                    shift = 4 * (g >> 1)
+                    for part in range(2):
+                        s = 8 * h + 2 * g + part
+                        ds = d * _F32(_i8(row[o + 192 + s]))
+                        base = k0 + 16 * s
+                        for l in range(16 * part, 16 * part + 16):
+                            v = ((np.int32(row[src + l]) >> shift) & 15) | (((np.int32(row[qh + l]) >> (2 * g)) & 3) << 4)
+                            buf[base + l - 16 * part] = ds * _F32(v - 32)
+
+
+@njit(cache=True, fastmath=True)
+def _dot4(x, t, buf, out, r):
+    # tokens t .. t + 3 against the decoded row r (each loaded weight value feeds 4 sums)
+    a0 = a1 = a2 = a3 = _F32(0.0)
+    for k in range(x.shape[1]):
+        w = buf[k]
+        a0 += x[t, k] * w
+        a1 += x[t + 1, k] * w
+        a2 += x[t + 2, k] * w
+        a3 += x[t + 3, k] * w
+    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = a0, a1, a2, a3
+
+
+@njit(cache=True, fastmath=True)
+def _dot1(x, t, buf, out, r):
+    a = _F32(0.0)
+    for k in range(x.shape[1]):
+        a += x[t, k] * buf[k]
+    out[t, r] = a
+
+
+@njit(cache=True)
+def _rows(x, w, qtype, out, buf, r0, r1):
+    # out[:, r0:r1] = x @ dequantize(w[r0:r1]).T, one decoded row at a time
+    T = x.shape[0]
+    for r in range(r0, r1):
+        decode_row(w[r], qtype, buf)
+        t = 0
+        while T - t >= 4:
+            _dot4(x, t, buf, out, r)
+            t += 4
+        while t < T:
+            _dot1(x, t, buf, out, r)
+            t += 1
+
+
+@njit(parallel=True, cache=True)
+def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
+    N = w.shape[0]
+    n_items = (N + QUANT_BLOCK_ROWS - 1) // QUANT_BLOCK_ROWS
+    for task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= n_items:
+                break
+            _rows(x, w, qtype, out, buf[task], i * QUANT_BLOCK_ROWS, min(N, (i + 1) * QUANT_BLOCK_ROWS))
+
+
+@njit(cache=True, nogil=True)
+def quant_linear_into(x, w, qtype, out, buf, tasks):
+    """``out[:] = x @ dequantize(w, qtype).T`` from compiled code: C-contiguous float32 ``x [T, K]``,
+    uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``), float32 ``out [T, N]``,
+    float32 scratch ``buf [tasks, K]``; ``tasks`` 1 (the calling thread) or the region's threads
+    (``quant_linear_tasks``). Shapes are not checked here (``quant_linear`` checks them)."""
+    if x.shape[0] == 0:
+        return
+    if tasks > 1:
+        _quant_linear_parallel(x, w, qtype, out, buf, tasks, np.zeros(1, np.int64))
+    else:
+        _rows(x, w, qtype, out, buf[0], 0, w.shape[0])
+
+
+def quant_linear_tasks(N: int, K: int, threads: int) -> int:
+    """Tasks of ``quant_linear_into`` for an ``[N, K]`` weight on ``threads`` threads: 1 (the calling
+    thread) below ``_PARALLEL_MIN_WEIGHTS`` weights or one thread, else ``threads``."""
+    return 1 if threads < 2 or N * K < _PARALLEL_MIN_WEIGHTS else threads
+
+
+def _check_weight(w: np.ndarray, qtype, K: int):
+    q = quant_type(qtype)   # UnsupportedQuantType for a type outside the list
+    if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError(f"a {q.name} weight must be a C-contiguous uint8 array [rows, row bytes], got "
+                         f"{w.dtype} {w.shape}")
+    if w.shape[1] != row_bytes(q, K):   # ValueError where K is not whole blocks
+        raise ValueError(f"a {q.name} row of {K} values is {row_bytes(q, K)} bytes; the weight's rows are "
+                         f"{w.shape[1]}")
+    return q
+
+
+def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = None) -> np.ndarray:
+    """``x [T, K]`` float32 @ ``dequantize(w, qtype) [N, K]``.T -> ``[T, N]`` float32.
+
+    Args:
+        x: ``[T, K]`` activations (converted to C-contiguous float32 if needed).
+        w: uint8 ``[N, row_bytes(qtype, K)]``, C-contiguous: ``N`` rows of GGUF blocks (a GGUF
+            tensor's data as gguf-py reads it, memory-mapped or not).
+        qtype: the weight's type (a GGML type id, a name or a ``QuantType``).
+        out: optional C-contiguous float32 ``[T, N]`` to write into.
+
+    Returns:
+        ``out`` (or a new array): each entry a float32 dot product of ``K`` terms with the weight's
+        exactly dequantized values (error at most ``gamma(K) sum |x_k w_k|``, any summation order).
+
+    Raises:
+        UnsupportedQuantType: ``qtype`` is not one of the supported types.
+        ValueError: ``K`` is not a whole number of blocks of the type (GGUF rows are whole blocks),
+            the weight's rows are not ``row_bytes(qtype, K)`` bytes, or ``out`` has another shape or
+            dtype.
+    """
+    x = np.ascontiguousarray(x, dtype=_F32)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, K], got shape {x.shape}")
+    T, K = x.shape
+    q = _check_weight(w, qtype, K)
+    N = w.shape[0]
+    if out is None:
+        out = np.empty((T, N), _F32)
+    elif out.shape != (T, N) or out.dtype != _F32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 {(T, N)}, got {out.dtype} {out.shape}")
+    if T == 0 or N == 0:
+        return out
+    tasks = quant_linear_tasks(N, K, num_threads())
+    buf = np.empty((tasks, K), _F32)
+    with region_guard():
+        quant_linear_into(x, w, q.id, out, buf, tasks)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _embedding_into(table, qtype, ids, out):
+    for t in range(ids.shape[0]):
+        decode_row(table[ids[t]], qtype, out[t])
+
+
+def quant_embedding(table: np.ndarray, qtype, ids: np.ndarray, hidden_size: int) -> np.ndarray:
+    """Rows ``ids`` of a quantized embedding table, dequantized: float32 ``[T, hidden_size]``,
+    bit-identical to ``dequantize(table[ids], qtype)``.
+
+    Args:
+        table: uint8 ``[vocab, row_bytes(qtype, hidden_size)]``, C-contiguous.
+        qtype: the table's type (see ``quant_linear``).
+        ids: ``[T]`` integer token ids.
+        hidden_size: ``K``, the values per row.
+
+    Raises:
+        UnsupportedQuantType: see ``quant_linear``.
+        ValueError: a row size that does not match, or an id outside ``[0, vocab)``.
+    """
+    q = _check_weight(table, qtype, hidden_size)
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        bad = ids[(ids < 0) | (ids >= table.shape[0])][0]
+        raise ValueError(f"token id {bad} is outside the embedding table's {table.shape[0]} rows")
+    out = np.empty((ids.shape[0], hidden_size), _F32)
+    _embedding_into(table, q.id, ids, out)
+    return out
