@@ -99,8 +99,17 @@ def decode_row(row, qtype, buf):
         for k in range(nbytes // 4):
             bits[k] = _u32(row, 4 * k)
     elif qtype == F16:
+        # the float32 bits of each binary16 (sign, exponent rebiased by 127 - 15, significand
+        # shifted up; infinities and NaNs keep their payload), subnormals by value (exact)
+        bits = buf.view(np.uint32)
         for k in range(nbytes // 2):
-            buf[k] = _f16(row, 2 * k)
+            h = np.uint32(row[2 * k]) | (np.uint32(row[2 * k + 1]) << 8)
+            e = (h >> 10) & 31
+            if e == 0:
+                buf[k] = _f16(row, 2 * k)
+            else:
+                ef = e + np.uint32(112) if e < 31 else np.uint32(255)
+                bits[k] = ((h & 0x8000) << 16) | (ef << 23) | ((h & 1023) << 13)
     elif qtype == BF16:
         bits = buf.view(np.uint32)
         for k in range(nbytes // 2):
