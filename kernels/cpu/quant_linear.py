@@ -13,9 +13,10 @@ bit-identical to the reference's and llama.cpp's), then takes the row's dot prod
 token, 4 tokens per pass over the scratch row (fast-math: LLVM vectorises the sum into 8- or
 16-lane partial sums, float32 accumulation). Decoding once per row and reading it back from L1
 costs the same for any ``T``, so the weight bytes are read from memory once per step whatever the
-number of tokens. The decode is compute-bound (``decode_row``: 1-5 G values/s per thread), so at
-``T = 1`` these kernels are slower than the float32 kernel, which streams 4-byte weights at memory
-speed; explicit vector code for the decode, or the integer path, is the next step. The integer path (activations quantized per row to 8 bits, integer dot
+number of tokens. Per thread the decode (``decode_row``: 5-13 G values/s, see there) and the dot products
+(15-20 G multiply-adds/s) are compute-bound, so a core handles ~6 G weights/s at ``T = 1`` and
+less with more tokens; the float32 kernel streams 4-byte weights at memory speed (~2.5-3.5 G
+weights/s on the shared EPYC). The integer path (activations quantized per row to 8 bits, integer dot
 products, as llama.cpp's ``ggml_vec_dot_q4_K_q8_K``) is not here.
 
 Threads: the project's policy (``threads.py``): one Numba ``prange`` region with a task per
@@ -34,7 +35,9 @@ Sources: llama.cpp ``ggml-quants.c`` ``dequantize_row_*`` (the value of each qua
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
 from .threads import fetch_add, num_threads, region_guard
@@ -90,6 +93,67 @@ def _k_scale_min(b, o, s):
     return (lo & 15) | ((np.int32(b[o + s - 4]) >> 6) << 4), (lo >> 4) | ((np.int32(b[o + s]) >> 6) << 4)
 
 
+_I8, _I32 = ir.IntType(8), ir.IntType(32)
+_LANES = 16
+
+
+def _splat16(builder, x):
+    vt = ir.VectorType(x.type, _LANES)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES),
+                                                                               [0] * _LANES))
+
+
+def _make_decode16(with_offset: bool):
+    # 16 values of a block as explicit vector code: Numba has no vector types and LLVM's loop
+    # vectoriser leaves a 16-value loop to its scalar remainder (16 lanes x an unroll of 2-4 do not
+    # fit), so the loads, shifts, conversions and products are written as <16 x ...> IR here
+    # (LLVM splits them into two 8-lane halves for AVX2). No fast-math flags: d * code (+ m) rounds
+    # as the reference's float32 operations do.
+    def impl(typingctx, row, qoff, shift, hoff, hshift, hmask, sub, d, m, buf, boff):
+        if not (isinstance(row, types.Array) and row.dtype == types.uint8 and isinstance(buf, types.Array)
+                and buf.dtype == types.float32):
+            return None
+        sig = types.void(row, qoff, shift, hoff, hshift, hmask, sub, d, m, buf, boff)
+
+        def codegen(context, builder, sg, args):
+            rowv, qoffv, shiftv, hoffv, hshiftv, hmaskv, subv, dv, mv, bufv, boffv = args
+            rdata = context.make_array(sg.args[0])(context, builder, rowv).data
+            bdata = context.make_array(sg.args[9])(context, builder, bufv).data
+            i8v, i32v, f32v = (ir.VectorType(t, _LANES) for t in (_I8, _I32, ir.FloatType()))
+
+            def bytes16(off):
+                ptr = builder.bitcast(builder.gep(rdata, [off]), i8v.as_pointer())
+                return builder.zext(builder.load(ptr, align=1), i32v)
+
+            def i32(v):
+                return builder.trunc(v, _I32) if v.type.width > 32 else builder.zext(v, _I32) \
+                    if v.type.width < 32 else v
+
+            q = builder.and_(builder.lshr(bytes16(qoffv), _splat16(builder, i32(shiftv))),
+                             ir.Constant(i32v, [15] * _LANES))
+            h = builder.and_(builder.lshr(bytes16(hoffv), _splat16(builder, i32(hshiftv))),
+                             _splat16(builder, i32(hmaskv)))
+            code = builder.sub(builder.or_(q, builder.shl(h, ir.Constant(i32v, [4] * _LANES))),
+                               _splat16(builder, i32(subv)))
+            val = builder.fmul(_splat16(builder, dv), builder.sitofp(code, f32v))
+            if with_offset:
+                val = builder.fadd(val, _splat16(builder, mv))
+            out = builder.bitcast(builder.gep(bdata, [boffv]), f32v.as_pointer())
+            builder.store(val, out, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+    return intrinsic(impl)
+
+
+_decode16_scaled = _make_decode16(False)
+_decode16_affine = _make_decode16(True)
+_decode16_scaled.__doc__ = """``buf[boff + i] = d * code_i`` for i < 16, ``code_i = ((row[qoff + i] >> shift) & 15 |
+((row[hoff + i] >> hshift) & hmask) << 4) - sub`` (uint8 ``row``, float32 ``buf``, int offsets and
+fields, float32 ``d``); ``_decode16_affine`` adds float32 ``m`` after the product."""
+
+
 @njit(cache=True, inline="always")
 def _c(v):
     # an integer code as float32, through int32: LLVM then converts 8 or 16 lanes at a time
@@ -103,13 +167,15 @@ def decode_row(row, qtype, buf):
     ``buf`` float32 of exactly the row's ``K`` values), with the reference's float32 operations in
     its order (compiled without fast-math: bit-identical).
 
-    The loops over a block's values run to a count derived from the arrays' lengths (``vpb``, the
-    values per block: 32 or 256) instead of a literal: with a literal LLVM unrolled them fully and
-    then vectorised the loop over *blocks*, gathering bytes one by one. Measured on the shared
-    Zen 4 machine (1 thread, noisy): Q8_0 1.4 -> 4.6 G values/s; the 4- and 5-bit types stay at
-    1.1-2 G values/s either way (their 16-value loops are too short for LLVM's vector loop), well
-    under the float32 dot product that follows (15-20 G values/s from L1): the decode, not memory,
-    bounds these kernels today."""
+    How it is vectorised: the 4-, 5- (Q5_K) and 6-bit types decode 16 values at a time in explicit
+    vector code (``_decode16_*``: LLVM's loop vectoriser leaves 16-value loops to their scalar
+    remainder, 16 lanes x an unroll of 2-4 not fitting); Q8_0, Q5_0 and Q5_1 loop over a block's
+    values to a count derived from the arrays' lengths (``vpb``, the values per block) instead of a
+    literal, with which LLVM unrolled the loop fully and then vectorised the loop over *blocks*,
+    gathering bytes one by one. Measured on the shared Zen 4 machine (AVX-512, 1 thread, noisy; the
+    float32 dot product that follows runs at 15-20 G values/s from L1): Q4_0 13, Q4_1 9.5, Q6_K
+    9.3, Q5_K 7.3, Q4_K 5.7, Q8_0 4.8 G values/s (each 1-1.4 with plain loops); Q5_0 / Q5_1 1.5
+    (scalar: their fifth bits come from a 32-bit field, not bytes)."""
     nbytes = row.shape[0]
     if qtype == F32:
         bits = buf.view(np.uint32)
@@ -151,18 +217,14 @@ def decode_row(row, qtype, buf):
         for b in range(nb):
             o, k0 = 18 * b, vpb * b
             d = _f16(row, o)
-            for j in range(half):
-                buf[k0 + j] = d * _c((row[o + 2 + j] & 15) - 8)
-            for j in range(half):
-                buf[k0 + half + j] = d * _c((row[o + 2 + j] >> 4) - 8)
+            _decode16_scaled(row, o + 2, 0, o + 2, 0, 0, 8, d, d, buf, k0)
+            _decode16_scaled(row, o + 2, 4, o + 2, 0, 0, 8, d, d, buf, k0 + 16)
     elif qtype == Q4_1:
         for b in range(nb):
             o, k0 = 20 * b, vpb * b
             d, m = _f16(row, o), _f16(row, o + 2)
-            for j in range(half):
-                buf[k0 + j] = d * _c(row[o + 4 + j] & 15) + m
-            for j in range(half):
-                buf[k0 + half + j] = d * _c(row[o + 4 + j] >> 4) + m
+            _decode16_affine(row, o + 4, 0, o + 4, 0, 0, 0, d, m, buf, k0)
+            _decode16_affine(row, o + 4, 4, o + 4, 0, 0, 0, d, m, buf, k0 + 16)
     elif qtype == Q5_0:
         for b in range(nb):
             o, k0 = 22 * b, vpb * b
@@ -195,13 +257,11 @@ def decode_row(row, qtype, buf):
                     d1 = d * _c(sc)
                     m1 = dmin * _c(mn)
                     base = k0 + sub * s
-                    if qtype == Q4_K:
-                        for l in range(sub):
-                            buf[base + l] = d1 * _c((row[q + l] >> (4 * nib)) & 15) - m1
-                    else:
-                        for l in range(sub):
-                            v = ((row[q + l] >> (4 * nib)) & 15) | (((row[o + 16 + l] >> s) & 1) << 4)
-                            buf[base + l] = d1 * _c(v) - m1
+                    # d1 * q - m1 is d1 * q + (-m1), bit for bit (IEEE subtraction)
+                    hm = 0 if qtype == Q4_K else 1
+                    for half16 in range(2):
+                        _decode16_affine(row, q + 16 * half16, 4 * nib, o + 16 + 16 * half16, s, hm, 0, d1, -m1,
+                                         buf, base + 16 * half16)
     else:  # Q6_K
         sub = vpb >> 4             # 16 values per sub-block
         for b in range(nb):
@@ -216,10 +276,8 @@ def decode_row(row, qtype, buf):
                         s = 8 * h + 2 * g + part
                         ds = d * _c(_i8(row[o + 192 + s]))
                         base = k0 + sub * s
-                        l0 = sub * part
-                        for l in range(sub):
-                            v = ((row[src + l0 + l] >> shift) & 15) | (((row[qh + l0 + l] >> (2 * g)) & 3) << 4)
-                            buf[base + l] = ds * _c(v - 32)
+                        l0 = 16 * part
+                        _decode16_scaled(row, src + l0, shift, qh + l0, 2 * g, 3, 32, ds, ds, buf, base)
 
 
 @njit(cache=True, fastmath=True)
