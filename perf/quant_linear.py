@@ -12,7 +12,9 @@ until the float32 copies pass 256 MB (the quantized copies take the same number)
 round runs every copy once, so the weights come from memory, not the last-level cache, as in a
 model's decode step. Printed per line: GB/s of weight bytes read, products per second as
 tokens/s (``T`` / the time of one product), and the ratio of the float32 kernel's time to this
-type's. Best of ``--rounds`` rounds after one untimed (compilation, warm-up). A type whose
+type's; then the same per second of CPU time (process time, all threads, scaled by the thread
+count: what the wall clock would show with the cores to itself, on a machine shared with other
+work). Best of ``--rounds`` rounds after one untimed (compilation, warm-up). A type whose
 blocks do not divide ``K`` (the K-quants at K = 576) is skipped, as GGUF files do (llama.cpp
 stores such tensors in another type). Figures taken on a shared machine are noisy: compare only
 within one run.
@@ -38,14 +40,18 @@ _TARGET_BYTES = 256 << 20
 
 
 def _time(fn, copies, rounds):
-    best = float("inf")
+    # (wall, CPU) seconds of one product: the best round of each; CPU time is the whole process's
+    # (every thread), which a shared machine disturbs less than the wall clock when this process
+    # waits for a core
+    best, best_cpu = float("inf"), float("inf")
     for rnd in range(rounds + 1):          # round 0 compiles and warms: not timed
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i in range(copies):
             fn(i)
         if rnd:
             best = min(best, (time.perf_counter() - t0) / copies)
-    return best
+            best_cpu = min(best_cpu, (time.process_time() - c0) / copies)
+    return best, best_cpu
 
 
 def main(argv=None):
@@ -88,14 +94,15 @@ def main(argv=None):
                 for T in a.rows:
                     x = rng.standard_normal((T, K)).astype(np.float32)
                     out = np.empty((T, N), np.float32)
-                    t_ref = _time(lambda i: cpu_linear.linear(x, f32[i], out), copies, a.rounds)
+                    t_ref, c_ref = _time(lambda i: cpu_linear.linear(x, f32[i], out), copies, a.rounds)
                     print(f"  {threads} thread(s) T={T}: float32  {values.nbytes / t_ref / 1e9:6.2f} GB/s "
-                          f"{T / t_ref:9.0f} tok/s", flush=True)
+                          f"{T / t_ref:9.0f} tok/s  (per CPU second: {T * threads / c_ref:9.0f} tok/s)", flush=True)
                     for name, ws in weights.items():
                         q = qr.quant_type(name)
-                        t = _time(lambda i: ql.quant_linear(x, ws[i], q.id, out), copies, a.rounds)
+                        t, c = _time(lambda i: ql.quant_linear(x, ws[i], q.id, out), copies, a.rounds)
                         print(f"  {threads} thread(s) T={T}: {name:7s}  {ws[0].nbytes / t / 1e9:6.2f} GB/s "
-                              f"{T / t:9.0f} tok/s  x{t_ref / t:.2f} vs float32", flush=True)
+                              f"{T / t:9.0f} tok/s  x{t_ref / t:.2f} vs float32  (per CPU second: "
+                              f"{T * threads / c:9.0f} tok/s, x{c_ref / c:.2f})", flush=True)
 
 
 if __name__ == "__main__":
