@@ -6,13 +6,15 @@ F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Made for decode
 to 8 tokens; any ``T`` is computed correctly, but the batched tiles of prefill are another kernel).
 
 How: **dequantize in registers against float32 activations.** A task takes a block of
-``QUANT_BLOCK_ROWS`` weight rows; for each row it decodes the row's blocks into a float32 scratch
-row of ``K`` values (per task, in L1/L2: 8 KB at K = 2048), with exactly the float32 operations
-of the reference's ``dequantize`` (this function is compiled without fast-math, so its values are
-bit-identical to the reference's and llama.cpp's), then takes the row's dot product with every
-token, 4 tokens per pass over the scratch row (fast-math: LLVM vectorises the sum into 8- or
-16-lane partial sums, float32 accumulation). Decoding once per row and reading it back from L1
-costs the same for any ``T``, so the weight bytes are read from memory once per step whatever the
+``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
+scratch row of ``K`` values (per task, ``[4, K]``, in L1/L2: 32 KB at K = 2048), with exactly the
+float32 operations of the reference's ``dequantize`` (this function is compiled without
+fast-math, so its values are bit-identical to the reference's and llama.cpp's), then takes the 4
+rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
+each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
+blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
+accumulation). Decoding once per row and reading it back from L1 costs the same for any ``T``,
+so the weight bytes are read from memory once per step whatever the
 number of tokens. Per thread the decode (``decode_row``: 5-13 G values/s, see there) and the dot products
 (15-20 G multiply-adds/s) are compute-bound, so a core handles ~6 G weights/s at ``T = 1`` and
 less with more tokens; the float32 kernel streams 4-byte weights at memory speed (~2.5-3.5 G
@@ -22,7 +24,7 @@ products, as llama.cpp's ``ggml_vec_dot_q4_K_q8_K``) is not here.
 Threads: the project's policy (``threads.py``): one Numba ``prange`` region with a task per
 thread, tasks taking row blocks from a shared atomic counter (``fetch_add``); weights under
 ``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch rows are allocated by the
-caller (``[tasks, K]``), none inside the region.
+caller (``[tasks, 4, K]``), none inside the region.
 
 ``quant_embedding``: the rows of a quantized embedding table for a list of token ids, bit-identical
 to ``dequantize`` of those rows.
@@ -281,39 +283,70 @@ def decode_row(row, qtype, buf):
 
 
 @njit(cache=True, fastmath=True)
-def _dot4(x, t, buf, out, r):
-    # tokens t .. t + 3 against the decoded row r (each loaded weight value feeds 4 sums)
-    a0 = a1 = a2 = a3 = _F32(0.0)
+def _dot2x4(x, t, buf, out, r):
+    # tokens t, t + 1 against the decoded rows buf[0..3] = weight rows r .. r + 3: each loaded
+    # weight value feeds 2 sums, each token value 4 (8 vector accumulators: fits AVX2's registers)
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = _F32(0.0)
     for k in range(x.shape[1]):
-        w = buf[k]
-        a0 += x[t, k] * w
-        a1 += x[t + 1, k] * w
-        a2 += x[t + 2, k] * w
-        a3 += x[t + 3, k] * w
-    out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = a0, a1, a2, a3
+        x0 = x[t, k]
+        x1 = x[t + 1, k]
+        wa, wb, wc, wd = buf[0, k], buf[1, k], buf[2, k], buf[3, k]
+        a0 += x0 * wa
+        a1 += x1 * wa
+        b0 += x0 * wb
+        b1 += x1 * wb
+        c0 += x0 * wc
+        c1 += x1 * wc
+        d0 += x0 * wd
+        d1 += x1 * wd
+    out[t, r], out[t + 1, r] = a0, a1
+    out[t, r + 1], out[t + 1, r + 1] = b0, b1
+    out[t, r + 2], out[t + 1, r + 2] = c0, c1
+    out[t, r + 3], out[t + 1, r + 3] = d0, d1
 
 
 @njit(cache=True, fastmath=True)
-def _dot1(x, t, buf, out, r):
+def _dot1x4(x, t, buf, out, r):
+    a = b = c = d = _F32(0.0)
+    for k in range(x.shape[1]):
+        v = x[t, k]
+        a += v * buf[0, k]
+        b += v * buf[1, k]
+        c += v * buf[2, k]
+        d += v * buf[3, k]
+    out[t, r], out[t, r + 1], out[t, r + 2], out[t, r + 3] = a, b, c, d
+
+
+@njit(cache=True, fastmath=True)
+def _dot1(x, t, row, out, r):
     a = _F32(0.0)
     for k in range(x.shape[1]):
-        a += x[t, k] * buf[k]
+        a += x[t, k] * row[k]
     out[t, r] = a
 
 
 @njit(cache=True)
 def _rows(x, w, qtype, out, buf, r0, r1):
-    # out[:, r0:r1] = x @ dequantize(w[r0:r1]).T, one decoded row at a time
+    # out[:, r0:r1] = x @ dequantize(w[r0:r1]).T: 4 weight rows decoded into buf [4, K] at a time,
+    # then their products with the tokens 2 at a time (one at the end), as the float32 kernel's
+    # register blocks; the last rows one by one
     T = x.shape[0]
-    for r in range(r0, r1):
-        decode_row(w[r], qtype, buf)
+    r = r0
+    while r1 - r >= 4:
+        for i in range(4):
+            decode_row(w[r + i], qtype, buf[i])
         t = 0
-        while T - t >= 4:
-            _dot4(x, t, buf, out, r)
-            t += 4
-        while t < T:
-            _dot1(x, t, buf, out, r)
-            t += 1
+        while T - t >= 2:
+            _dot2x4(x, t, buf, out, r)
+            t += 2
+        if t < T:
+            _dot1x4(x, t, buf, out, r)
+        r += 4
+    while r < r1:
+        decode_row(w[r], qtype, buf[0])
+        for t in range(T):
+            _dot1(x, t, buf[0], out, r)
+        r += 1
 
 
 @njit(parallel=True, cache=True)
@@ -332,7 +365,7 @@ def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
 def quant_linear_into(x, w, qtype, out, buf, tasks):
     """``out[:] = x @ dequantize(w, qtype).T`` from compiled code: C-contiguous float32 ``x [T, K]``,
     uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``), float32 ``out [T, N]``,
-    float32 scratch ``buf [tasks, K]``; ``tasks`` 1 (the calling thread) or the region's threads
+    float32 scratch ``buf [tasks, 4, K]``; ``tasks`` 1 (the calling thread) or the region's threads
     (``quant_linear_tasks``). Shapes are not checked here (``quant_linear`` checks them)."""
     if x.shape[0] == 0:
         return
@@ -392,7 +425,7 @@ def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = N
     if T == 0 or N == 0:
         return out
     tasks = quant_linear_tasks(N, K, num_threads())
-    buf = np.empty((tasks, K), _F32)
+    buf = np.empty((tasks, 4, K), _F32)
     with region_guard():
         quant_linear_into(x, w, q.id, out, buf, tasks)
     return out
