@@ -1,0 +1,482 @@
+"""Matrix products and the embedding lookup straight from GGUF-quantized weights, on the CPU.
+
+``quant_linear``: ``out [T, N] = x [T, K] @ W [N, K]^T`` with ``W`` stored as GGUF blocks, ``N`` rows
+of ``row_bytes(type, K)`` bytes (``kernels/quant_reference.py`` is the specification of every type:
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Made for decode steps (``T`` of 1
+to 8 tokens; any ``T`` is computed correctly, but the batched tiles of prefill are another kernel).
+
+How: **dequantize in registers against float32 activations.** A task takes a block of
+``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
+scratch row of ``K`` values (per task, ``[4, K]``, in L1/L2: 32 KB at K = 2048), with exactly the
+float32 operations of the reference's ``dequantize`` (this function is compiled without
+fast-math, so its values are bit-identical to the reference's and llama.cpp's), then takes the 4
+rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
+each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
+blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
+accumulation). Decoding once per row and reading it back from L1 costs the same for any ``T``,
+so the weight bytes are read from memory once per step whatever the
+number of tokens. Per thread the decode (``decode_row``: 5-13 G values/s, see there) and the dot products
+(15-20 G multiply-adds/s) are compute-bound, so a core handles ~6 G weights/s at ``T = 1`` and
+less with more tokens; the float32 kernel streams 4-byte weights at memory speed (~2.5-3.5 G
+weights/s on the shared EPYC). The integer path (activations quantized per row to 8 bits, integer dot
+products, as llama.cpp's ``ggml_vec_dot_q4_K_q8_K``) is not here.
+
+Threads: the project's policy (``threads.py``): one Numba ``prange`` region with a task per
+thread, tasks taking row blocks from a shared atomic counter (``fetch_add``); weights under
+``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch rows are allocated by the
+caller (``[tasks, 4, K]``), none inside the region.
+
+``quant_embedding``: the rows of a quantized embedding table for a list of token ids, bit-identical
+to ``dequantize`` of those rows.
+
+Sources: llama.cpp ``ggml-quants.c`` ``dequantize_row_*`` (the value of each quant) and
+``ggml-cpu`` ``ggml_vec_dot_*`` (the decode-sized products); the GGUF specification
+(github.com/ggml-org/ggml/blob/master/docs/gguf.md, tensor data laid out in rows of blocks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
+from .threads import fetch_add, num_threads, region_guard
+
+__all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row",
+           "KERNEL_TYPES", "QUANT_BLOCK_ROWS"]
+
+_F32 = np.float32
+QUANT_BLOCK_ROWS = 16          # weight rows per work item
+_PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
+
+KERNEL_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+"""GGML type ids these kernels read (every type of ``quant_reference.QUANT_TYPES``)."""
+
+# 2^(e - 25) for the binary16 exponent field e = 1..30 (the significand with its leading 1 is an
+# integer < 2048, so integer x power of two is exact in float32); e = 0: 2^-24 (subnormals)
+_F16_SCALE = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
+
+
+@njit(cache=True, inline="always")
+def _f16(b, i):
+    # the binary16 at bytes b[i], b[i + 1] (little-endian) as float32, exactly
+    h = np.int32(b[i]) | (np.int32(b[i + 1]) << 8)
+    e = (h >> 10) & 31
+    m = h & 1023
+    if e == 31:
+        v = _F32(np.inf) if m == 0 else _F32(np.nan)
+    elif e == 0:
+        v = _F32(m) * _F16_SCALE[0]
+    else:
+        v = _F32(m | 1024) * _F16_SCALE[e]
+    return -v if h & 0x8000 else v
+
+
+@njit(cache=True, inline="always")
+def _i8(v):
+    # a uint8 read as int8
+    q = np.int32(v)
+    return q - ((q >> 7) << 8)
+
+
+@njit(cache=True, inline="always")
+def _u32(b, i):
+    return np.uint32(b[i]) | (np.uint32(b[i + 1]) << 8) | (np.uint32(b[i + 2]) << 16) | (np.uint32(b[i + 3]) << 24)
+
+
+@njit(cache=True, inline="always")
+def _k_scale_min(b, o, s):
+    # Q4_K / Q5_K: 6-bit scale and min of sub-block s from the 12 bytes at b[o:] (get_scale_min_k4)
+    if s < 4:
+        return np.int32(b[o + s]) & 63, np.int32(b[o + s + 4]) & 63
+    lo = np.int32(b[o + s + 4])
+    return (lo & 15) | ((np.int32(b[o + s - 4]) >> 6) << 4), (lo >> 4) | ((np.int32(b[o + s]) >> 6) << 4)
+
+
+_I8, _I32 = ir.IntType(8), ir.IntType(32)
+_LANES = 16
+
+
+def _splat16(builder, x):
+    vt = ir.VectorType(x.type, _LANES)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES),
+                                                                               [0] * _LANES))
+
+
+def _make_decode16(with_offset: bool):
+    # 16 values of a block as explicit vector code: Numba has no vector types and LLVM's loop
+    # vectoriser leaves a 16-value loop to its scalar remainder (16 lanes x an unroll of 2-4 do not
+    # fit), so the loads, shifts, conversions and products are written as <16 x ...> IR here
+    # (LLVM splits them into two 8-lane halves for AVX2). No fast-math flags: d * code (+ m) rounds
+    # as the reference's float32 operations do.
+    def impl(typingctx, row, qoff, shift, hoff, hshift, hmask, sub, d, m, buf, boff):
+        if not (isinstance(row, types.Array) and row.dtype == types.uint8 and isinstance(buf, types.Array)
+                and buf.dtype == types.float32):
+            return None
+        sig = types.void(row, qoff, shift, hoff, hshift, hmask, sub, d, m, buf, boff)
+
+        def codegen(context, builder, sg, args):
+            rowv, qoffv, shiftv, hoffv, hshiftv, hmaskv, subv, dv, mv, bufv, boffv = args
+            rdata = context.make_array(sg.args[0])(context, builder, rowv).data
+            bdata = context.make_array(sg.args[9])(context, builder, bufv).data
+            i8v, i32v, f32v = (ir.VectorType(t, _LANES) for t in (_I8, _I32, ir.FloatType()))
+
+            def bytes16(off):
+                ptr = builder.bitcast(builder.gep(rdata, [off]), i8v.as_pointer())
+                return builder.zext(builder.load(ptr, align=1), i32v)
+
+            def i32(v):
+                return builder.trunc(v, _I32) if v.type.width > 32 else builder.zext(v, _I32) \
+                    if v.type.width < 32 else v
+
+            q = builder.and_(builder.lshr(bytes16(qoffv), _splat16(builder, i32(shiftv))),
+                             ir.Constant(i32v, [15] * _LANES))
+            h = builder.and_(builder.lshr(bytes16(hoffv), _splat16(builder, i32(hshiftv))),
+                             _splat16(builder, i32(hmaskv)))
+            code = builder.sub(builder.or_(q, builder.shl(h, ir.Constant(i32v, [4] * _LANES))),
+                               _splat16(builder, i32(subv)))
+            val = builder.fmul(_splat16(builder, dv), builder.sitofp(code, f32v))
+            if with_offset:
+                val = builder.fadd(val, _splat16(builder, mv))
+            out = builder.bitcast(builder.gep(bdata, [boffv]), f32v.as_pointer())
+            builder.store(val, out, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+    return intrinsic(impl)
+
+
+@intrinsic
+def _decode16_int8(typingctx, row, qoff, d, buf, boff):
+    """``buf[boff + i] = code_i * d`` for i < 16, ``code_i`` the int8 at ``row[qoff + i]`` (Q8_0)."""
+    if not (isinstance(row, types.Array) and row.dtype == types.uint8 and isinstance(buf, types.Array)
+            and buf.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sg, args):
+        rowv, qoffv, dv, bufv, boffv = args
+        rdata = context.make_array(sg.args[0])(context, builder, rowv).data
+        bdata = context.make_array(sg.args[3])(context, builder, bufv).data
+        i8v, i32v, f32v = (ir.VectorType(t, _LANES) for t in (_I8, _I32, ir.FloatType()))
+        q = builder.load(builder.bitcast(builder.gep(rdata, [qoffv]), i8v.as_pointer()), align=1)
+        val = builder.fmul(builder.sitofp(builder.sext(q, i32v), f32v), _splat16(builder, dv))
+        builder.store(val, builder.bitcast(builder.gep(bdata, [boffv]), f32v.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(row, qoff, d, buf, boff), codegen
+
+
+_decode16_scaled = _make_decode16(False)
+_decode16_affine = _make_decode16(True)
+_decode16_scaled.__doc__ = """``buf[boff + i] = d * code_i`` for i < 16, ``code_i = ((row[qoff + i] >> shift) & 15 |
+((row[hoff + i] >> hshift) & hmask) << 4) - sub`` (uint8 ``row``, float32 ``buf``, int offsets and
+fields, float32 ``d``); ``_decode16_affine`` adds float32 ``m`` after the product."""
+
+
+@njit(cache=True, inline="always")
+def _c(v):
+    # an integer code as float32, through int32: LLVM then converts 8 or 16 lanes at a time
+    # (vcvtdq2ps) instead of 64-bit integers (AVX-512DQ only, or scalar code on AVX2)
+    return _F32(np.int32(v))
+
+
+@njit(cache=True)
+def decode_row(row, qtype, buf):
+    """``buf[:] = dequantize(row, qtype)`` for one row of GGUF blocks (``row`` uint8 of whole blocks,
+    ``buf`` float32 of exactly the row's ``K`` values), with the reference's float32 operations in
+    its order (compiled without fast-math: bit-identical).
+
+    How it is vectorised: Q8_0 and the 4-, 5- (Q5_K) and 6-bit types decode 16 values at a time
+    in explicit vector code (``_decode16_*``: LLVM's loop vectoriser leaves 16-value loops to their
+    scalar remainder, 16 lanes x an unroll of 2-4 not fitting); Q5_0 and Q5_1 loop over a block's
+    values to a count derived from the arrays' lengths (``vpb``, the values per block) instead of a
+    literal, with which LLVM unrolled the loop fully and then vectorised the loop over *blocks*,
+    gathering bytes one by one. Measured on the shared Zen 4 machine (AVX-512, 1 thread, noisy; the
+    float32 dot product that follows runs at 15-20 G values/s from L1): Q4_0 13, Q4_1 9.5, Q6_K
+    9.3, Q5_K 7.3, Q4_K 5.7 G values/s (each 1-1.4 with plain loops; Q8_0 4.8 with the opaque count,
+    10.8 with the vector code); Q5_0 / Q5_1 1.5 (scalar: their fifth bits come from a 32-bit field,
+    not bytes)."""
+    nbytes = row.shape[0]
+    if qtype == F32:
+        bits = buf.view(np.uint32)
+        for k in range(nbytes // 4):
+            bits[k] = _u32(row, 4 * k)
+        return
+    if qtype == F16:
+        # the float32 bits of each binary16 (sign, exponent rebiased by 127 - 15, significand
+        # shifted up; infinities and NaNs keep their payload), subnormals by value (exact)
+        bits = buf.view(np.uint32)
+        for k in range(nbytes // 2):
+            h = np.uint32(row[2 * k]) | (np.uint32(row[2 * k + 1]) << 8)
+            e = (h >> 10) & 31
+            if e == 0:
+                buf[k] = _f16(row, 2 * k)
+            else:
+                ef = e + np.uint32(112) if e < 31 else np.uint32(255)
+                bits[k] = ((h & 0x8000) << 16) | (ef << 23) | ((h & 1023) << 13)
+        return
+    if qtype == BF16:
+        bits = buf.view(np.uint32)
+        for k in range(nbytes // 2):
+            bits[k] = (np.uint32(row[2 * k]) | (np.uint32(row[2 * k + 1]) << 8)) << 16
+        return
+    bb = 34 if qtype == Q8_0 else 18 if qtype == Q4_0 else 20 if qtype == Q4_1 else 22 if qtype == Q5_0 else \
+        24 if qtype == Q5_1 else 144 if qtype == Q4_K else 176 if qtype == Q5_K else 210
+    nb = nbytes // bb
+    if nb == 0:
+        return
+    vpb = buf.shape[0] // nb      # 32 or 256, unknown to the compiler (see above)
+    half = vpb >> 1
+    if qtype == Q8_0:
+        for b in range(nb):
+            o, k0 = 34 * b, vpb * b
+            d = _f16(row, o)
+            _decode16_int8(row, o + 2, d, buf, k0)
+            _decode16_int8(row, o + 18, d, buf, k0 + 16)
+    elif qtype == Q4_0:
+        for b in range(nb):
+            o, k0 = 18 * b, vpb * b
+            d = _f16(row, o)
+            _decode16_scaled(row, o + 2, 0, o + 2, 0, 0, 8, d, d, buf, k0)
+            _decode16_scaled(row, o + 2, 4, o + 2, 0, 0, 8, d, d, buf, k0 + 16)
+    elif qtype == Q4_1:
+        for b in range(nb):
+            o, k0 = 20 * b, vpb * b
+            d, m = _f16(row, o), _f16(row, o + 2)
+            _decode16_affine(row, o + 4, 0, o + 4, 0, 0, 0, d, m, buf, k0)
+            _decode16_affine(row, o + 4, 4, o + 4, 0, 0, 0, d, m, buf, k0 + 16)
+    elif qtype == Q5_0:
+        for b in range(nb):
+            o, k0 = 22 * b, vpb * b
+            d = _f16(row, o)
+            qh = _u32(row, o + 2)
+            for j in range(half):
+                buf[k0 + j] = d * _c(((row[o + 6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16)
+            for j in range(half):
+                buf[k0 + half + j] = d * _c(((row[o + 6 + j] >> 4) | (((qh >> (j + half)) & 1) << 4)) - 16)
+    elif qtype == Q5_1:
+        for b in range(nb):
+            o, k0 = 24 * b, vpb * b
+            d, m = _f16(row, o), _f16(row, o + 2)
+            qh = _u32(row, o + 4)
+            for j in range(half):
+                buf[k0 + j] = d * _c((row[o + 8 + j] & 15) | (((qh >> j) & 1) << 4)) + m
+            for j in range(half):
+                buf[k0 + half + j] = d * _c((row[o + 8 + j] >> 4) | (((qh >> (j + half)) & 1) << 4)) + m
+    elif qtype == Q4_K or qtype == Q5_K:
+        qs0 = 16 if qtype == Q4_K else 48
+        sub = vpb >> 3             # 32 values per sub-block
+        for b in range(nb):
+            o, k0 = bb * b, vpb * b
+            d, dmin = _f16(row, o), _f16(row, o + 2)
+            for c in range(4):
+                q = o + qs0 + sub * c
+                for nib in range(2):
+                    s = 2 * c + nib
+                    sc, mn = _k_scale_min(row, o + 4, s)
+                    d1 = d * _c(sc)
+                    m1 = dmin * _c(mn)
+                    base = k0 + sub * s
+                    # d1 * q - m1 is d1 * q + (-m1), bit for bit (IEEE subtraction)
+                    hm = 0 if qtype == Q4_K else 1
+                    for half16 in range(2):
+                        _decode16_affine(row, q + 16 * half16, 4 * nib, o + 16 + 16 * half16, s, hm, 0, d1, -m1,
+                                         buf, base + 16 * half16)
+    else:  # Q6_K
+        sub = vpb >> 4             # 16 values per sub-block
+        for b in range(nb):
+            o, k0 = 210 * b, vpb * b
+            d = _f16(row, o + 208)
+            for h in range(2):
+                ql, qh = o + 64 * h, o + 128 + 32 * h
+                for g in range(4):
+                    src = ql + 32 * (g & 1)
+                    shift = 4 * (g >> 1)
+                    for part in range(2):
+                        s = 8 * h + 2 * g + part
+                        ds = d * _c(_i8(row[o + 192 + s]))
+                        base = k0 + sub * s
+                        l0 = 16 * part
+                        _decode16_scaled(row, src + l0, shift, qh + l0, 2 * g, 3, 32, ds, ds, buf, base)
+
+
+@njit(cache=True, fastmath=True)
+def _dot2x4(x, t, buf, out, r):
+    # tokens t, t + 1 against the decoded rows buf[0..3] = weight rows r .. r + 3: each loaded
+    # weight value feeds 2 sums, each token value 4 (8 vector accumulators: fits AVX2's registers)
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = _F32(0.0)
+    for k in range(x.shape[1]):
+        x0 = x[t, k]
+        x1 = x[t + 1, k]
+        wa, wb, wc, wd = buf[0, k], buf[1, k], buf[2, k], buf[3, k]
+        a0 += x0 * wa
+        a1 += x1 * wa
+        b0 += x0 * wb
+        b1 += x1 * wb
+        c0 += x0 * wc
+        c1 += x1 * wc
+        d0 += x0 * wd
+        d1 += x1 * wd
+    out[t, r], out[t + 1, r] = a0, a1
+    out[t, r + 1], out[t + 1, r + 1] = b0, b1
+    out[t, r + 2], out[t + 1, r + 2] = c0, c1
+    out[t, r + 3], out[t + 1, r + 3] = d0, d1
+
+
+@njit(cache=True, fastmath=True)
+def _dot1x4(x, t, buf, out, r):
+    a = b = c = d = _F32(0.0)
+    for k in range(x.shape[1]):
+        v = x[t, k]
+        a += v * buf[0, k]
+        b += v * buf[1, k]
+        c += v * buf[2, k]
+        d += v * buf[3, k]
+    out[t, r], out[t, r + 1], out[t, r + 2], out[t, r + 3] = a, b, c, d
+
+
+@njit(cache=True, fastmath=True)
+def _dot1(x, t, row, out, r):
+    a = _F32(0.0)
+    for k in range(x.shape[1]):
+        a += x[t, k] * row[k]
+    out[t, r] = a
+
+
+@njit(cache=True)
+def _rows(x, w, qtype, out, buf, r0, r1):
+    # out[:, r0:r1] = x @ dequantize(w[r0:r1]).T: 4 weight rows decoded into buf [4, K] at a time,
+    # then their products with the tokens 2 at a time (one at the end), as the float32 kernel's
+    # register blocks; the last rows one by one
+    T = x.shape[0]
+    r = r0
+    while r1 - r >= 4:
+        for i in range(4):
+            decode_row(w[r + i], qtype, buf[i])
+        t = 0
+        while T - t >= 2:
+            _dot2x4(x, t, buf, out, r)
+            t += 2
+        if t < T:
+            _dot1x4(x, t, buf, out, r)
+        r += 4
+    while r < r1:
+        decode_row(w[r], qtype, buf[0])
+        for t in range(T):
+            _dot1(x, t, buf[0], out, r)
+        r += 1
+
+
+@njit(parallel=True, cache=True)
+def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
+    N = w.shape[0]
+    n_items = (N + QUANT_BLOCK_ROWS - 1) // QUANT_BLOCK_ROWS
+    for task in prange(n_tasks):
+        while True:
+            i = fetch_add(counter, 1)
+            if i >= n_items:
+                break
+            _rows(x, w, qtype, out, buf[task], i * QUANT_BLOCK_ROWS, min(N, (i + 1) * QUANT_BLOCK_ROWS))
+
+
+@njit(cache=True, nogil=True)
+def quant_linear_into(x, w, qtype, out, buf, tasks):
+    """``out[:] = x @ dequantize(w, qtype).T`` from compiled code: C-contiguous float32 ``x [T, K]``,
+    uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``), float32 ``out [T, N]``,
+    float32 scratch ``buf [tasks, 4, K]``; ``tasks`` 1 (the calling thread) or the region's threads
+    (``quant_linear_tasks``). Shapes are not checked here (``quant_linear`` checks them)."""
+    if x.shape[0] == 0:
+        return
+    if tasks > 1:
+        _quant_linear_parallel(x, w, qtype, out, buf, tasks, np.zeros(1, np.int64))
+    else:
+        _rows(x, w, qtype, out, buf[0], 0, w.shape[0])
+
+
+def quant_linear_tasks(N: int, K: int, threads: int) -> int:
+    """Tasks of ``quant_linear_into`` for an ``[N, K]`` weight on ``threads`` threads: 1 (the calling
+    thread) below ``_PARALLEL_MIN_WEIGHTS`` weights or one thread, else ``threads``."""
+    return 1 if threads < 2 or N * K < _PARALLEL_MIN_WEIGHTS else threads
+
+
+def _check_weight(w: np.ndarray, qtype, K: int):
+    q = quant_type(qtype)   # UnsupportedQuantType for a type outside the list
+    if w.dtype != np.uint8 or w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError(f"a {q.name} weight must be a C-contiguous uint8 array [rows, row bytes], got "
+                         f"{w.dtype} {w.shape}")
+    if w.shape[1] != row_bytes(q, K):   # ValueError where K is not whole blocks
+        raise ValueError(f"a {q.name} row of {K} values is {row_bytes(q, K)} bytes; the weight's rows are "
+                         f"{w.shape[1]}")
+    return q
+
+
+def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = None) -> np.ndarray:
+    """``x [T, K]`` float32 @ ``dequantize(w, qtype) [N, K]``.T -> ``[T, N]`` float32.
+
+    Args:
+        x: ``[T, K]`` activations (converted to C-contiguous float32 if needed).
+        w: uint8 ``[N, row_bytes(qtype, K)]``, C-contiguous: ``N`` rows of GGUF blocks (a GGUF
+            tensor's data as gguf-py reads it, memory-mapped or not).
+        qtype: the weight's type (a GGML type id, a name or a ``QuantType``).
+        out: optional C-contiguous float32 ``[T, N]`` to write into.
+
+    Returns:
+        ``out`` (or a new array): each entry a float32 dot product of ``K`` terms with the weight's
+        exactly dequantized values (error at most ``gamma(K) sum |x_k w_k|``, any summation order).
+
+    Raises:
+        UnsupportedQuantType: ``qtype`` is not one of the supported types.
+        ValueError: ``K`` is not a whole number of blocks of the type (GGUF rows are whole blocks),
+            the weight's rows are not ``row_bytes(qtype, K)`` bytes, or ``out`` has another shape or
+            dtype.
+    """
+    x = np.ascontiguousarray(x, dtype=_F32)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, K], got shape {x.shape}")
+    T, K = x.shape
+    q = _check_weight(w, qtype, K)
+    N = w.shape[0]
+    if out is None:
+        out = np.empty((T, N), _F32)
+    elif out.shape != (T, N) or out.dtype != _F32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 {(T, N)}, got {out.dtype} {out.shape}")
+    if T == 0 or N == 0:
+        return out
+    tasks = quant_linear_tasks(N, K, num_threads())
+    buf = np.empty((tasks, 4, K), _F32)
+    with region_guard():
+        quant_linear_into(x, w, q.id, out, buf, tasks)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _embedding_into(table, qtype, ids, out):
+    for t in range(ids.shape[0]):
+        decode_row(table[ids[t]], qtype, out[t])
+
+
+def quant_embedding(table: np.ndarray, qtype, ids: np.ndarray, hidden_size: int) -> np.ndarray:
+    """Rows ``ids`` of a quantized embedding table, dequantized: float32 ``[T, hidden_size]``,
+    bit-identical to ``dequantize(table[ids], qtype)``.
+
+    Args:
+        table: uint8 ``[vocab, row_bytes(qtype, hidden_size)]``, C-contiguous.
+        qtype: the table's type (see ``quant_linear``).
+        ids: ``[T]`` integer token ids.
+        hidden_size: ``K``, the values per row.
+
+    Raises:
+        UnsupportedQuantType: see ``quant_linear``.
+        ValueError: a row size that does not match, or an id outside ``[0, vocab)``.
+    """
+    q = _check_weight(table, qtype, hidden_size)
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        bad = ids[(ids < 0) | (ids >= table.shape[0])][0]
+        raise ValueError(f"token id {bad} is outside the embedding table's {table.shape[0]} rows")
+    out = np.empty((ids.shape[0], hidden_size), _F32)
+    _embedding_into(table, q.id, ids, out)
+    return out
