@@ -200,7 +200,7 @@ def test_make_run_takes_the_http_port(monkeypatch):
         make = subprocess.run(["make", "--no-print-directory", "-n", "run", *args], cwd=ROOT, capture_output=True,
                               text=True, env=env)
         assert make.returncode == 0, make.stderr
-        return [line for line in make.stdout.splitlines() if "folio.demo" in line][-1]
+        return [line.rstrip() for line in make.stdout.splitlines() if "folio.demo" in line][-1]
 
     assert demo_line("PORT=8123").endswith("folio.demo --port 8123")
     assert demo_line().endswith("folio.demo")
