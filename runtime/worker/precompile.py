@@ -1,0 +1,276 @@
+"""Compile the CPU kernels of the serving paths into Numba's on-disk cache, in parallel processes.
+
+A server's first step on a fresh clone compiled every kernel it met, one after the other, in the
+worker process: 100-120 s of silence (issue 31). ``precompile`` compiles the same signatures
+before that step, with explicit signatures (``JOBS``), in ``processes`` child processes, while
+the worker loads the model; the worker's first step then loads the machine code from the cache
+(``jit_cache``). It reports each compiled kernel to ``progress``.
+
+Numba's cache is safe to share between processes for *different* functions only: two processes
+that add signatures of one function at once can both write their entry under the same data file
+name, and one index then names the other's code (``numba/core/caching.py``,
+``IndexDataCacheFile.save``: read the index, pick the first free name, write). So the jobs come
+in groups whose call trees share no compiled function (``GROUPS``); a group runs in one process,
+in order, and the layer loop (``forward._phase_item`` / ``_layers_region``), which links every
+other group's functions, runs last, after them all, loading what they compiled.
+
+Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
+parallel region per step) is listed; with one thread the first step compiles its own path, as
+before. ``tests/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
+
+    python -m folio.kernels.cpu.precompile        # fill the cache, printing each kernel
+
+Sources: Numba's documentation, "Compiling Python code with @jit" (explicit signatures,
+``Dispatcher.compile``) and "Notes on caching" (the cache is shared by processes on one machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+__all__ = ["JOBS", "GROUPS", "Job", "precompile", "compile_job", "needed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One function and one signature to compile."""
+    module: str          # module of ``kernels/cpu``
+    function: str
+    signature: str       # argument types, in the names of ``_TYPES``
+    group: str           # jobs of one group run in one process, in order (shared callees)
+    seconds: float       # rough cost on a cold cache (2-vCPU EPYC, busy): the progress bar's weight
+    what: str            # for people
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.function}"
+
+
+def _types() -> dict:
+    from numba import types
+    a = types.Array
+    return {"F1": a(types.float32, 1, "C"), "F2": a(types.float32, 2, "C"), "F3": a(types.float32, 3, "C"),
+            "F4": a(types.float32, 4, "C"), "I1": a(types.int64, 1, "C"), "I2": a(types.int64, 2, "C"),
+            "i64": types.int64, "u64": types.uint64, "f64": types.float64, "f32": types.float32}
+
+
+_RUN_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3 I2 i64 F2 F2 F2 I1 F2 F2 F1 F1 F1 F2 F2 F3"
+# forward._phase_item: phase, i, layer, task; buffers (residual, hidden, x, qkv, q, attn, attn2,
+# gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch
+_PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  F2 F3 F3 F2 F3 F3  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
+               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3")
+# forward._layers_region: buffers, stacked weights, cache addresses and a cache, step metadata
+_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  F2 F3 F3 F2 F3 F3  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64"
+
+JOBS = (
+    Job("attention", "_run_item", _RUN_ITEM, "attention", 18, "paged attention: prefill tiles and decode items"),
+    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "attention", 2.5,
+        "paged attention: merge of key partitions"),
+    Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
+    Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "linear", 7, "matrix products, parallel region (lm_head)"),
+    Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
+    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "plan", 6.5, "paged attention: work plan"),
+    Job("attention", "_scratch", "i64 i64 i64 i64 i64 i64", "plan", 1.2, "paged attention: scratch buffers"),
+    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "rows", 0.5, "RMSNorm"),
+    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "rows", 1, "residual add + RMSNorm"),
+    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rows", 2.5,
+        "residual add + RMSNorm, parallel region (final norm)"),
+    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "rows", 1.7,
+        "RoPE and KV-cache append"),
+    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "rows", 0.5, "SwiGLU"),
+    Job("rows", "_copy_blocks_kernel", "F4 I2", "rows", 0.5, "KV block copies (copy-on-write)"),
+    Job("forward", "_wait_done", "I1 i64 i64", "rows", 0.2, "decoder layers: phase barrier"),
+    Job("forward", "_phase_item", _PHASE_ITEM, "layers", 8, "decoder layers: one work item of a phase"),
+    Job("forward", "_layers_region", _LAYERS_REGION, "layers", 30, "decoder layers: one parallel region per step"),
+)
+"""What ``precompile`` compiles: the signatures a two-thread worker's steps call (``forward``'s
+one-region layer loop, the final norm and ``lm_head`` product, the attention plan, block copies)."""
+
+LAST_GROUP = "layers"   # links every other group's functions: runs after them
+GROUPS = tuple(dict.fromkeys(j.group for j in JOBS))
+
+
+def needed(device: str = "cpu") -> bool:
+    """Whether a worker on ``device`` (``cpu``, ``cuda``, ``auto``: CPU where CuPy is not
+    installed) started with this environment runs the jobs' paths: the CPU kernels on two or more
+    threads (``NUMBA_NUM_THREADS``, else Numba's default: the cores this process may run on)."""
+    import importlib.util
+    if device == "cuda" or (device == "auto" and importlib.util.find_spec("cupy") is not None):
+        return False
+    try:
+        threads = int(os.environ.get("NUMBA_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        threads = os.cpu_count() or 1
+    return threads > 1
+
+
+def compile_job(job: Job) -> bool:
+    """Compile (or load from the cache) ``job`` in this process; returns True if it compiled."""
+    types = _types()
+    fn = getattr(importlib.import_module(f"...kernels.cpu.{job.module}", __package__), job.function)
+    sig = tuple(types[t] for t in job.signature.split())
+    before = fn.stats.cache_misses.get(sig, 0) if hasattr(fn, "stats") else 0
+    fn.compile(sig)
+    return fn.stats.cache_misses.get(sig, 0) > before
+
+
+def _child_main(groups: list[str]) -> int:
+    # compile the given groups' jobs in order, one line per job on stdout: "done NAME SECONDS C|L"
+    for g in groups:
+        for job in JOBS:
+            if job.group == g:
+                t0 = time.perf_counter()
+                compiled = compile_job(job)
+                print(f"done {job.name} {time.perf_counter() - t0:.2f} {'C' if compiled else 'L'}", flush=True)
+    return 0
+
+
+def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], None] | None = None,
+               on_start: Callable[[Job], None] | None = None, env: dict | None = None) -> dict:
+    """Fill Numba's cache with ``JOBS`` using ``processes`` child processes (``python -m`` this
+    module), groups spread over them, the last group after all others.
+
+    Args:
+        processes: child processes at most (>= 1).
+        progress: called after each job as ``progress(job, seconds, compiled, running)``
+            (``compiled``: False when it came from the cache; ``running``: the jobs now under way).
+        on_start: called with each job as a child starts it.
+        env: the children's environment (default this process's).
+    Returns:
+        ``{"seconds": wall time, "compiled": jobs compiled, "loaded": jobs loaded from the cache,
+        "processes": children used}``.
+    Raises:
+        RuntimeError: a child failed (its last output lines in the message).
+    """
+    t0 = time.perf_counter()
+    first = [g for g in GROUPS if g != LAST_GROUP]
+    first.sort(key=lambda g: -sum(j.seconds for j in JOBS if j.group == g))
+    n = max(1, min(processes, len(first)))
+    lanes: list[list[str]] = [[] for _ in range(n)]
+    for g in first:   # longest first onto the least loaded lane
+        min(lanes, key=lambda lane: sum(j.seconds for j in JOBS if j.group in lane)).append(g)
+    by_name = {j.name: j for j in JOBS}
+    lock = threading.Lock()
+    running: dict[int, Job] = {}
+    counts = {"compiled": 0, "loaded": 0}
+
+    def run(lane_id: int, groups: list[str]) -> None:
+        jobs = [j for g in groups for j in JOBS if j.group == g]
+        cmd = [sys.executable, "-m", __name__, *groups]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env if env is not None else os.environ.copy())
+        tail = []
+        with lock:
+            running[lane_id] = jobs[0]
+        if on_start:
+            on_start(jobs[0])
+        for line in proc.stdout:
+            parts = line.split()
+            if len(parts) != 4 or parts[0] != "done" or parts[1] not in by_name:
+                tail.append(line)
+                continue
+            job = by_name[parts[1]]
+            nxt = jobs[jobs.index(job) + 1] if jobs.index(job) + 1 < len(jobs) else None
+            with lock:
+                counts["compiled" if parts[3] == "C" else "loaded"] += 1
+                if nxt is None:
+                    running.pop(lane_id, None)
+                else:
+                    running[lane_id] = nxt
+                now = list(running.values())
+            if progress:
+                progress(job, float(parts[2]), parts[3] == "C", now)
+            if nxt is not None and on_start:
+                on_start(nxt)
+        err = proc.stderr.read()
+        if proc.wait() != 0:
+            raise RuntimeError(f"kernel compile process {' '.join(groups)} failed (exit {proc.returncode}):\n"
+                               + "".join(tail[-10:]) + err[-3000:])
+
+    errors: list[BaseException] = []
+
+    def lane(lane_id: int, groups: list[str]) -> None:
+        try:
+            run(lane_id, groups)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=lane, args=(i, groups), daemon=True) for i, groups in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if not errors:
+        lane(0, [LAST_GROUP])
+    if errors:
+        raise errors[0]
+    return {"seconds": time.perf_counter() - t0, "processes": n, **counts}
+
+
+def precompile_with_progress(say: Callable[[str], None], stream=None, processes: int = 2, env: dict | None = None):
+    """``precompile`` with its progress shown: a bar (tqdm) on ``stream`` (default stderr) when it
+    is a terminal: the share of the estimated work done, the kernels done out of all, the ones
+    being compiled; otherwise one line per compiled kernel through ``say``. Ends with one line
+    through ``say``: how long it took, how many kernels were compiled and how many came from the
+    cache. Returns ``precompile``'s dict; raises what it raises."""
+    stream = sys.stderr if stream is None else stream
+    total = len(JOBS)
+    done = [0]
+    bar = None
+    if getattr(stream, "isatty", lambda: False)():
+        from tqdm import tqdm
+        bar = tqdm(total=round(sum(j.seconds for j in JOBS), 1), file=stream, desc="compiling CPU kernels",
+                   bar_format="{desc}: {percentage:3.0f}%|{bar:24}| {elapsed} {postfix}", leave=False)
+        lock = threading.Lock()
+
+        def show(running):
+            now = ", ".join(j.function.lstrip("_") for j in running)
+            bar.set_postfix_str(f"{done[0]}/{total} done" + (f"; now {now}" if now else ""), refresh=True)
+
+        def on_start(job):
+            with lock:
+                show([job])
+
+        def progress(job, seconds, compiled, running):
+            with lock:
+                done[0] += 1
+                bar.update(job.seconds)
+                show(running)
+    else:
+        on_start = None
+
+        def progress(job, seconds, compiled, running):
+            done[0] += 1
+            if compiled:
+                say(f"compiled {job.name} ({job.what}) in {seconds:.1f} s [{done[0]}/{total}]")
+    try:
+        r = precompile(processes, progress=progress, on_start=on_start, env=env)
+    finally:
+        if bar is not None:
+            bar.close()
+    how = (f"{r['compiled']} compiled, {r['loaded']} loaded from Numba's cache" if r["compiled"]
+           else "all loaded from Numba's cache")
+    say(f"CPU kernels ready in {r['seconds']:.1f} s ({how}; {r['processes']} processes)")
+    return r
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGTERM to this compile process when the process (thread) that started it ends
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+if __name__ == "__main__":
+    _die_with_parent()
+    sys.exit(_child_main(sys.argv[1:] or list(GROUPS)))
