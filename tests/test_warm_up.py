@@ -20,6 +20,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import importlib, json, sys
     import numba
@@ -117,3 +119,64 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
             assert greedy(engine) == expected, kw
         finally:
             engine.shutdown()
+
+
+PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dedent("""
+    from folio.runtime.worker.precompile import JOBS, compile_job
+    for job in JOBS:
+        compile_job(job)
+    before = signatures()
+    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512), ModelRunner(cfg))
+    engine.warm_up()
+    after = signatures()
+    engine.shutdown()
+    new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
+    json.dump({k: v for k, v in new.items() if v}, sys.stdout)
+""")
+
+
+def test_precompile_jobs_cover_the_warm_up(default_model_dir):
+    """``folio serve`` compiles ``runtime/worker/precompile.JOBS`` ahead, in other processes, so
+    that its worker's warm-up only loads machine code from Numba's cache: after the jobs (compiled
+    or loaded here, in a fresh interpreter), the warm-up adds no signature to any CPU kernel. With
+    ``test_no_kernel_compiles_after_warm_up`` this covers the served workload too."""
+    from folio.runtime.worker import precompile
+    if not precompile.needed("cpu"):
+        pytest.skip("one kernel thread: the jobs are the two-thread paths and folio serve skips them")
+    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    new = json.loads(r.stdout.strip().splitlines()[-1])
+    assert new == {}, f"signatures the warm-up compiled beyond precompile.JOBS: {new}"
+
+
+def test_precompile_fills_the_cache_and_reports_each_kernel(default_model_dir):
+    """``precompile_with_progress`` off a terminal: one line per kernel it compiled and a last
+    line; afterwards every job is in the cache index, and a second call finds them all there with
+    one process, which compiles nothing."""
+    import io
+
+    from folio.runtime.worker import precompile
+    lines = []
+    first = precompile.precompile_with_progress(lines.append, stream=io.StringIO())
+    assert first["compiled"] + first["loaded"] == len(precompile.JOBS)
+    assert len([x for x in lines if x.startswith("compiled ")]) == first["compiled"]
+    assert lines[-1].startswith("CPU kernels ")
+    assert all(precompile.in_cache(job) for job in precompile.JOBS)
+    lines.clear()
+    again = precompile.precompile_with_progress(lines.append, stream=io.StringIO())
+    assert (again["compiled"], again["loaded"], again["processes"]) == (0, len(precompile.JOBS), 1)
+    assert lines == [lines[-1]] and lines[-1].startswith("CPU kernels found in Numba's cache")
+
+
+def test_precompile_groups_run_apart_and_the_layer_loop_last():
+    """Each group runs in one process and no job is in two groups; the layer loop, which links
+    every other group's functions, is the last group and is not spread over the lanes."""
+    from folio.runtime.worker import precompile
+    names = [j.name for j in precompile.JOBS]
+    assert len(names) == len(set(names))
+    for n in (1, 2, 3, 8):
+        lanes = precompile._lanes(n)
+        flat = [g for lane in lanes for g in lane]
+        assert sorted(flat) == sorted(g for g in precompile.GROUPS if g != precompile.LAST_GROUP)
+        assert len(lanes) == min(n, len(flat)) and all(lanes)
+    assert {j.function for j in precompile.JOBS if j.group == precompile.LAST_GROUP} == {"_phase_item", "_layers_region"}

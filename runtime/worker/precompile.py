@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["JOBS", "GROUPS", "Job", "precompile", "compile_job", "needed"]
+__all__ = ["JOBS", "GROUPS", "LAST_GROUP", "Job", "precompile", "precompile_with_progress", "compile_job", "in_cache", "needed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,19 +111,42 @@ def needed(device: str = "cpu") -> bool:
     return threads > 1
 
 
-def compile_job(job: Job) -> bool:
-    """Compile (or load from the cache) ``job`` in this process; returns True if it compiled."""
+def _dispatcher(job: Job):
     types = _types()
     fn = getattr(importlib.import_module(f"...kernels.cpu.{job.module}", __package__), job.function)
-    sig = tuple(types[t] for t in job.signature.split())
-    before = fn.stats.cache_misses.get(sig, 0) if hasattr(fn, "stats") else 0
+    return fn, tuple(types[t] for t in job.signature.split())
+
+
+def compile_job(job: Job) -> bool:
+    """Compile (or load from the cache) ``job`` in this process; returns True if it compiled."""
+    fn, sig = _dispatcher(job)
+    before = fn.stats.cache_misses.get(sig, 0)
     fn.compile(sig)
     return fn.stats.cache_misses.get(sig, 0) > before
 
 
-def _child_main(groups: list[str]) -> int:
-    # compile the given groups' jobs in order, one line per job on stdout: "done NAME SECONDS C|L"
-    for g in groups:
+def in_cache(job: Job) -> bool:
+    """Whether Numba's cache index holds ``job`` for this machine and the current sources,
+    without loading it (Numba's ``Cache._index_key`` and index file; False where they differ from
+    the Numba this was written against, 0.59-0.61)."""
+    fn, sig = _dispatcher(job)
+    try:
+        cache = fn._cache
+        return cache._index_key(sig, fn.targetctx.codegen()) in cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - another Numba's internals: compile (or load) it
+        return False
+
+
+def _child_main(args: list[str]) -> int:
+    # "--check": first one line "missing N" (jobs of any group not in the cache), and stop there
+    # when N is 0; then the given groups' jobs in order, one line per job: "done NAME SECONDS C|L"
+    if args[:1] == ["--check"]:
+        args = args[1:]
+        missing = sum(not in_cache(j) for j in JOBS)
+        print(f"missing {missing}", flush=True)
+        if not missing:
+            return 0
+    for g in args:
         for job in JOBS:
             if job.group == g:
                 t0 = time.perf_counter()
@@ -132,10 +155,22 @@ def _child_main(groups: list[str]) -> int:
     return 0
 
 
+def _lanes(processes: int) -> list[list[str]]:
+    # the groups before LAST_GROUP over at most `processes` lanes: longest first onto the least
+    # loaded lane (by the jobs' estimated seconds)
+    first = sorted((g for g in GROUPS if g != LAST_GROUP), key=lambda g: -sum(j.seconds for j in JOBS if j.group == g))
+    lanes: list[list[str]] = [[] for _ in range(max(1, min(processes, len(first))))]
+    for g in first:
+        min(lanes, key=lambda lane: sum(j.seconds for j in JOBS if j.group in lane)).append(g)
+    return lanes
+
+
 def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], None] | None = None,
                on_start: Callable[[Job], None] | None = None, env: dict | None = None) -> dict:
-    """Fill Numba's cache with ``JOBS`` using ``processes`` child processes (``python -m`` this
-    module), groups spread over them, the last group after all others.
+    """Fill Numba's cache with ``JOBS`` using up to ``processes`` child processes (``python -m``
+    this module): the first checks the cache index and, if nothing is missing, ends at once (a
+    warm start spawns one process, which loads nothing); otherwise the groups are spread over the
+    children, and ``LAST_GROUP`` runs after them all.
 
     Args:
         processes: child processes at most (>= 1).
@@ -144,40 +179,51 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
         on_start: called with each job as a child starts it.
         env: the children's environment (default this process's).
     Returns:
-        ``{"seconds": wall time, "compiled": jobs compiled, "loaded": jobs loaded from the cache,
+        ``{"seconds": wall time, "compiled": jobs compiled, "loaded": jobs found in the cache,
         "processes": children used}``.
     Raises:
         RuntimeError: a child failed (its last output lines in the message).
     """
     t0 = time.perf_counter()
-    first = [g for g in GROUPS if g != LAST_GROUP]
-    first.sort(key=lambda g: -sum(j.seconds for j in JOBS if j.group == g))
-    n = max(1, min(processes, len(first)))
-    lanes: list[list[str]] = [[] for _ in range(n)]
-    for g in first:   # longest first onto the least loaded lane
-        min(lanes, key=lambda lane: sum(j.seconds for j in JOBS if j.group in lane)).append(g)
+    lanes = _lanes(processes)
     by_name = {j.name: j for j in JOBS}
     lock = threading.Lock()
     running: dict[int, Job] = {}
-    counts = {"compiled": 0, "loaded": 0}
+    counts = {"compiled": 0, "loaded": 0, "processes": 0}
+    checked = threading.Event()
+    missing = [len(JOBS)]
 
-    def run(lane_id: int, groups: list[str]) -> None:
+    def run(lane_id: int, groups: list[str], check: bool) -> None:
         jobs = [j for g in groups for j in JOBS if j.group == g]
-        cmd = [sys.executable, "-m", __name__, *groups]
+        cmd = [sys.executable, "-m", __name__, *(["--check"] if check else []), *groups]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env if env is not None else os.environ.copy())
-        tail = []
         with lock:
-            running[lane_id] = jobs[0]
-        if on_start:
-            on_start(jobs[0])
+            counts["processes"] += 1
+
+        def start_first():
+            with lock:
+                running[lane_id] = jobs[0]
+            if on_start:
+                on_start(jobs[0])
+
+        if not check:
+            start_first()
+        tail = []
         for line in proc.stdout:
             parts = line.split()
+            if len(parts) == 2 and parts[0] == "missing":
+                missing[0] = int(parts[1])
+                checked.set()
+                if missing[0]:
+                    start_first()
+                continue
             if len(parts) != 4 or parts[0] != "done" or parts[1] not in by_name:
                 tail.append(line)
                 continue
             job = by_name[parts[1]]
-            nxt = jobs[jobs.index(job) + 1] if jobs.index(job) + 1 < len(jobs) else None
+            k = jobs.index(job)
+            nxt = jobs[k + 1] if k + 1 < len(jobs) else None
             with lock:
                 counts["compiled" if parts[3] == "C" else "loaded"] += 1
                 if nxt is None:
@@ -190,28 +236,36 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
             if nxt is not None and on_start:
                 on_start(nxt)
         err = proc.stderr.read()
+        checked.set()
         if proc.wait() != 0:
-            raise RuntimeError(f"kernel compile process {' '.join(groups)} failed (exit {proc.returncode}):\n"
+            raise RuntimeError(f"kernel compile process ({' '.join(groups)}) failed with exit code {proc.returncode}:\n"
                                + "".join(tail[-10:]) + err[-3000:])
 
     errors: list[BaseException] = []
 
-    def lane(lane_id: int, groups: list[str]) -> None:
+    def lane(lane_id: int, groups: list[str], check: bool = False) -> None:
         try:
-            run(lane_id, groups)
+            run(lane_id, groups, check)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=lane, args=(i, groups), daemon=True) for i, groups in enumerate(lanes)]
-    for t in threads:
-        t.start()
+    threads = [threading.Thread(target=lane, args=(0, lanes[0], True), daemon=True)]
+    threads[0].start()
+    checked.wait()
+    if missing[0] and not errors:
+        threads += [threading.Thread(target=lane, args=(i, groups), daemon=True)
+                    for i, groups in enumerate(lanes) if i > 0]
+        for t in threads[1:]:
+            t.start()
     for t in threads:
         t.join()
-    if not errors:
+    if missing[0] and not errors:
         lane(0, [LAST_GROUP])
     if errors:
         raise errors[0]
-    return {"seconds": time.perf_counter() - t0, "processes": n, **counts}
+    if not missing[0]:
+        counts["loaded"] = len(JOBS)
+    return {"seconds": time.perf_counter() - t0, **counts}
 
 
 def precompile_with_progress(say: Callable[[str], None], stream=None, processes: int = 2, env: dict | None = None):
@@ -226,13 +280,13 @@ def precompile_with_progress(say: Callable[[str], None], stream=None, processes:
     bar = None
     if getattr(stream, "isatty", lambda: False)():
         from tqdm import tqdm
-        bar = tqdm(total=round(sum(j.seconds for j in JOBS), 1), file=stream, desc="compiling CPU kernels",
-                   bar_format="{desc}: {percentage:3.0f}%|{bar:24}| {elapsed} {postfix}", leave=False)
+        bar = tqdm(total=round(sum(j.seconds for j in JOBS), 1), file=stream, desc="checking Numba's cache",
+                   bar_format="compiling CPU kernels: {percentage:3.0f}%|{bar:20}| {elapsed} | {desc}", leave=False)
         lock = threading.Lock()
 
         def show(running):
-            now = ", ".join(j.function.lstrip("_") for j in running)
-            bar.set_postfix_str(f"{done[0]}/{total} done" + (f"; now {now}" if now else ""), refresh=True)
+            now = ", ".join(j.name for j in running)
+            bar.set_description_str(f"{done[0]}/{total} done" + (f"; now {now}" if now else ""), refresh=True)
 
         def on_start(job):
             with lock:
@@ -255,9 +309,11 @@ def precompile_with_progress(say: Callable[[str], None], stream=None, processes:
     finally:
         if bar is not None:
             bar.close()
-    how = (f"{r['compiled']} compiled, {r['loaded']} loaded from Numba's cache" if r["compiled"]
-           else "all loaded from Numba's cache")
-    say(f"CPU kernels ready in {r['seconds']:.1f} s ({how}; {r['processes']} processes)")
+    if r["compiled"]:
+        say(f"CPU kernels compiled in {r['seconds']:.1f} s ({r['compiled']} compiled, {r['loaded']} from Numba's "
+            f"cache; {r['processes']} processes)")
+    else:
+        say(f"CPU kernels found in Numba's cache ({r['seconds']:.1f} s)")
     return r
 
 
