@@ -168,15 +168,20 @@ def test_precompile_fills_the_cache_and_reports_each_kernel(default_model_dir):
     assert lines == [lines[-1]] and lines[-1].startswith("CPU kernels found in Numba's cache")
 
 
-def test_precompile_groups_run_apart_and_the_layer_loop_last():
-    """Each group runs in one process and no job is in two groups; the layer loop, which links
-    every other group's functions, is the last group and is not spread over the lanes."""
+def test_precompile_lanes_keep_each_group_in_one_process_after_what_it_waits_for():
+    """Every group runs in one lane, once; a group that waits for another runs after it (later in
+    the same lane, or in another lane, which it waits for); the layer loop waits for every group
+    whose functions it links."""
     from folio.runtime.worker import precompile
     names = [j.name for j in precompile.JOBS]
     assert len(names) == len(set(names))
-    for n in (1, 2, 3, 8):
+    assert set(precompile.AFTER[precompile.LAST_GROUP]) == {"attention", "linear"}
+    for n in (1, 2, 3):
         lanes = precompile._lanes(n)
         flat = [g for lane in lanes for g in lane]
-        assert sorted(flat) == sorted(g for g in precompile.GROUPS if g != precompile.LAST_GROUP)
-        assert len(lanes) == min(n, len(flat)) and all(lanes)
-    assert {j.function for j in precompile.JOBS if j.group == precompile.LAST_GROUP} == {"_phase_item", "_layers_region"}
+        assert sorted(flat) == sorted(precompile.GROUPS), n
+        for lane in lanes:
+            for i, g in enumerate(lane):
+                assert g not in precompile.AFTER.get(g, ())
+                for d in precompile.AFTER.get(g, ()):
+                    assert d in lane[:i] or d not in lane, (n, lane, g)

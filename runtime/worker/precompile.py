@@ -11,14 +11,16 @@ that add signatures of one function at once can both write their entry under the
 name, and one index then names the other's code (``numba/core/caching.py``,
 ``IndexDataCacheFile.save``: read the index, pick the first free name, write). So the jobs come
 in groups whose call trees share no compiled function (``GROUPS``); a group runs in one process,
-in order, and the layer loop (``forward._phase_item`` / ``_layers_region``), which links every
-other group's functions, runs last, after them all, loading what they compiled.
+in order, and a group that compiles signatures of another group's functions or links them waits
+for it (``AFTER``): the layer loop (``forward._phase_item`` / ``_layers_region``), which links the
+attention, product and row kernels, compiles its own two functions after them, loading theirs,
+while the other process compiles what only the steps' Python code calls (``LANES``).
 
 Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
 parallel region per step) is listed; with one thread the first step compiles its own path, as
 before. ``tests/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
 
-    python -m folio.kernels.cpu.precompile        # fill the cache, printing each kernel
+    python -m folio.runtime.worker.precompile [--check] [GROUP ...]   # a child's work: one line per job
 
 Sources: Numba's documentation, "Compiling Python code with @jit" (explicit signatures,
 ``Dispatcher.compile``) and "Notes on caching" (the cache is shared by processes on one machine).
@@ -74,27 +76,36 @@ JOBS = (
     Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "attention", 2.5,
         "paged attention: merge of key partitions"),
     Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
-    Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "linear", 7, "matrix products, parallel region (lm_head)"),
     Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
-    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "plan", 6.5, "paged attention: work plan"),
-    Job("attention", "_scratch", "i64 i64 i64 i64 i64 i64", "plan", 1.2, "paged attention: scratch buffers"),
-    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "rows", 0.5, "RMSNorm"),
-    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "rows", 1, "residual add + RMSNorm"),
-    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rows", 2.5,
-        "residual add + RMSNorm, parallel region (final norm)"),
-    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "rows", 1.7,
+    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.5, "RMSNorm"),
+    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 1, "residual add + RMSNorm"),
+    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.7,
         "RoPE and KV-cache append"),
-    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "rows", 0.5, "SwiGLU"),
-    Job("rows", "_copy_blocks_kernel", "F4 I2", "rows", 0.5, "KV block copies (copy-on-write)"),
-    Job("forward", "_wait_done", "I1 i64 i64", "rows", 0.2, "decoder layers: phase barrier"),
+    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.5, "SwiGLU"),
+    Job("attention", "_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1.2, "paged attention: scratch buffers"),
+    Job("forward", "_wait_done", "I1 i64 i64", "linear", 0.2, "decoder layers: phase barrier"),
     Job("forward", "_phase_item", _PHASE_ITEM, "layers", 8, "decoder layers: one work item of a phase"),
     Job("forward", "_layers_region", _LAYERS_REGION, "layers", 30, "decoder layers: one parallel region per step"),
+    Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
+    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 2.5,
+        "residual add + RMSNorm, parallel region (final norm)"),
+    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "rest", 6.5, "paged attention: work plan"),
+    Job("rows", "_copy_blocks_kernel", "F4 I2", "rest", 0.5, "KV block copies (copy-on-write)"),
 )
 """What ``precompile`` compiles: the signatures a two-thread worker's steps call (``forward``'s
 one-region layer loop, the final norm and ``lm_head`` product, the attention plan, block copies)."""
 
-LAST_GROUP = "layers"   # links every other group's functions: runs after them
 GROUPS = tuple(dict.fromkeys(j.group for j in JOBS))
+LAST_GROUP = "layers"
+AFTER = {"layers": ("attention", "linear"), "rest": ("linear",)}
+"""The groups each group waits for. ``layers`` links the functions of ``attention`` and
+``linear`` (it runs after them, loading them, and compiles only its own two); ``rest`` compiles
+signatures of functions that ``linear`` compiled too (``linear_item`` called with literal
+arguments by ``linear_into``, the row kernels under ``fused_add_rms_norm_into``): it runs after
+``linear`` in the same process, beside ``layers``, which only loads them."""
+LANES = (("attention", "layers"), ("linear", "rest"))
+"""The groups of each process, in order, with two processes (one process: all of them, in
+``GROUPS`` order after ``AFTER``)."""
 
 
 def needed(device: str = "cpu") -> bool:
@@ -156,21 +167,23 @@ def _child_main(args: list[str]) -> int:
 
 
 def _lanes(processes: int) -> list[list[str]]:
-    # the groups before LAST_GROUP over at most `processes` lanes: longest first onto the least
-    # loaded lane (by the jobs' estimated seconds)
-    first = sorted((g for g in GROUPS if g != LAST_GROUP), key=lambda g: -sum(j.seconds for j in JOBS if j.group == g))
-    lanes: list[list[str]] = [[] for _ in range(max(1, min(processes, len(first))))]
-    for g in first:
-        min(lanes, key=lambda lane: sum(j.seconds for j in JOBS if j.group in lane)).append(g)
-    return lanes
+    # LANES with two processes or more; one process: every group, each after those it waits for
+    if processes >= len(LANES):
+        return [list(lane) for lane in LANES]
+    order: list[str] = []
+    for g in GROUPS:
+        order += [d for d in AFTER.get(g, ()) if d not in order]
+        if g not in order:
+            order.append(g)
+    return [order]
 
 
 def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], None] | None = None,
                on_start: Callable[[Job], None] | None = None, env: dict | None = None) -> dict:
     """Fill Numba's cache with ``JOBS`` using up to ``processes`` child processes (``python -m``
     this module): the first checks the cache index and, if nothing is missing, ends at once (a
-    warm start spawns one process, which loads nothing); otherwise the groups are spread over the
-    children, and ``LAST_GROUP`` runs after them all.
+    warm start spawns one process, which loads nothing); otherwise each process runs its lane of
+    ``LANES``, each group after the groups it waits for (``AFTER``).
 
     Args:
         processes: child processes at most (>= 1).
@@ -231,6 +244,8 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
                 else:
                     running[lane_id] = nxt
                 now = list(running.values())
+            if nxt is None or nxt.group != job.group:
+                group_done[job.group].set()
             if progress:
                 progress(job, float(parts[2]), parts[3] == "C", now)
             if nxt is not None and on_start:
@@ -242,25 +257,43 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
                                + "".join(tail[-10:]) + err[-3000:])
 
     errors: list[BaseException] = []
+    group_done = {g: threading.Event() for g in GROUPS}
 
-    def lane(lane_id: int, groups: list[str], check: bool = False) -> None:
+    def lane(lane_id: int, groups: list[str]) -> None:
+        # the lane's groups in as few processes as the waits allow: a new process where a group
+        # waits for a group of another lane (the first process checks the cache index)
+        segments: list[list[str]] = []
+        for g in groups:
+            if not segments or any(d not in groups[:groups.index(g)] for d in AFTER.get(g, ())):
+                segments.append([])
+            segments[-1].append(g)
         try:
-            run(lane_id, groups, check)
+            for k, segment in enumerate(segments):
+                for g in segment:
+                    for d in AFTER.get(g, ()):
+                        if d not in segment:
+                            group_done[d].wait()
+                if errors or (k > 0 and not missing[0]):
+                    return
+                run(lane_id, segment, check=lane_id == 0 and k == 0)
+                if not missing[0]:
+                    return
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
+        finally:
+            checked.set()
+            for g in groups:   # done or failed: nobody waits for it any longer
+                group_done[g].set()
 
-    threads = [threading.Thread(target=lane, args=(0, lanes[0], True), daemon=True)]
+    threads = [threading.Thread(target=lane, args=(i, list(groups)), daemon=True) for i, groups in enumerate(lanes)]
     threads[0].start()
     checked.wait()
     if missing[0] and not errors:
-        threads += [threading.Thread(target=lane, args=(i, groups), daemon=True)
-                    for i, groups in enumerate(lanes) if i > 0]
         for t in threads[1:]:
             t.start()
     for t in threads:
-        t.join()
-    if missing[0] and not errors:
-        lane(0, [LAST_GROUP])
+        if t.is_alive() or t is threads[0]:
+            t.join()
     if errors:
         raise errors[0]
     if not missing[0]:
