@@ -30,6 +30,7 @@ import sys
 from .runtime.common.config import DEFAULT_MODEL, EngineConfig
 
 EXIT_FRONTEND_DIED = 4
+WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +106,7 @@ def register(subparsers) -> None:
                    help="seconds of worker silence that count as worker death")
     p.add_argument("--exit-grace", type=float, default=2.0,
                    help="after the worker died: seconds to keep answering (unhealthy, errors) before exiting 3")
-    p.add_argument("--worker-runner", default="folio.runtime.worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
+    p.add_argument("--worker-runner", default=WORKER_RUNNER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -154,7 +155,9 @@ def _run(a: argparse.Namespace) -> int:
     load_chat_template(a.chat_template)                     # a bad template fails now, not per request
     http_sock = bind_http(a.host, a.port, a.allow_remote)   # a busy port fails before the model loads
     front = server = None
-    kernels = _start_kernel_compile(config.device)   # while the worker loads the model
+    kernels = None   # the CPU kernels into Numba's cache while the worker loads the model (its own runner only)
+    if a.worker_runner == WORKER_RUNNER:
+        kernels = _start_kernel_compile(config.device)
     try:
         _say(f"loading {config.model} in the worker process (device {config.device}) ...")
         server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,

@@ -238,7 +238,9 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             block_size, num_kv_heads, head_dim]``; this step's keys and values are appended.
         cos_sin_cache: ``[max_position, head_dim]`` float32 RoPE table; ``scale``: softmax scale.
     Raises:
-        ValueError: a KV cache that is not C-contiguous (the kernels address blocks directly).
+        ValueError: a KV cache that is not C-contiguous float32, or caches of different shapes
+            (the kernels address blocks directly; the one-region loop gets the layers' caches as
+            addresses of arrays of one shape).
     """
     shape0 = kv_caches[0][0].shape
     if not all(c.flags.c_contiguous and c.dtype == np.float32 and c.shape == shape0 for pair in kv_caches for c in pair):
