@@ -19,6 +19,7 @@ while the other process compiles what only the steps' Python code calls (``LANES
 Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
 parallel region per step) is listed; with one thread the first step compiles its own path, as
 before. ``tests/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
+A kernel whose arguments change needs its job changed with it (that test fails until it is).
 
     python -m folio.runtime.worker.precompile [--check] [GROUP ...]   # a child's work: one line per job
 
@@ -37,7 +38,8 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["JOBS", "GROUPS", "LAST_GROUP", "Job", "precompile", "precompile_with_progress", "compile_job", "in_cache", "needed"]
+__all__ = ["JOBS", "GROUPS", "LAST_GROUP", "AFTER", "LANES", "Job", "precompile", "precompile_with_progress", "compile_job",
+           "in_cache", "needed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Job:
     """One function and one signature to compile."""
     module: str          # module of ``kernels/cpu``
     function: str
-    signature: str       # argument types, in the names of ``_TYPES``
+    signature: str       # argument types, in the names of ``_types()`` (F2: C-contiguous float32 2-D, ...)
     group: str           # jobs of one group run in one process, in order (shared callees)
     seconds: float       # rough cost on a cold cache (2-vCPU EPYC, busy): the progress bar's weight
     what: str            # for people
