@@ -17,6 +17,20 @@ The wall figures depend on what else runs on the machine: the script prints the 
 the core count beside them, and the CPU seconds, which depend less on it.
 
     python perf/startup.py [--cache clone|dir] [--rev REV] [--warm-runs 1] [--model M] [-- extra serve args]
+
+Measured (issue 31) on the 2-vCPU EPYC shared with other agents (load average 4.5-7 on 2 cores, so
+the wall times are 1.5-2.5x what a quiet machine shows; the CPU seconds are the steadier figure),
+``--rev e65debb`` (before) and ``--rev HEAD`` (after), default model, two sittings:
+
+    before  cold 197.1 s / 132.7 CPU s (load 5.3)   379.1 s / 165.0 CPU s (load 7.0)
+            warm 12.2 s / 7.1 CPU s (load 3.4)      20.0-26.4 s / 6.8-8.6 CPU s (load 6.4)
+    after   cold 153.9 s / 74.7 CPU s (load 2.6)    130.6 s / 77.0 CPU s (load 4.5)
+            warm 14.5 s / 10.9 CPU s (load 5.6)*    21.4-24.9 s / 8.7-9.8 CPU s (load 5.2-6.4)
+
+(* before the cache check: two compile processes that loaded every kernel.) The cold start's
+kernels now compile in two processes with a progress bar (``runtime/worker/precompile.py``);
+the warm start spends ~1.3 CPU s more on the process that checks Numba's cache index, beside the
+worker's model load.
 """
 
 from __future__ import annotations
