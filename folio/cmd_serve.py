@@ -30,6 +30,7 @@ import sys
 from .runtime.common.config import DEFAULT_MODEL, EngineConfig
 
 EXIT_FRONTEND_DIED = 4
+WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -110,7 +111,7 @@ def register(subparsers) -> None:
                    help="seconds of worker silence that count as worker death")
     p.add_argument("--exit-grace", type=float, default=2.0,
                    help="after the worker died: seconds to keep answering (unhealthy, errors) before exiting 3")
-    p.add_argument("--worker-runner", default="folio.runtime.worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
+    p.add_argument("--worker-runner", default=WORKER_RUNNER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -159,6 +160,9 @@ def _run(a: argparse.Namespace) -> int:
     load_chat_template(a.chat_template)                     # a bad template fails now, not per request
     http_sock = bind_http(a.host, a.port, a.allow_remote)   # a busy port fails before the model loads
     front = server = None
+    kernels = None   # the CPU kernels into Numba's cache while the worker loads the model (its own runner only)
+    if a.worker_runner == WORKER_RUNNER:
+        kernels = _start_kernel_compile(config.device)
     try:
         _say(f"loading {config.model} in the worker process (device {config.device}) ...")
         server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,
@@ -166,7 +170,13 @@ def _run(a: argparse.Namespace) -> int:
                         exit_grace=a.exit_grace)
         ex = server.executor
         info = ex.worker_info if ex is not None else {}
-        _say(f"model loaded in {time.monotonic() - t0:.1f} s; warming up (compiles kernels on a first run) ...")
+        loaded = time.monotonic() - t0
+        if kernels is not None:
+            try:
+                kernels.result()
+            except Exception as e:  # noqa: BLE001 - the warm-up compiles whatever is missing
+                _say(f"compiling the CPU kernels ahead failed ({e}); the warm-up compiles them")
+        _say(f"model loaded in {loaded:.1f} s; warming up ...")
         if a.chat_template is not None:
             server.tokenizer.set_chat_template(load_chat_template(a.chat_template))
         server.engine.warm_up()
@@ -211,6 +221,34 @@ def _run(a: argparse.Namespace) -> int:
         http_sock.close()
     print("folio serve: stopped", file=sys.stderr, flush=True)
     return code
+
+
+def _start_kernel_compile(device: str):
+    """A future of ``runtime.worker.precompile.precompile_with_progress`` (the CPU kernels into
+    Numba's cache, in two processes, progress on the terminal) when the worker will run the CPU
+    kernels on two or more threads, else None."""
+    import threading
+    from .runtime.worker import precompile
+    if not precompile.needed(device):
+        return None
+
+    class Compile(threading.Thread):   # a daemon: a stop during start-up does not wait for it
+        error = None
+
+        def run(self):
+            try:
+                precompile.precompile_with_progress(_say)
+            except BaseException as e:  # noqa: BLE001 - raised by result()
+                self.error = e
+
+        def result(self):
+            self.join()
+            if self.error is not None:
+                raise self.error
+
+    thread = Compile(name="folio-kernel-compile", daemon=True)
+    thread.start()
+    return thread
 
 
 def spawn_server(args: list[str], address: str | None = None, startup_timeout: float = 600.0,

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import importlib, json, sys
     import numba
@@ -117,3 +119,69 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
             assert greedy(engine) == expected, kw
         finally:
             engine.shutdown()
+
+
+PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dedent("""
+    from folio.runtime.worker.precompile import JOBS, compile_job
+    for job in JOBS:
+        compile_job(job)
+    before = signatures()
+    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512), ModelRunner(cfg))
+    engine.warm_up()
+    after = signatures()
+    engine.shutdown()
+    new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
+    json.dump({k: v for k, v in new.items() if v}, sys.stdout)
+""")
+
+
+def test_precompile_jobs_cover_the_warm_up(default_model_dir):
+    """``folio serve`` compiles ``runtime/worker/precompile.JOBS`` ahead, in other processes, so
+    that its worker's warm-up only loads machine code from Numba's cache: after the jobs (compiled
+    or loaded here, in a fresh interpreter), the warm-up adds no signature to any CPU kernel. With
+    ``test_no_kernel_compiles_after_warm_up`` this covers the served workload too."""
+    from folio.runtime.worker import precompile
+    if not precompile.needed("cpu"):
+        pytest.skip("one kernel thread: the jobs are the two-thread paths and folio serve skips them")
+    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    new = json.loads(r.stdout.strip().splitlines()[-1])
+    assert new == {}, f"signatures the warm-up compiled beyond precompile.JOBS: {new}"
+
+
+def test_precompile_fills_the_cache_and_reports_each_kernel(default_model_dir):
+    """``precompile_with_progress`` off a terminal: one line per kernel it compiled and a last
+    line; afterwards every job is in the cache index, and a second call finds them all there with
+    one process, which compiles nothing."""
+    import io
+
+    from folio.runtime.worker import precompile
+    lines = []
+    first = precompile.precompile_with_progress(lines.append, stream=io.StringIO())
+    assert first["compiled"] + first["loaded"] == len(precompile.JOBS)
+    assert len([x for x in lines if x.startswith("compiled ")]) == first["compiled"]
+    assert lines[-1].startswith("CPU kernels ")
+    assert all(precompile.in_cache(job) for job in precompile.JOBS)
+    lines.clear()
+    again = precompile.precompile_with_progress(lines.append, stream=io.StringIO())
+    assert (again["compiled"], again["loaded"], again["processes"]) == (0, len(precompile.JOBS), 1)
+    assert lines == [lines[-1]] and lines[-1].startswith("CPU kernels found in Numba's cache")
+
+
+def test_precompile_lanes_keep_each_group_in_one_process_after_what_it_waits_for():
+    """Every group runs in one lane, once; a group that waits for another runs after it (later in
+    the same lane, or in another lane, which it waits for); the layer loop waits for every group
+    whose functions it links."""
+    from folio.runtime.worker import precompile
+    names = [j.name for j in precompile.JOBS]
+    assert len(names) == len(set(names))
+    assert set(precompile.AFTER[precompile.LAST_GROUP]) == {"attention", "linear"}
+    for n in (1, 2, 3):
+        lanes = precompile._lanes(n)
+        flat = [g for lane in lanes for g in lane]
+        assert sorted(flat) == sorted(precompile.GROUPS), n
+        for lane in lanes:
+            for i, g in enumerate(lane):
+                assert g not in precompile.AFTER.get(g, ())
+                for d in precompile.AFTER.get(g, ()):
+                    assert d in lane[:i] or d not in lane, (n, lane, g)

@@ -46,8 +46,11 @@ whole graph and meet at a barrier after each node) for the shape; the counters a
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic
 
 from .attention import attention_item, attention_scratch, attention_into, finish_attention, plan
 from .linear import linear_into, linear_item, linear_items, linear_plan
@@ -144,11 +147,15 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
 
 @njit(parallel=True, cache=True, nogil=True)
 def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w,
-                   key_caches, value_caches, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
+                   cache_addrs, cache_like, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
                    query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks):
     # _layers in one parallel region: every task walks the same phases of every layer, takes
     # the items of each phase from its claim counter, and waits at the phase's end until all of
-    # its items are done (never for an item nobody took: no deadlock if tasks run one by one)
+    # its items are done (never for an item nobody took: no deadlock if tasks run one by one).
+    # The KV caches come as addresses (cache_addrs [L, 2]: layer's key, value) of arrays shaped
+    # like cache_like, not as tuples: a tuple of one array per layer made LLVM's SROA pass take
+    # minutes on this function (quadratic in the tuple's size; 2 x 30 arrays for the default
+    # model), while the views made here have the type the tuple's items had (the same callees)
     T = residual.shape[0]
     L = ln1.shape[0]
     attn2 = attn.reshape(T, attn.shape[1] * attn.shape[2])
@@ -163,18 +170,23 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     n_items[_P_DOWN] = linear_items(T, down_w.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
-    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1],
-                                                       key_caches[0].shape[1], n_parts)
+    shape = cache_like.shape
+    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1], shape[1],
+                                                                n_parts)
     for w in prange(n_tasks):
         for layer in range(L):
+            key_cache = carray(_f32_at(cache_addrs[layer, 0]), shape)
+            value_cache = carray(_f32_at(cache_addrs[layer, 1]), shape)
             for phase in range(_PHASES):
                 k = layer * _PHASES + phase
                 while True:
                     i = atomic_add(claims, k, 1)
                     if i >= n_items[phase]:
                         break
-                    _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1,
-                                qkv_w, o_w, ln2, gate_up_w, down_w, key_caches[layer], value_caches[layer],
+                    # w as the prange index is typed in the region's body (uint64): the same
+                    # type here, so that typing the loop does not compile an int64 twin
+                    _phase_item(phase, i, layer, np.uint64(w), residual, hidden, x, qkv, q, attn, attn2, gate_up,
+                                act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_cache, value_cache,
                                 positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H,
                                 Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc, m, l, bm,
                                 pm, pl, pacc)
@@ -182,8 +194,33 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                 wait_items_done(done, k, n_items[phase])
 
 
+@intrinsic
+def _f32_at(typingctx, address):
+    # an int64 address as a float32 pointer (numba.carray makes it an array view)
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
 def _int64(a):
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+_cache_table = ((), None)   # (weak references to the KV cache arrays, their addresses [L, 2]) of the last step
+
+
+def _cache_addresses(kv_caches):
+    # [L, 2] int64 data addresses of the layers' (key, value) caches for _layers_region, kept
+    # while the steps after pass the same arrays (the engine's caches: one table per run; ~7 us
+    # to check against ~150 us to read 60 addresses). Weak references: the table neither keeps
+    # a released cache alive nor matches a new array at a freed one's address
+    global _cache_table
+    arrays = [c for pair in kv_caches for c in pair]
+    refs, addrs = _cache_table
+    if len(refs) != len(arrays) or any(r() is not a for r, a in zip(refs, arrays)):
+        addrs = np.array([a.ctypes.data for a in arrays], dtype=np.int64).reshape(-1, 2)
+        _cache_table = (tuple(weakref.ref(a) for a in arrays), addrs)
+    return addrs
 
 
 def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_caches, cos_sin_cache, scale: float,
@@ -204,10 +241,13 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             block_size, num_kv_heads, head_dim]``; this step's keys and values are appended.
         cos_sin_cache: ``[max_position, head_dim]`` float32 RoPE table; ``scale``: softmax scale.
     Raises:
-        ValueError: a KV cache that is not C-contiguous (the kernels address blocks directly).
+        ValueError: a KV cache that is not C-contiguous float32, or caches of different shapes
+            (the kernels address blocks directly; the one-region loop gets the layers' caches as
+            addresses of arrays of one shape).
     """
-    if not all(c.flags.c_contiguous for pair in kv_caches for c in pair):
-        raise ValueError("decoder_layers needs C-contiguous float32 KV caches")
+    shape0 = kv_caches[0][0].shape
+    if not all(c.flags.c_contiguous and c.dtype == np.float32 and c.shape == shape0 for pair in kv_caches for c in pair):
+        raise ValueError("decoder_layers needs C-contiguous float32 KV caches, all of one shape")
     b, md = buffers, attn_metadata
     residual = b["residual"]
     T, hid = residual.shape
@@ -219,12 +259,15 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     key_cache = kv_caches[0][0]
     items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
                                       threads)
+    region = ONE_REGION and threads > 1 and T > 0
+    caches = (_cache_addresses(kv_caches), key_cache) if region else \
+        (tuple(k for k, _ in kv_caches), tuple(v for _, v in kv_caches))
     step = (residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
-            *(weights[name] for name in LAYER_WEIGHTS), tuple(k for k, _ in kv_caches), tuple(v for _, v in kv_caches),
+            *(weights[name] for name in LAYER_WEIGHTS), *caches,
             _int64(positions), cos_sin_cache, _int64(md.slot_mapping), _int64(md.block_tables), seq_lens,
             query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
     with region_guard():   # the layers run without the GIL: see region_guard
-        if ONE_REGION and threads > 1 and T > 0:
+        if region:
             _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads)
         else:
             _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),

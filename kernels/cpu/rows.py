@@ -60,8 +60,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 
 @njit(cache=True)
 def _copy_blocks_kernel(cache, block_mapping):
+    # element by element over the flattened blocks: a block assignment (cache[dst] = cache[src])
+    # also compiled Numba's shape-mismatch message, string formatting that took ~5 s of a cold
+    # start for shapes that always match
+    n = cache.size // max(1, cache.shape[0])
+    flat = cache.reshape((cache.shape[0], n))
     for i in range(block_mapping.shape[0]):
-        cache[block_mapping[i, 1]] = cache[block_mapping[i, 0]]
+        src, dst = block_mapping[i, 0], block_mapping[i, 1]
+        for j in range(n):
+            flat[dst, j] = flat[src, j]
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):

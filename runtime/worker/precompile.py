@@ -1,0 +1,367 @@
+"""Compile the CPU kernels of the serving paths into Numba's on-disk cache, in parallel processes.
+
+A server's first step on a fresh clone compiled every kernel it met, one after the other, in the
+worker process: 100-120 s of silence (issue 31). ``precompile`` compiles the same signatures
+before that step, with explicit signatures (``JOBS``), in ``processes`` child processes, while
+the worker loads the model; the worker's first step then loads the machine code from the cache
+(``jit_cache``). It reports each compiled kernel to ``progress``.
+
+Numba's cache is safe to share between processes for *different* functions only: two processes
+that add signatures of one function at once can both write their entry under the same data file
+name, and one index then names the other's code (``numba/core/caching.py``,
+``IndexDataCacheFile.save``: read the index, pick the first free name, write). So the jobs come
+in groups whose call trees share no compiled function (``GROUPS``); a group runs in one process,
+in order, and a group that compiles signatures of another group's functions or links them waits
+for it (``AFTER``): the layer loop (``forward._phase_item`` / ``_layers_region``), which links the
+attention, product and row kernels, compiles its own two functions after them, loading theirs,
+while the other process compiles what only the steps' Python code calls (``LANES``).
+
+Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
+parallel region per step) is listed; with one thread the first step compiles its own path, as
+before. ``tests/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
+A kernel whose arguments change needs its job changed with it (that test fails until it is).
+
+    python -m folio.runtime.worker.precompile [--check] [GROUP ...]   # a child's work: one line per job
+
+Sources: Numba's documentation, "Compiling Python code with @jit" (explicit signatures,
+``Dispatcher.compile``) and "Notes on caching" (the cache is shared by processes on one machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+__all__ = ["JOBS", "GROUPS", "LAST_GROUP", "AFTER", "LANES", "Job", "precompile", "precompile_with_progress", "compile_job",
+           "in_cache", "needed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One function and one signature to compile."""
+    module: str          # module of ``kernels/cpu``
+    function: str
+    signature: str       # argument types, in the names of ``_types()`` (F2: C-contiguous float32 2-D, ...)
+    group: str           # jobs of one group run in one process, in order (shared callees)
+    seconds: float       # rough cost on a cold cache (2-vCPU EPYC, busy): the progress bar's weight
+    what: str            # for people
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.function}"
+
+
+def _types() -> dict:
+    from numba import types
+    a = types.Array
+    return {"F1": a(types.float32, 1, "C"), "F2": a(types.float32, 2, "C"), "F3": a(types.float32, 3, "C"),
+            "F4": a(types.float32, 4, "C"), "I1": a(types.int64, 1, "C"), "I2": a(types.int64, 2, "C"),
+            "i64": types.int64, "u64": types.uint64, "f64": types.float64, "f32": types.float32}
+
+
+_RUN_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3 I2 i64 F2 F2 F2 I1 F2 F2 F1 F1 F1 F2 F2 F3"
+# forward._phase_item: phase, i, layer, task; buffers (residual, hidden, x, qkv, q, attn, attn2,
+# gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch
+_PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  F2 F3 F3 F2 F3 F3  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
+               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3")
+# forward._layers_region: buffers, stacked weights, cache addresses and a cache, step metadata
+_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  F2 F3 F3 F2 F3 F3  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64"
+
+JOBS = (
+    Job("attention", "_run_item", _RUN_ITEM, "attention", 18, "paged attention: prefill tiles and decode items"),
+    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "attention", 2.5,
+        "paged attention: merge of key partitions"),
+    Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
+    Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
+    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.5, "RMSNorm"),
+    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 1, "residual add + RMSNorm"),
+    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.7,
+        "RoPE and KV-cache append"),
+    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.5, "SwiGLU"),
+    Job("attention", "_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1.2, "paged attention: scratch buffers"),
+    Job("forward", "_wait_done", "I1 i64 i64", "linear", 0.2, "decoder layers: phase barrier"),
+    Job("forward", "_phase_item", _PHASE_ITEM, "layers", 8, "decoder layers: one work item of a phase"),
+    Job("forward", "_layers_region", _LAYERS_REGION, "layers", 30, "decoder layers: one parallel region per step"),
+    Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
+    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 2.5,
+        "residual add + RMSNorm, parallel region (final norm)"),
+    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "rest", 6.5, "paged attention: work plan"),
+    Job("rows", "_copy_blocks_kernel", "F4 I2", "rest", 0.5, "KV block copies (copy-on-write)"),
+)
+"""What ``precompile`` compiles: the signatures a two-thread worker's steps call (``forward``'s
+one-region layer loop, the final norm and ``lm_head`` product, the attention plan, block copies)."""
+
+GROUPS = tuple(dict.fromkeys(j.group for j in JOBS))
+LAST_GROUP = "layers"
+AFTER = {"layers": ("attention", "linear"), "rest": ("linear",)}
+"""The groups each group waits for. ``layers`` links the functions of ``attention`` and
+``linear`` (it runs after them, loading them, and compiles only its own two); ``rest`` compiles
+signatures of functions that ``linear`` compiled too (``linear_item`` called with literal
+arguments by ``linear_into``, the row kernels under ``fused_add_rms_norm_into``): it runs after
+``linear`` in the same process, beside ``layers``, which only loads them."""
+LANES = (("attention", "layers"), ("linear", "rest"))
+"""The groups of each process, in order, with two processes (one process: all of them, in
+``GROUPS`` order after ``AFTER``)."""
+
+
+def needed(device: str = "cpu") -> bool:
+    """Whether a worker on ``device`` (``cpu``, ``cuda``, ``auto``: CPU where CuPy is not
+    installed) started with this environment runs the jobs' paths: the CPU kernels on two or more
+    threads (``NUMBA_NUM_THREADS``, else Numba's default: the cores this process may run on)."""
+    import importlib.util
+    if device == "cuda" or (device == "auto" and importlib.util.find_spec("cupy") is not None):
+        return False
+    try:
+        threads = int(os.environ.get("NUMBA_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        threads = os.cpu_count() or 1
+    return threads > 1
+
+
+def _dispatcher(job: Job):
+    types = _types()
+    fn = getattr(importlib.import_module(f"...kernels.cpu.{job.module}", __package__), job.function)
+    return fn, tuple(types[t] for t in job.signature.split())
+
+
+def compile_job(job: Job) -> bool:
+    """Compile (or load from the cache) ``job`` in this process; returns True if it compiled."""
+    fn, sig = _dispatcher(job)
+    before = fn.stats.cache_misses.get(sig, 0)
+    fn.compile(sig)
+    return fn.stats.cache_misses.get(sig, 0) > before
+
+
+def in_cache(job: Job) -> bool:
+    """Whether Numba's cache index holds ``job`` for this machine and the current sources,
+    without loading it (Numba's ``Cache._index_key`` and index file; False where they differ from
+    the Numba this was written against, 0.59-0.61)."""
+    fn, sig = _dispatcher(job)
+    try:
+        cache = fn._cache
+        return cache._index_key(sig, fn.targetctx.codegen()) in cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - another Numba's internals: compile (or load) it
+        return False
+
+
+def _child_main(args: list[str]) -> int:
+    # "--check": first one line "missing N" (jobs of any group not in the cache), and stop there
+    # when N is 0; then the given groups' jobs in order, one line per job: "done NAME SECONDS C|L"
+    if args[:1] == ["--check"]:
+        args = args[1:]
+        missing = sum(not in_cache(j) for j in JOBS)
+        print(f"missing {missing}", flush=True)
+        if not missing:
+            return 0
+    for g in args:
+        for job in JOBS:
+            if job.group == g:
+                t0 = time.perf_counter()
+                compiled = compile_job(job)
+                print(f"done {job.name} {time.perf_counter() - t0:.2f} {'C' if compiled else 'L'}", flush=True)
+    return 0
+
+
+def _lanes(processes: int) -> list[list[str]]:
+    # LANES with two processes or more; one process: every group, each after those it waits for
+    if processes >= len(LANES):
+        return [list(lane) for lane in LANES]
+    order: list[str] = []
+    for g in GROUPS:
+        order += [d for d in AFTER.get(g, ()) if d not in order]
+        if g not in order:
+            order.append(g)
+    return [order]
+
+
+def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], None] | None = None,
+               on_start: Callable[[Job], None] | None = None, env: dict | None = None) -> dict:
+    """Fill Numba's cache with ``JOBS`` using up to ``processes`` child processes (``python -m``
+    this module): the first checks the cache index and, if nothing is missing, ends at once (a
+    warm start spawns one process, which loads nothing); otherwise each process runs its lane of
+    ``LANES``, each group after the groups it waits for (``AFTER``).
+
+    Args:
+        processes: child processes at most (>= 1).
+        progress: called after each job as ``progress(job, seconds, compiled, running)``
+            (``compiled``: False when it came from the cache; ``running``: the jobs now under way).
+        on_start: called with each job as a child starts it.
+        env: the children's environment (default this process's).
+    Returns:
+        ``{"seconds": wall time, "compiled": jobs compiled, "loaded": jobs found in the cache,
+        "processes": children used}``.
+    Raises:
+        RuntimeError: a child failed (its last output lines in the message).
+    """
+    t0 = time.perf_counter()
+    lanes = _lanes(processes)
+    by_name = {j.name: j for j in JOBS}
+    lock = threading.Lock()
+    running: dict[int, Job] = {}
+    counts = {"compiled": 0, "loaded": 0, "processes": 0}
+    checked = threading.Event()
+    missing = [len(JOBS)]
+
+    def run(lane_id: int, groups: list[str], check: bool) -> None:
+        jobs = [j for g in groups for j in JOBS if j.group == g]
+        cmd = [sys.executable, "-m", __name__, *(["--check"] if check else []), *groups]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env if env is not None else os.environ.copy())
+        with lock:
+            counts["processes"] += 1
+
+        def start_first():
+            with lock:
+                running[lane_id] = jobs[0]
+            if on_start:
+                on_start(jobs[0])
+
+        if not check:
+            start_first()
+        tail = []
+        for line in proc.stdout:
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "missing":
+                missing[0] = int(parts[1])
+                checked.set()
+                if missing[0]:
+                    start_first()
+                continue
+            if len(parts) != 4 or parts[0] != "done" or parts[1] not in by_name:
+                tail.append(line)
+                continue
+            job = by_name[parts[1]]
+            k = jobs.index(job)
+            nxt = jobs[k + 1] if k + 1 < len(jobs) else None
+            with lock:
+                counts["compiled" if parts[3] == "C" else "loaded"] += 1
+                if nxt is None:
+                    running.pop(lane_id, None)
+                else:
+                    running[lane_id] = nxt
+                now = list(running.values())
+            if nxt is None or nxt.group != job.group:
+                group_done[job.group].set()
+            if progress:
+                progress(job, float(parts[2]), parts[3] == "C", now)
+            if nxt is not None and on_start:
+                on_start(nxt)
+        err = proc.stderr.read()
+        checked.set()
+        if proc.wait() != 0:
+            raise RuntimeError(f"kernel compile process ({' '.join(groups)}) failed with exit code {proc.returncode}:\n"
+                               + "".join(tail[-10:]) + err[-3000:])
+
+    errors: list[BaseException] = []
+    group_done = {g: threading.Event() for g in GROUPS}
+
+    def lane(lane_id: int, groups: list[str]) -> None:
+        # the lane's groups in as few processes as the waits allow: a new process where a group
+        # waits for a group of another lane (the first process checks the cache index)
+        segments: list[list[str]] = []
+        for g in groups:
+            if not segments or any(d not in groups[:groups.index(g)] for d in AFTER.get(g, ())):
+                segments.append([])
+            segments[-1].append(g)
+        try:
+            for k, segment in enumerate(segments):
+                for g in segment:
+                    for d in AFTER.get(g, ()):
+                        if d not in segment:
+                            group_done[d].wait()
+                if errors or (k > 0 and not missing[0]):
+                    return
+                run(lane_id, segment, check=lane_id == 0 and k == 0)
+                if not missing[0]:
+                    return
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+        finally:
+            checked.set()
+            for g in groups:   # done or failed: nobody waits for it any longer
+                group_done[g].set()
+
+    threads = [threading.Thread(target=lane, args=(i, list(groups)), daemon=True) for i, groups in enumerate(lanes)]
+    threads[0].start()
+    checked.wait()
+    if missing[0] and not errors:
+        for t in threads[1:]:
+            t.start()
+    for t in threads:
+        if t.is_alive() or t is threads[0]:
+            t.join()
+    if errors:
+        raise errors[0]
+    if not missing[0]:
+        counts["loaded"] = len(JOBS)
+    return {"seconds": time.perf_counter() - t0, **counts}
+
+
+def precompile_with_progress(say: Callable[[str], None], stream=None, processes: int = 2, env: dict | None = None):
+    """``precompile`` with its progress shown: a bar (tqdm) on ``stream`` (default stderr) when it
+    is a terminal: the share of the estimated work done, the kernels done out of all, the ones
+    being compiled; otherwise one line per compiled kernel through ``say``. Ends with one line
+    through ``say``: how long it took, how many kernels were compiled and how many came from the
+    cache. Returns ``precompile``'s dict; raises what it raises."""
+    stream = sys.stderr if stream is None else stream
+    total = len(JOBS)
+    done = [0]
+    bar = None
+    if getattr(stream, "isatty", lambda: False)():
+        from tqdm import tqdm
+        bar = tqdm(total=round(sum(j.seconds for j in JOBS), 1), file=stream, desc="checking Numba's cache",
+                   bar_format="compiling CPU kernels: {percentage:3.0f}%|{bar:20}| {elapsed} | {desc}", leave=False)
+        lock = threading.Lock()
+
+        def show(running):
+            now = ", ".join(j.name for j in running)
+            bar.set_description_str(f"{done[0]}/{total} done" + (f"; now {now}" if now else ""), refresh=True)
+
+        def on_start(job):
+            with lock:
+                show([job])
+
+        def progress(job, seconds, compiled, running):
+            with lock:
+                done[0] += 1
+                bar.update(job.seconds)
+                show(running)
+    else:
+        on_start = None
+
+        def progress(job, seconds, compiled, running):
+            done[0] += 1
+            if compiled:
+                say(f"compiled {job.name} ({job.what}) in {seconds:.1f} s [{done[0]}/{total}]")
+    try:
+        r = precompile(processes, progress=progress, on_start=on_start, env=env)
+    finally:
+        if bar is not None:
+            bar.close()
+    if r["compiled"]:
+        say(f"CPU kernels compiled in {r['seconds']:.1f} s ({r['compiled']} compiled, {r['loaded']} from Numba's "
+            f"cache; {r['processes']} processes)")
+    else:
+        say(f"CPU kernels found in Numba's cache ({r['seconds']:.1f} s)")
+    return r
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGTERM to this compile process when the process (thread) that started it ends
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+if __name__ == "__main__":
+    _die_with_parent()
+    sys.exit(_child_main(sys.argv[1:] or list(GROUPS)))
