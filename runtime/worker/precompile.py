@@ -65,7 +65,7 @@ def _types() -> dict:
             "i64": types.int64, "u64": types.uint64, "f64": types.float64, "f32": types.float32}
 
 
-_RUN_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3 I2 i64 F2 F2 F2 I1 F2 F2 F1 F1 F1 F2 F2 F3"
+_ATTENTION_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3 I2 i64 F2 F2 F2 I1 F2 F2 F1 F1 F1 F2 F2 F3"
 # forward._phase_item: phase, i, layer, task; buffers (residual, hidden, x, qkv, q, attn, attn2,
 # gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch
 _PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  F2 F3 F3 F2 F3 F3  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
@@ -74,7 +74,7 @@ _PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  F2 F3 F3 F2 F3 F3  
 _LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  F2 F3 F3 F2 F3 F3  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64"
 
 JOBS = (
-    Job("attention", "_run_item", _RUN_ITEM, "attention", 18, "paged attention: prefill tiles and decode items"),
+    Job("attention", "attention_item", _ATTENTION_ITEM, "attention", 18, "paged attention: prefill tiles and decode items"),
     Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "attention", 2.5,
         "paged attention: merge of key partitions"),
     Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
@@ -84,8 +84,8 @@ JOBS = (
     Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.7,
         "RoPE and KV-cache append"),
     Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.5, "SwiGLU"),
-    Job("attention", "_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1.2, "paged attention: scratch buffers"),
-    Job("forward", "_wait_done", "I1 i64 i64", "linear", 0.2, "decoder layers: phase barrier"),
+    Job("attention", "attention_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1.2, "paged attention: scratch buffers"),
+    Job("forward", "wait_items_done", "I1 i64 i64", "linear", 0.2, "decoder layers: phase barrier"),
     Job("forward", "_phase_item", _PHASE_ITEM, "layers", 8, "decoder layers: one work item of a phase"),
     Job("forward", "_layers_region", _LAYERS_REGION, "layers", 30, "decoder layers: one parallel region per step"),
     Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
