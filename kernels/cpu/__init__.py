@@ -3,6 +3,8 @@
 ``table`` (the ``KernelTable`` for ``"cpu"``), ``forward`` (the decoder layers as one parallel
 region per step), ``rows`` (RMSNorm, RoPE + KV-cache append, SiLU-and-mul over token rows),
 ``attention`` (paged attention, prefill tiles and decode), ``linear`` (matrix products),
+``quant_linear`` (products and embedding rows read straight from GGUF quantized blocks; not yet
+wired into the forward),
 ``simd`` (explicit vector code), ``math`` (exp2), ``memory`` (huge-page buffers), ``threads``
 (the worker threads, atomics, BLAS) and ``jit_cache`` (Numba's on-disk compile cache, keyed on
 the kernels' sources). ``kernels/reference.py`` is the specification each kernel is tested
