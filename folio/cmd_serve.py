@@ -111,6 +111,8 @@ def register(subparsers) -> None:
     p.add_argument("--exit-grace", type=float, default=2.0,
                    help="after the worker died: seconds to keep answering (unhealthy, errors) before exiting 3")
     p.add_argument("--worker-runner", default="folio.runtime.worker.model_runner:ModelRunner", help=argparse.SUPPRESS)
+    from .serve_dp import add_data_parallel_args
+    add_data_parallel_args(p)
     p.set_defaults(func=run)
 
 
@@ -158,6 +160,14 @@ def _run(a: argparse.Namespace) -> int:
     max_model_len = config.resolve_max_model_len(ModelConfig.from_pretrained(model_dir).max_position_embeddings)
     load_chat_template(a.chat_template)                     # a bad template fails now, not per request
     http_sock = bind_http(a.host, a.port, a.allow_remote)   # a busy port fails before the model loads
+    if a.data_parallel_size != 1:                           # N replicas on Ray behind this front door
+        from .serve_dp import run_data_parallel
+        try:
+            code = run_data_parallel(a, config, _say, STOP_SIGNALS, http_sock, max_model_len, model_dir, api_key)
+        finally:
+            http_sock.close()
+        print("folio serve: stopped", file=sys.stderr, flush=True)
+        return code
     front = server = None
     try:
         _say(f"loading {config.model} in the worker process (device {config.device}) ...")
