@@ -193,43 +193,67 @@ def test_metrics_and_health_per_replica(dp_server):
     assert all(r["healthy"] and r["worker_alive"] for r in body["replicas"])
 
 
-def test_killed_replica_fails_its_streams_and_rejoins(dp_server):
+def test_killed_replica_fails_its_streams_retries_the_rest_and_rejoins(dp_server):
+    """10 requests sharing a 3-block prefix go to one replica (prefix affinity); with max_num_seqs
+    8, at least 2 of them wait there without output when it is killed: those are retried on the
+    other replica and complete; those that streamed fail with replica_died. A request on the
+    other replica is untouched."""
+    import threading
     proc, client = dp_server
-    health = client.health()
-    # a long streaming request on each replica (distinct prompts at once spread over both)
-    streams = [client.generate_stream(prompt_token_ids=[300 + 10 * k, 301 + 10 * k],
-                                      sampling_params=SamplingParams(max_tokens=200, **GREEDY)) for k in range(2)]
-    firsts = [next(s) for s in streams]
-    assert all(f.token_ids for f in firsts)
-    loads = [r["routing"]["num_requests_routed_in_flight"] for r in client.get_metrics()["replicas"]]
-    assert loads == [1, 1], loads
-    victim = health["replicas"][0]
-    os.kill(victim["pid"], signal.SIGKILL)
-    # one stream fails with replica_died, the other finishes (200 tokens, the echo chain)
-    results = []
-    for s, f in zip(streams, firsts):
-        ids = list(f.token_ids)
+    m0 = client.get_metrics()
+    prefix = [7000 + j for j in range(48)]
+    prompts = [prefix + [100 + k] for k in range(10)] + [[300, 301]]
+    results = [None] * len(prompts)
+
+    def run(k):
+        ids = []
         try:
-            for d in s:
+            for d in client.generate_stream(prompt_token_ids=prompts[k],
+                                            sampling_params=SamplingParams(max_tokens=150, **GREEDY)):
                 ids += d.token_ids
-            results.append(("ok", ids))
+            results[k] = ("ok", ids)
         except ServerError as e:
-            results.append((e.code, str(e)))
-    codes = sorted(r[0] for r in results)
-    assert codes == ["ok", "replica_died"], results
+            results[k] = (e.code, ids)
+
+    threads = []
+    for k in range(len(prompts)):
+        threads.append(threading.Thread(target=run, args=(k,), daemon=True))
+        threads[-1].start()
+        if k == 0:     # the first one places the prefix
+            poll_until(lambda: sum(r["routing"]["num_requests_routed_in_flight"]
+                                   for r in client.get_metrics()["replicas"]) == 1, 30, "the first request")
+    reps = poll_until(lambda: (lambda m: m["replicas"] if sorted(r["routing"]["num_requests_routed_in_flight"]
+                                                                 for r in m["replicas"]) == [1, 10]
+                               and max(r.get("num_running", 0) for r in m["replicas"]) >= 8 else None)(
+        client.get_metrics()), 60, "10 requests on one replica, 1 on the other, 8 running")
+    victim = next(r for r in reps if r["routing"]["num_requests_routed_in_flight"] == 10)
+    os.kill(victim["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert all(r is not None for r in results), results
+    retried = client.get_metrics()["router"]["num_retried"] - m0["router"]["num_retried"]
+    assert retried >= 2
+    ok = [k for k, r in enumerate(results) if r[0] == "ok"]
+    assert len(ok) == 1 + retried and len(prompts) - 1 in ok, results
+    for k, (code, ids) in enumerate(results):
+        if code == "ok":
+            assert ids == echo_chain(prompts[k][-1], 150)
+        else:
+            assert code == "replica_died" and ids == echo_chain(prompts[k][-1], len(ids)) and ids
     # new requests go to the living replica meanwhile
     out = client.generate(prompt_token_ids=[40, 41], sampling_params=SamplingParams(max_tokens=3, **GREEDY))
     assert out.outputs[0].token_ids == echo_chain(41, 3)
     # Ray restarts it (a new process) and it rejoins
-    rejoined = poll_until(lambda: (lambda h: h if h["replicas"][0]["healthy"] and h["replicas"][0]["pid"] != victim["pid"]
-                                   else None)(client.health()), 120, "replica 0 to be restarted by Ray")
-    assert rejoined["replicas"][0]["num_restarts"] == 1
-    assert pid_gone(victim["worker_pid"]) or poll_until(lambda: pid_gone(victim["worker_pid"]), 30, "the old worker")
+    e = victim["engine"]
+    rejoined = poll_until(lambda: (lambda h: h if h["replicas"][e]["healthy"] and h["replicas"][e]["pid"] != victim["pid"]
+                                   else None)(client.health()), 120, f"replica {e} to be restarted by Ray")
+    assert rejoined["replicas"][e]["num_restarts"] == 1
+    poll_until(lambda: pid_gone(victim["worker_pid"]), 30, "the dead replica's worker to end")
     before = _routed(client)
     for k in range(4):
         client.generate(prompt_token_ids=[500 + k], sampling_params=SamplingParams(max_tokens=2, **GREEDY))
     after = _routed(client)
-    assert after[0] > before[0], "the restarted replica takes requests again"
+    assert after[e] > before[e], "the restarted replica takes requests again"
 
 
 def test_local_cluster_started_and_stopped(tmp_path):
