@@ -19,7 +19,8 @@ them on a Ray cluster, but this module knows only their ZeroMQ addresses). Per m
 
 Faults: each replica socket has a ZeroMQ socket monitor and ZMTP heartbeats; a disconnect (a
 replica process killed: its kernel closes the TCP connection) or ``heartbeat_timeout`` s of
-silence marks the replica dead at once. Its requests that have not streamed anything yet are
+silence marks the replica dead at once; so does a replica's ``worker_died`` error (its worker died:
+the replica answers errors until it exits for Ray to restart it). Its requests that have not streamed anything yet are
 **retried** on a live replica (the client sees nothing, at most a later first token); those that
 already streamed fail at once with an ``error`` of code ``replica_died`` naming the replica (their
 partial output cannot be continued elsewhere: the KV cache and the sampling state died). New
@@ -420,6 +421,11 @@ class DataParallelRouter:
         fw = self._requests.get(eid) if isinstance(eid, str) else None
         if fw is None or fw.decision.replica != r.index:
             return                                     # aborted, retried elsewhere, or a stale reply
+        if t == "error" and header.get("code") == "worker_died" and r.alive:
+            # the replica's worker died: the replica answers errors until it exits (and Ray restarts
+            # it); treat it as dead now, so that this request and its other unstarted ones are retried
+            self._replica_died(r, f"replica {r.index} ({r.address}): {header.get('message')}")
+            return
         finished = t == "error" or bool(header.get("finished"))
         if t == "output":
             fw.started = True

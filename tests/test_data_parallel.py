@@ -256,17 +256,22 @@ def test_killed_replica_fails_its_streams_retries_the_rest_and_rejoins(dp_server
     assert after[e] > before[e], "the restarted replica takes requests again"
 
 
-def test_local_cluster_started_and_stopped(tmp_path):
-    """Without --ray-address folio serve starts a local Ray cluster and leaves nothing behind."""
-    proc, address = spawn_server([*ECHO, "--data-parallel-size", "2"], env=echo_env(), startup_timeout=300)
+def test_local_cluster_started_and_stopped_by_ctrl_c():
+    """Without --ray-address folio serve starts a local Ray cluster; Ctrl-C (SIGINT to its process
+    group, as a terminal sends it) stops the replicas and the cluster, exit 0, nothing left behind."""
+    proc, address = spawn_server([*ECHO, "--data-parallel-size", "2"], env=echo_env(), startup_timeout=300,
+                                 start_new_session=True)
     try:
         with Client(address, timeout=60) as c:
             out = c.generate(prompt_token_ids=[7, 8], sampling_params=SamplingParams(max_tokens=2, **GREEDY))
             assert out.outputs[0].token_ids == echo_chain(8, 2)
+            reps = c.health()["replicas"]
         procs = _descendants(proc.pid)
-        assert procs, "the local cluster's processes run below folio serve"
+        assert {r["pid"] for r in reps} <= set(procs), "the replicas run in the cluster folio serve started"
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(120)
     finally:
-        code = stop_server(proc)
+        stop_server(proc)
     assert code == 0
     poll_until(lambda: all(pid_gone(p) for p in procs), 60, "every process folio serve started to end")
 
