@@ -3,6 +3,10 @@
     folio serve [--model M] [--address tcp://127.0.0.1:5555 | ipc://PATH] [--host 127.0.0.1] [--port 8000]
                 [--api-key KEY] [--served-model-name NAME ...] [--chat-template FILE|TEMPLATE]
                 [--device cpu|cuda|auto] [--max-model-len N] [--max-num-seqs N] ...
+                [--data-parallel-size N --data-parallel-backend ray [--ray-address ADDR] [--threads-per-replica T]]
+
+With ``--data-parallel-size N`` (N > 1) this process is a router in front of N engine replicas
+placed on a Ray cluster (``folio/serve_dp.py``); the rest of this text is about one engine.
 
 Processes: this one is the scheduler (engine loop, ZeroMQ clients on ``--address``); a worker
 process runs the model; an HTTP front-end process (FastAPI + uvicorn, ``folio/api``) serves the

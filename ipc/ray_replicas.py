@@ -139,7 +139,9 @@ class ReplicaSet:
                 ray.init(address=ray_address, runtime_env={"env_vars": env}, log_to_driver=True,
                          configure_logging=False)
         try:
-            gpu = 1 if config.device == "cuda" else 0
+            # --device cuda: a GPU per replica; auto: one where the cluster has GPUs (the worker then picks cuda)
+            gpu = 1 if config.device == "cuda" or (
+                config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1) else 0
             cls = ray.remote(ReplicaActor).options(num_cpus=threads, num_gpus=gpu, max_restarts=max_restarts,
                                                    max_task_retries=0)
             host = "127.0.0.1" if self.started_cluster else None

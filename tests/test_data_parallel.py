@@ -290,3 +290,20 @@ def test_real_model_greedy_two_replicas_equal_one_engine(ray_cluster):
     finally:
         stop_server(proc)
     assert got == want
+
+
+@pytest.mark.slow
+def test_worker_death_retries_unstarted_requests_and_ray_restarts_the_replica(dp_server):
+    """kill -9 of a replica's worker (not the replica's process): the replica errors its requests
+    (worker_died) and exits; the router retries what had not started, and Ray restarts it."""
+    proc, client = dp_server
+    h = client.health()
+    e = 1
+    victim = h["replicas"][e]
+    restarts = victim["num_restarts"]
+    os.kill(victim["worker_pid"], signal.SIGKILL)
+    for k in range(6):
+        out = client.generate(prompt_token_ids=[10 + k, 20 + k], sampling_params=SamplingParams(max_tokens=3, **GREEDY))
+        assert out.outputs[0].token_ids == echo_chain(20 + k, 3)
+    poll_until(lambda: (lambda r: r["healthy"] and r["pid"] != victim["pid"] and r["num_restarts"] == restarts + 1)(
+        client.health()["replicas"][e]), 120, f"replica {e} to be restarted by Ray")
