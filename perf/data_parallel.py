@@ -62,13 +62,17 @@ def run_config(name: str, serve_args: list[str], env: dict, workloads: dict, tim
                 s["prefix_cache_hit_rate"] = (m1["prefix_cache_hits"] - m0["prefix_cache_hits"]) / q if q else 0.0
                 if "router" in m1:
                     s["routing_us_per_request"] = m1["router"]["routing_us_per_request"]
-                    s["requests_per_replica"] = [r["routing"]["num_routed"] for r in m1["replicas"]]
+                    s["requests_per_replica"] = [r1["routing"]["num_routed"] - r0["routing"]["num_routed"]
+                                                 for r0, r1 in zip(m0["replicas"], m1["replicas"])]
+                    s["prefix_routed"] = sum(r1["routing"]["num_prefix_routed"] - r0["routing"]["num_prefix_routed"]
+                                             for r0, r1 in zip(m0["replicas"], m1["replicas"]))
                 out[wname] = s
                 print(f"  [{name}] {wname}: {s['successful_requests']} ok, {s['failed_requests']} failed, "
                       f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
                       f"TTFT mean {s['ttft_ms']['mean']:.0f} ms median {s['ttft_ms']['median']:.0f} ms "
                       f"P99 {s['ttft_ms']['p99']:.0f} ms, prefix-cache hit rate {s['prefix_cache_hit_rate']:.3f}"
-                      + (f", {s['requests_per_replica']} requests per replica" if "requests_per_replica" in s else ""),
+                      + (f", {s['requests_per_replica']} requests per replica ({s['prefix_routed']} by prefix)"
+                         if "requests_per_replica" in s else ""),
                       flush=True)
     finally:
         stop_server(proc)
