@@ -3,6 +3,10 @@
     folio serve [--model M] [--address tcp://127.0.0.1:5555 | ipc://PATH] [--host 127.0.0.1] [--port 8000]
                 [--api-key KEY] [--served-model-name NAME ...] [--chat-template FILE|TEMPLATE]
                 [--device cpu|cuda|auto] [--max-model-len N] [--max-num-seqs N] ...
+                [--data-parallel-size N --data-parallel-backend ray [--ray-address ADDR] [--threads-per-replica T]]
+
+With ``--data-parallel-size N`` (N > 1) this process is a router in front of N engine replicas
+placed on a Ray cluster (``folio/serve_dp.py``); the rest of this text is about one engine.
 
 Processes: this one is the scheduler (engine loop, ZeroMQ clients on ``--address``); a worker
 process runs the model; an HTTP front-end process (FastAPI + uvicorn, ``folio/api``) serves the
@@ -112,6 +116,8 @@ def register(subparsers) -> None:
     p.add_argument("--exit-grace", type=float, default=2.0,
                    help="after the worker died: seconds to keep answering (unhealthy, errors) before exiting 3")
     p.add_argument("--worker-runner", default=WORKER_RUNNER, help=argparse.SUPPRESS)
+    from .serve_dp import add_data_parallel_args
+    add_data_parallel_args(p)
     p.set_defaults(func=run)
 
 
@@ -159,6 +165,14 @@ def _run(a: argparse.Namespace) -> int:
     max_model_len = config.resolve_max_model_len(ModelConfig.from_pretrained(model_dir).max_position_embeddings)
     load_chat_template(a.chat_template)                     # a bad template fails now, not per request
     http_sock = bind_http(a.host, a.port, a.allow_remote)   # a busy port fails before the model loads
+    if a.data_parallel_size != 1:                           # N replicas on Ray behind this front door
+        from .serve_dp import run_data_parallel
+        try:
+            code = run_data_parallel(a, config, _say, STOP_SIGNALS, http_sock, max_model_len, model_dir, api_key)
+        finally:
+            http_sock.close()
+        print("folio serve: stopped", file=sys.stderr, flush=True)
+        return code
     front = server = None
     kernels = None   # the CPU kernels into Numba's cache while the worker loads the model (its own runner only)
     if a.worker_runner == WORKER_RUNNER:

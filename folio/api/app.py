@@ -2,7 +2,7 @@
 
 Routes (as vLLM serves them): ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health`` (200, or 503 when the engine is
-gone), ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+gone; with data-parallel replicas a JSON body gives each replica's health), ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
 ``GET /`` (the chat page). ``/docs`` has the generated OpenAPI page.
 
 Errors: every error is ``{"error": {"message", "type", "param", "code"}}``. Invalid input is a
@@ -266,6 +266,9 @@ def build_app(front: FrontEnd) -> FastAPI:
             return _error(503, f"engine unavailable: {err.message}")
         if not h.get("healthy"):
             return _error(503, f"engine unhealthy: {h.get('reason')}")
+        if "replicas" in h:     # data-parallel replicas: each one's state (healthy while one is)
+            return JSONResponse({"healthy": True, "num_replicas_healthy": h.get("num_replicas_healthy"),
+                                 "replicas": h["replicas"]})
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -9,6 +9,11 @@ engine ran, whichever front door (HTTP or ZeroMQ) it came through.
 Differences from vLLM: ``num_requests_running`` / ``num_requests_waiting`` count sequences (a request
 with ``n`` samples counts ``n`` once forked); ``prefix_cache_queries`` / ``prefix_cache_hits`` count
 tokens, as vLLM's do.
+
+Data-parallel replicas (``folio serve --data-parallel-size N``): every series is given per replica
+with the label ``engine="i"`` (vLLM's label for its data-parallel ranks) and once more for the
+sum over the replicas with ``engine="total"`` (so sum over ``engine!="total"``, or select
+``engine="total"``). A replica that is down has no per-replica series until it is back.
 """
 
 from __future__ import annotations
@@ -61,29 +66,45 @@ class SnapshotCollector:
         m = self.snapshot
         if not m:
             return
-        labels, values = ["model_name"], [self.model_name]
+        # data-parallel replicas (folio serve --data-parallel-size N): one series per replica,
+        # labelled engine="i" as vLLM labels its data-parallel ranks, and the totals as engine="total"
+        reps = m.get("replicas")
+        if reps is None:
+            series = [(["model_name"], [self.model_name], m)]
+        else:
+            series = [(["model_name", "engine"], [self.model_name, str(r["engine"])], r)
+                      for r in reps if r.get("serving")]
+            series.append((["model_name", "engine"], [self.model_name, "total"], m))
+        series = [s for s in series if s[2].get("serving")]
+        if not series:
+            return
+        labels = series[0][0]
         for name, doc, get in _GAUGES:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric(values, float(get(m)))
+            for _, values, snap in series:
+                g.add_metric(values, float(get(snap)))
             yield g
         for name, doc, get in _COUNTERS:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric(values, float(get(m)))
+            for _, values, snap in series:
+                c.add_metric(values, float(get(snap)))
             yield c
-        serving = m["serving"]
         c = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                 labels=labels + ["finished_reason"])
-        for reason in sorted(set(FINISHED_REASONS) | set(serving["request_success"])):
-            c.add_metric(values + [reason], float(serving["request_success"].get(reason, 0)))
+        for _, values, snap in series:
+            serving = snap["serving"]
+            for reason in sorted(set(FINISHED_REASONS) | set(serving["request_success"])):
+                c.add_metric(values + [reason], float(serving["request_success"].get(reason, 0)))
         yield c
         for name, doc in _HISTOGRAMS:
-            h = serving["histograms"][name]
-            buckets, total = [], 0
-            for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
-                total += count
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
             fam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
-            fam.add_metric(values, buckets, sum_value=h["sum"])
+            for _, values, snap in series:
+                h = snap["serving"]["histograms"][name]
+                buckets, total = [], 0
+                for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
+                    total += count
+                    buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+                fam.add_metric(values, buckets, sum_value=h["sum"])
             yield fam
 
 

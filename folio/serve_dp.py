@@ -1,0 +1,137 @@
+"""``folio serve --data-parallel-size N --data-parallel-backend ray``: N engine replicas, one front door.
+
+This process is the front door: it starts (or joins, ``--ray-address``) a Ray cluster, places N
+replica actors on it (``ipc/ray_replicas.py``: each one a scheduler process with its own worker
+process), binds the ZeroMQ client address with the data-parallel router
+(``ipc/data_parallel.py``: prefix-aware routing, fan-out of health and metrics, fault handling)
+and starts the HTTP front end (``folio/api``) as ``folio serve`` does, talking to the router. A
+supervisor thread waits for Ray to restart a replica that died and reconnects the router to it.
+
+SIGINT / SIGTERM / SIGHUP: in-flight requests get a ``shutdown`` error, the HTTP front end stops,
+every replica stops its worker, the actors are killed without restart, and a Ray cluster this
+process started is stopped; exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    """The data-parallel flags (vLLM's names where it has them)."""
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind the one front door (each a scheduler + a worker)")
+    p.add_argument("--data-parallel-backend", default="ray", choices=["ray"],
+                   help="what places the replicas when --data-parallel-size > 1 (Ray actors)")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (as `ray start --head` printed it, e.g. 10.0.0.1:6379); "
+                        "default: start a local one on 127.0.0.1, stopped on exit")
+    p.add_argument("--threads-per-replica", type=int, default=1,
+                   help="CPU threads of each replica's worker (the Ray actor's num_cpus)")
+    p.add_argument("--max-replica-restarts", type=int, default=-1,
+                   help="how many times Ray restarts a replica that died (-1: no limit)")
+
+
+def run_data_parallel(a: argparse.Namespace, config, say, stop_signals, http_sock, max_model_len: int,
+                      model_dir, api_key) -> int:
+    """The data-parallel ``folio serve`` (module docstring); returns the exit code."""
+    import time
+    from .api.frontend import FrontEndProcess, default_max_request_bytes, http_url, load_chat_template
+    from .ipc.data_parallel import DataParallelRouter
+    from .ipc.transport import private_ipc_address
+    from .model.tokenizer import Tokenizer
+    from .runtime.frontend.input_processor import InputProcessor
+
+    if a.data_parallel_size < 1 or a.threads_per_replica < 1:
+        raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1")
+    try:
+        from .ipc.ray_replicas import ReplicaSet
+    except ImportError as e:
+        raise ValueError(f"--data-parallel-backend ray needs Ray: pip install 'folio-serve[ray]' ({e})") from None
+    t0 = time.monotonic()
+    template = load_chat_template(a.chat_template)
+    replicas = router = front = None
+    state = {"stopping": False, "front_exit": None}
+    try:
+        say(f"starting {a.data_parallel_size} replicas of {config.model} on Ray "
+            f"({a.threads_per_replica} thread(s) each, device {config.device}) ...")
+        replicas = ReplicaSet(a.data_parallel_size, config, threads=a.threads_per_replica, ray_address=a.ray_address,
+                              server_kwargs={"runner": a.worker_runner, "max_message_bytes": a.max_message_bytes,
+                                             "heartbeat_timeout": a.heartbeat_timeout, "exit_grace": a.exit_grace},
+                              chat_template=template, max_restarts=a.max_replica_restarts, say=say)
+        infos = replicas.infos
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        if template is not None:
+            tokenizer.set_chat_template(template)
+        blocks = min(int(i["num_total_blocks"]) for i in infos)
+        dead: list = []
+        wake = threading.Event()
+
+        def on_dead(index, reason):
+            dead.append((index, infos[index].get("pid")))
+            wake.set()
+
+        router = DataParallelRouter(a.address, [i["address"] for i in infos], InputProcessor(tokenizer, max_model_len),
+                                    block_size=config.block_size, max_blocks=sum(int(i["num_total_blocks"]) for i in infos),
+                                    allow_remote=a.allow_remote, max_message_bytes=a.max_message_bytes,
+                                    on_replica_dead=on_dead, heartbeat_timeout=a.heartbeat_timeout, replica_info=infos)
+
+        def supervise():   # Ray restarts a dead replica; reconnect the router to the new incarnation
+            while not state["stopping"]:
+                if not wake.wait(0.5):
+                    continue
+                wake.clear()
+                while dead and not state["stopping"]:
+                    index, pid = dead.pop(0)
+                    info = replicas.wait_restart(index, pid, should_stop=lambda: state["stopping"])
+                    if info is not None:
+                        infos[index] = info
+                        router.replica_restarted(index, info["address"], info)
+                    elif not state["stopping"]:
+                        print(f"folio serve: replica {index} was not restarted (restarts exhausted?)", flush=True)
+
+        threading.Thread(target=supervise, name="folio-dp-supervisor", daemon=True).start()
+        api_address = router.bind_extra(private_ipc_address("api"))
+        front = FrontEndProcess(http_sock, api_address, {
+            "--model-dir": str(model_dir), "--model-root": config.model,
+            "--served-model-name": a.served_model_name or [config.model], "--max-model-len": max_model_len,
+            "--kv-capacity-tokens": blocks * config.block_size, "--chat-template": a.chat_template,
+            "--uvicorn-log-level": a.uvicorn_log_level,
+            "--max-request-bytes": a.max_request_bytes if a.max_request_bytes is not None
+            else default_max_request_bytes(max_model_len)}, api_key=api_key)
+
+        def on_front_exit(code):
+            if not state["stopping"]:
+                state["front_exit"] = code
+            router.stop()
+
+        front.watch(on_front_exit)
+
+        def on_signal(signum, frame):
+            state["stopping"] = True
+            router.stop()
+
+        for sig in stop_signals:
+            signal.signal(sig, on_signal)
+        where = ", ".join(f"{i['node_ip']} pid {i['pid']}" for i in infos)
+        say(f"ready on {router.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
+            f"(model {config.model}, {a.data_parallel_size} replicas on Ray: {where}; "
+            f"{blocks} KV blocks of {config.block_size} tokens each)")
+        code = router.serve_forever()
+        if state["front_exit"] not in (None, 0):
+            print(f"folio serve: the HTTP front end died (exit code {state['front_exit']})", file=sys.stderr)
+            code = code or 4
+        return code
+    finally:
+        state["stopping"] = True
+        for sig in stop_signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if front is not None:
+            front.stop()
+        if router is not None:
+            router.close()
+        if replicas is not None:
+            replicas.shutdown()
