@@ -164,3 +164,30 @@ def test_required_schema_accepts_only_the_functions():
                 [{"name": "get_time", "parameters": {"zone": "a"}}] * 2):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_zmq_client_and_async_client_take_structured_outputs(served):
+    import asyncio
+
+    from folio import SamplingParams
+    from folio.ipc.client import AsyncClient, Client, ServerError
+    from folio.runtime.common.sampling_params import StructuredOutputsParams
+    schema = {**Person.model_json_schema(), "additionalProperties": False}
+    # compact JSON: with any whitespace allowed this prompt gets newlines until max_tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True))
+    with Client(served[1], timeout=300) as zc:
+        out = zc.chat([{"role": "user", "content": "Invent a person."}], sp)
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        Person.model_validate_json(out.outputs[0].text)
+        with pytest.raises(ServerError, match="structured_outputs"):
+            zc.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a[b")))
+
+    async def run():
+        ac = AsyncClient(served[1], timeout=300)
+        try:
+            return await ac.generate("Choose:", SamplingParams(
+                max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["left", "right"])))
+        finally:
+            await ac.close()
+    assert asyncio.run(run()).outputs[0].text in ("left", "right")

@@ -30,6 +30,9 @@ class StructuredOutputsParams:
         grammar: a context-free grammar in the EBNF/GBNF form llama.cpp uses (``root ::= ...``) or
             llguidance's Lark form.
         json_object: ``True``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        disable_any_whitespace: JSON without whitespace between its tokens (by default any
+            amount is allowed, as in vLLM; a small model may then emit newlines until
+            ``max_tokens``).
 
     How the constraint is enforced, and how it behaves under overlap scheduling, ``n > 1``,
     preemption, prefix caching, stop strings, EOS and ``max_tokens``:
@@ -45,6 +48,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self):
         set_kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
@@ -75,6 +79,8 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs choice must be a non-empty list of strings")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs json_object must be a bool")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs disable_any_whitespace must be a bool")
 
     @property
     def kind(self) -> str:
@@ -83,7 +89,8 @@ class StructuredOutputsParams:
                     if getattr(self, k) not in (None, False))
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and
+                (k != "disable_any_whitespace" or v)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StructuredOutputsParams":

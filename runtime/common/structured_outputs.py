@@ -87,11 +87,12 @@ def grammar_text(so) -> str:
     """
     llg = _llg()
     try:
+        compact = {"whitespace_flexible": False} if so.disable_any_whitespace else None
         if so.json is not None:
             schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-            return llg.LLMatcher.grammar_from_json_schema(schema)
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=compact)
         if so.json_object:
-            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=compact)
         if so.regex is not None:
             return llg.LLMatcher.grammar_from_regex(so.regex)
         if so.choice is not None:
