@@ -203,9 +203,13 @@ def apply_token_bitmask(logits, bitmask, xp=np):
     One vectorised gather and shift over ``[R, V]``; no loop over the vocabulary. Returns a new
     array (``logits`` is not written)."""
     V = logits.shape[1]
-    cols = xp.arange(V)
-    words = xp.asarray(bitmask)[:, cols >> 5]
-    allowed = ((words >> (cols & 31).astype(xp.int32)) & 1).astype(bool)
+    if xp is np:  # the bytes of little-endian int32 words, unpacked little-bit first, are the token order
+        allowed = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), axis=1,
+                                count=V, bitorder="little").view(bool)
+    else:
+        cols = xp.arange(V)
+        words = xp.asarray(bitmask)[:, cols >> 5]
+        allowed = ((words >> (cols & 31).astype(xp.int32)) & 1).astype(bool)
     return xp.where(allowed, logits, xp.float32(_MASK))
 
 
