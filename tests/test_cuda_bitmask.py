@@ -42,3 +42,22 @@ def test_bitmask_kernel_equals_the_spec(kt, R, V, density):
     dev = xp.asarray(logits)
     kt.apply_token_bitmask(dev, xp.asarray(words))
     assert np.array_equal(kt.to_numpy(dev), expect)
+
+
+def test_sampler_with_the_kernel_samples_what_it_samples_without(kt):
+    # the sampler's whole pipeline on the NumPy table, mask applied by the kernel or by NumPy
+    from folio import SamplingParams
+    from folio.runtime.worker.sampler import SamplingState, sample
+    if ON_GPU:
+        pytest.skip("the emulated table's arrays are NumPy's; on a GPU test_device_step covers the device")
+    rng = np.random.default_rng(1)
+    R, V = 4, 200
+    logits = rng.standard_normal((R, V)).astype(np.float32)
+    words = rng.integers(-2**31, 2**31 - 1, (R, (V + 31) // 32), dtype=np.int64).astype(np.int32)
+    mk = lambda: [SamplingState(i, SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i), [1], [], i, [0])  # noqa: E731
+                  for i in range(R)]
+    a = sample(logits, mk(), np, bitmask=words).token_ids
+    b = sample(logits, mk(), np, bitmask=words, bitmask_kernel=kt.apply_token_bitmask).token_ids
+    assert np.array_equal(a, b)
+    bits = (words.view(np.uint32)[:, np.arange(V) // 32] >> (np.arange(V) % 32).astype(np.uint32)) & 1
+    assert all(bits[r, t] for r, t in enumerate(a))  # every token is an allowed one

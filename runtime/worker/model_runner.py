@@ -323,7 +323,8 @@ class ModelRunner:
         if R:
             states = [self._seqs[s] for s in sample_ids]
             out = sample(logits[:R] if num_plp else logits, states, xp,
-                         bitmask=fill_batch_bitmask(states, int(logits.shape[1])))
+                         bitmask=fill_batch_bitmask(states, int(logits.shape[1])),
+                         bitmask_kernel=self.kernels.apply_token_bitmask if self.device == "cuda" else None)
             for st, tok in zip(states, out.token_ids.tolist()):
                 st.append(tok)
             advance(states, out.token_ids.tolist())

@@ -213,7 +213,7 @@ def apply_token_bitmask(logits, bitmask, xp=np):
     return xp.where(allowed, logits, xp.float32(_MASK))
 
 
-def sample(logits, states: list[SamplingState], xp=np, bitmask=None) -> SamplerOutput:
+def sample(logits, states: list[SamplingState], xp=np, bitmask=None, bitmask_kernel=None) -> SamplerOutput:
     """Sample one token for each row of ``logits``.
 
     Args:
@@ -222,6 +222,8 @@ def sample(logits, states: list[SamplingState], xp=np, bitmask=None) -> SamplerO
         xp: numpy or cupy (the module of ``logits``).
         bitmask: ``[R, ceil(V / 32)]`` int32 host array of the tokens each row may sample
             (``fill_batch_bitmask``; unconstrained rows all ones), or ``None``.
+        bitmask_kernel: the device table's ``apply_token_bitmask`` (in place on a float32 copy),
+            used instead of the array-module version when given (the CUDA table).
 
     Returns:
         ``SamplerOutput`` with host arrays. The caller appends the tokens to the states.
@@ -237,7 +239,10 @@ def sample(logits, states: list[SamplingState], xp=np, bitmask=None) -> SamplerO
 
     # structured outputs: what the grammar forbids
     if bitmask is not None:
-        logits = apply_token_bitmask(logits.astype(xp.float32), bitmask, xp)
+        if bitmask_kernel is not None:
+            logits = bitmask_kernel(logits.astype(xp.float32, copy=True), xp.asarray(bitmask))
+        else:
+            logits = apply_token_bitmask(logits.astype(xp.float32), bitmask, xp)
         constrained = logits
 
     # min_tokens: mask EOS and stop tokens
