@@ -190,3 +190,31 @@ def test_bad_constraints_fail_before_admission(llm, so, needle):
     # others are unaffected
     out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_the_input_processor_hands_tools_to_the_chat_template(default_model_dir):
+    from folio.model.tokenizer import Tokenizer
+    from folio.runtime.frontend.input_processor import InputProcessor
+    tok = Tokenizer.from_pretrained(default_model_dir)
+    tok.chat_template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>{% endif %}"
+                         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    tok.__dict__.pop("_compiled_template", None)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    ip = InputProcessor(tok, 512)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ip.render_chat(msgs, tools=tools) == "<tools>get_weather get_time </tools>user: hi\n"
+    assert ip.render_chat(msgs) == "user: hi\n"
+
+
+def test_a_grammar_that_allows_only_eos_wins_over_min_tokens():
+    from folio.runtime.worker.sampler import SamplingState, sample
+    V, eos = 64, 7
+    words = np.zeros((2, 2), dtype=np.uint32)
+    words[0, eos // 32] = np.uint32(1) << np.uint32(eos % 32)            # row 0: EOS only
+    words[1, 0] = (np.uint32(1) << np.uint32(eos)) | np.uint32(1 << 3)   # row 1: EOS or token 3
+    states = [SamplingState(i, SamplingParams(temperature=0.0, min_tokens=5), [1], [], None, [eos]) for i in range(2)]
+    logits = np.zeros((2, V), dtype=np.float32)
+    logits[:, eos] = 5.0  # EOS is the argmax everywhere
+    got = sample(logits, states, np, bitmask=words.view(np.int32)).token_ids
+    assert got.tolist() == [eos, 3]  # row 0: nothing else allowed; row 1: min_tokens masks EOS
