@@ -91,6 +91,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--masks-only", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2, help="unconstrained / constrained pairs, alternating")
     args = ap.parse_args(argv)
     from folio.model.registry import resolve_model
     model_dir = str(resolve_model(args.model))
@@ -100,12 +101,14 @@ def main(argv=None) -> None:
         from folio import LLM
         llm = LLM(args.model, device="cpu")
         reqs = random_requests(args.num_requests, (32, 512), (16, 256), seed=0)
-        llm.generate([{"prompt_token_ids": reqs[0].prompt_token_ids}], use_tqdm=False)  # warm-up
-        free = throughput(llm, reqs, False)
-        con = throughput(llm, reqs, True)
-        print(f"unconstrained: {free[0]:.1f} output tok/s ({free[1]} tokens in {free[2]:.1f} s)")
-        print(f"JSON-schema constrained: {con[0]:.1f} output tok/s ({con[1]} tokens in {con[2]:.1f} s), "
-              f"{con[0] / free[0]:.2f}x")
+        throughput(llm, reqs[:8], False)  # warm-up: the kernels compile for the batch shapes
+        throughput(llm, reqs[:8], True)
+        for r in range(args.rounds):  # alternating, so drift on a shared machine hits both
+            free = throughput(llm, reqs, False)
+            con = throughput(llm, reqs, True)
+            print(f"round {r + 1}: unconstrained {free[0]:.1f} output tok/s ({free[1]} tokens in {free[2]:.1f} s); "
+                  f"JSON-schema constrained {con[0]:.1f} output tok/s ({con[1]} tokens in {con[2]:.1f} s): "
+                  f"{con[0] / free[0]:.2f}x")
     print("command: .venv/bin/python perf/structured_outputs.py " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 
