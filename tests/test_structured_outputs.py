@@ -218,3 +218,31 @@ def test_a_grammar_that_allows_only_eos_wins_over_min_tokens():
     logits[:, eos] = 5.0  # EOS is the argmax everywhere
     got = sample(logits, states, np, bitmask=words.view(np.int32)).token_ids
     assert got.tolist() == [eos, 3]  # row 0: nothing else allowed; row 1: min_tokens masks EOS
+
+
+def test_the_batched_mask_equals_each_matcher_alone(default_model_dir):
+    from folio.model.tokenizer import Tokenizer
+    from folio.runtime.common.structured_outputs import fill_bitmask
+    from folio.runtime.worker.sampler import SamplingState
+    from folio.runtime.worker.structured_outputs import GrammarMatchers, fill_batch_bitmask
+    tok = Tokenizer.from_pretrained(default_model_dir)
+    V = tok.vocab_size
+    valid = tok.hf.encode('{"name": "Ann", "age": 31}', add_special_tokens=False).ids
+    sp = SamplingParams(structured_outputs=_so(json=SCHEMA))
+    gm = GrammarMatchers(tok.hf.to_str)
+    states = [SamplingState(i, sp, [1], valid[:i], None, tok.eos_token_ids) for i in range(len(valid))]
+    states.insert(2, SamplingState(99, SamplingParams(), [1], [], None, tok.eos_token_ids))  # unconstrained
+    for st in states:
+        if st.params.structured_outputs is not None:
+            gm.attach(st)
+    got = fill_batch_bitmask(states, V)
+    assert (got[2] == -1).all()
+    for i, st in enumerate(states):
+        if st.matcher is None:
+            continue
+        row = np.zeros(got.shape[1], dtype=np.int32)
+        fill_bitmask(st.matcher.deep_copy(), row)
+        assert np.array_equal(got[i], row), i
+        if len(st.output_token_ids) < len(valid):  # the valid instance's next token is allowed
+            t = valid[len(st.output_token_ids)]
+            assert (int(row[t >> 5]) >> (t & 31)) & 1

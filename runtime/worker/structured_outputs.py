@@ -79,6 +79,7 @@ def fill_batch_bitmask(states, vocab_size: int) -> np.ndarray | None:
         return None
     W = bitmask_words(vocab_size)
     mask = np.full((len(states), W), -1, dtype=np.int32)
+    par = []  # rows whose matcher fills a whole row: computed together, on the executor's threads
     for i in rows:
         st = states[i]
         mask[i] = 0
@@ -88,8 +89,29 @@ def fill_batch_bitmask(states, vocab_size: int) -> np.ndarray | None:
                 if 0 <= t < vocab_size:
                     mask[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
             continue
-        fill_bitmask(m, mask[i, :bitmask_words(min(st.grammar_vocab, vocab_size))])
+        if bitmask_words(st.grammar_vocab) == W:
+            par.append((m, i))
+        else:  # a model whose vocabulary is padded past the tokenizer's: the row's prefix
+            fill_bitmask(m, mask[i, :bitmask_words(min(st.grammar_vocab, vocab_size))])
+    if len(par) > 1:
+        _executor().unsafe_compute_mask_ptr(par, mask.ctypes.data, W * 4, len(states))
+    elif par:
+        fill_bitmask(par[0][0], mask[par[0][1]])
     return mask
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    """llguidance's thread pool for batched masks (one per process, as many threads as cores)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import os
+
+        import llguidance
+        _EXECUTOR = llguidance.LLExecutor(num_threads=max(1, len(os.sched_getaffinity(0))))
+    return _EXECUTOR
 
 
 def advance(states, tokens) -> None:
