@@ -246,3 +246,20 @@ def test_the_batched_mask_equals_each_matcher_alone(default_model_dir):
         if len(st.output_token_ids) < len(valid):  # the valid instance's next token is allowed
             t = valid[len(st.output_token_ids)]
             assert (int(row[t >> 5]) >> (t & 31)) & 1
+
+
+def test_too_large_and_too_slow_constraints_are_refused(default_model_dir):
+    from folio.model.tokenizer import Tokenizer
+    from folio.runtime.common.structured_outputs import MAX_GRAMMAR_CHARS, GrammarValidator
+    tok = Tokenizer.from_pretrained(default_model_dir)
+    v = GrammarValidator(tok.hf.to_str(), tok.eos_token_ids)
+    with pytest.raises(GrammarError, match="too large") as e:
+        v.check(_so(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "response_format")
+    assert e.value.param == "response_format"
+    # a bound no build can meet (building a matcher takes far more than a microsecond)
+    slow = GrammarValidator(tok.hf.to_str(), tok.eos_token_ids, timeout_s=1e-6)
+    with pytest.raises(GrammarError, match="took more than"):
+        slow.check(_so(regex="(ab|cd){1,40}x"))
+    # the same text, checked with a usable bound, is cached: a second check builds nothing
+    assert v.check(_so(regex="(ab|cd){1,40}x")) == v.check(_so(regex="(ab|cd){1,40}x"))
+    assert len(v._cache) == 1
