@@ -10,9 +10,9 @@ from .llm import LLM
 from .runtime.scheduler.beam_search import BeamSearchOutput, BeamSearchSequence
 from .runtime.common.config import EngineConfig
 from .runtime.common.outputs import CompletionOutput, RequestOutput
-from .runtime.common.sampling_params import BeamSearchParams, SamplingParams
+from .runtime.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["__version__", "LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+__all__ = ["__version__", "LLM", "SamplingParams", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
            "RequestOutput", "CompletionOutput", "EngineConfig", "Client", "AsyncClient"]
 
 

@@ -214,6 +214,11 @@ class CudaKernelTable(KernelTable, Protocol):
         ``(row * V + token, output count, flags)``, ``row_params [R, 3]`` float32."""
         ...
 
+    def apply_token_bitmask(self, logits, bitmask):
+        """Structured outputs: ``logits [R, V]`` float32 set to -inf in place where bit ``t % 32``
+        of ``bitmask [R, ceil(V / 32)]`` int32 word ``t // 32`` is clear."""
+        ...
+
     def random_weight(self, shape, seed: int = 0, std: float = 0.02, mean: float = 0.0):
         """A random weight of ``shape`` made on the device, in the storage format of
         ``prepare_weight`` (dummy weights without a host copy)."""

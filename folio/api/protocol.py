@@ -3,7 +3,7 @@
 Field names, types and defaults follow OpenAI's API reference (completions, chat completions) and
 vLLM's extensions of it (``vllm/entrypoints/openai/protocol.py``: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, cache_salt, add_generation_prompt, chat_template_kwargs,
+skip_special_tokens, cache_salt, add_generation_prompt, chat_template_kwargs, structured_outputs,
 return_tokens_as_token_ids, prompt_logprobs, use_beam_search with length_penalty; folio's beam_width). Unknown fields are accepted and ignored (the app logs their names).
 Value ranges are checked by ``SamplingParams`` (one place for the rules, offline and served).
 
@@ -82,6 +82,8 @@ class _SamplingFields(_Body):
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    # vLLM's structured outputs: {json | regex | choice | grammar | json_object}
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -117,6 +119,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True

@@ -33,7 +33,9 @@ from functools import partial
 from typing import AsyncIterator
 
 from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
-from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams
+from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from ..runtime.common.structured_outputs import GrammarError, GrammarValidator
+from .tool_calls import might_be_tool_call, parse_tool_calls, resolve_tool_choice, tool_constraint
 from ..runtime.frontend.input_processor import InputError, InputProcessor
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -98,6 +100,7 @@ class FrontEnd:
     max_request_bytes: int | None = None
     max_workers: int = 4
     inputs: InputProcessor = field(init=False)
+    _grammars: GrammarValidator | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len)
@@ -137,15 +140,25 @@ class FrontEnd:
         return text
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool = False, kwargs: dict | None = None) -> str:
-        """The prompt text of a conversation (the model's chat template, or ``--chat-template``).
+                    continue_final_message: bool = False, kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> str:
+        """The prompt text of a conversation (the model's chat template, or ``--chat-template``);
+        ``tools`` are handed to the template, and an assistant message's ``tool_calls`` / a tool
+        message's ``tool_call_id`` go with their message.
 
         Raises:
             APIError(400): content parts other than text, no chat template, or a template error.
         """
-        msgs = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(messages)]
+        msgs = []
+        for i, m in enumerate(messages):
+            msg = {"role": m.role, "content": _message_text(m, i)}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                value = getattr(m, key, None) if key == "name" else (m.model_extra or {}).get(key)
+                if value is not None:
+                    msg[key] = value
+            msgs.append(msg)
         try:
-            return self.inputs.render_chat(msgs, add_generation_prompt, continue_final_message, kwargs)
+            return self.inputs.render_chat(msgs, add_generation_prompt, continue_final_message, kwargs, tools)
         except InputError as e:
             raise api_error_from(e) from None
 
@@ -164,6 +177,24 @@ class FrontEnd:
         except InputError as e:
             raise api_error_from(e) from None
 
+    def check_structured_outputs(self, sampling: dict, param: str) -> None:
+        """Build the request's constraint (``sampling["structured_outputs"]``) before it is sent:
+        in the front end's thread, bounded in time, cached by its text
+        (``runtime/common/structured_outputs.py``).
+
+        Raises:
+            APIError(400, param): invalid, too large or too slow to compile.
+        """
+        so = sampling.get("structured_outputs")
+        if so is None:
+            return
+        if self._grammars is None:
+            self._grammars = GrammarValidator(self.tokenizer.hf.to_str(), self.tokenizer.eos_token_ids)
+        try:
+            self._grammars.check(StructuredOutputsParams.from_dict(so), param)
+        except (GrammarError, ValueError) as e:
+            raise APIError(400, str(e), param) from None
+
     def check_length(self, num_prompt: int, max_tokens: int | None, param: str = "prompt",
                      max_tokens_param: str = "max_tokens") -> None:
         """Raises ``APIError(400)`` when the prompt + ``max_tokens`` cannot fit ``max_model_len``."""
@@ -171,6 +202,32 @@ class FrontEnd:
             self.inputs.check_length(num_prompt, max_tokens, param=param, max_tokens_param=max_tokens_param)
         except InputError as e:
             raise api_error_from(e) from None
+
+
+def response_format_constraint(fmt: dict | None) -> dict | None:
+    """The ``structured_outputs`` dict of OpenAI's ``response_format``: ``text`` (none),
+    ``json_object`` (any JSON object) or ``json_schema`` (``{"json_schema": {"name", "schema",
+    "strict"}}``: the schema; folio always enforces it, ``strict`` or not).
+
+    Raises:
+        APIError(400, param response_format): another type, or a json_schema without a schema.
+    """
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs {json_schema: {name, schema}} with schema "
+                                "a JSON object", "response_format")
+        return {"json": schema}
+    raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                   "response_format")
 
 
 def _message_text(m: ChatMessage, i: int) -> str:
@@ -201,7 +258,8 @@ def log_unknown_fields(body, path: str) -> None:
         log.info("%s: ignoring unknown field(s): %s", path, ", ".join(names))
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None, renames: dict | None = None) -> dict:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, renames: dict | None = None,
+                    structured_outputs: dict | None = None) -> dict:
     """The ``SamplingParams`` fields of a request (defaults where the request leaves one out).
 
     Args:
@@ -219,7 +277,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, renames: 
          "stop_token_ids": req.stop_token_ids, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
          "include_stop_str_in_output": req.include_stop_str_in_output,
          "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
-         "prompt_logprobs": req.prompt_logprobs}
+         "prompt_logprobs": req.prompt_logprobs, "structured_outputs": structured_outputs}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         if getattr(req, name) is not None:
             d[name] = getattr(req, name)
@@ -253,6 +311,9 @@ def beam_search_params(req, sampling: dict) -> dict:
     for name in ("logprobs", "prompt_logprobs"):
         if sampling.get(name) is not None:
             raise APIError(400, f"{name} are not supported with use_beam_search", name)
+    if sampling.get("structured_outputs") is not None:
+        raise APIError(400, "use_beam_search cannot be combined with a constraint (structured_outputs, "
+                            "response_format, tool_choice required or named)", "use_beam_search")
     try:
         return BeamSearchParams(
             beam_width=req.beam_width if req.beam_width is not None else req.n,
@@ -390,6 +451,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False                             # streaming: first chunk sent
+    held: bool = False                                # streaming: text held back (may be tool calls)
     text_offset: int = 0                              # completions logprobs: offset of the next token
 
 
@@ -591,7 +653,8 @@ class CompletionRun(_Run):
             raise APIError(400, "best_of other than n is not supported", "best_of")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported over HTTP", "echo")
-        sampling = sampling_params(req, req.max_tokens, req.logprobs)
+        sampling = sampling_params(req, req.max_tokens, req.logprobs, structured_outputs=req.structured_outputs)
+        front.check_structured_outputs(sampling, "structured_outputs")
         self.prompts = completion_prompts(front, req)
         super().__init__(front, req, [ids for _, ids in self.prompts], sampling, "cmpl")
 
@@ -630,14 +693,23 @@ class ChatRun(_Run):
 
     def __init__(self, front: FrontEnd, req: ChatCompletionRequest):
         front.check_model(req.model)
-        if req.tools and req.tool_choice != "none":
-            raise APIError(400, "tool calling is not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text is not supported", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        self.tool_mode, self.tool_name = resolve_tool_choice(req.tools, req.tool_choice)
+        structured, so_param = response_format_constraint(req.response_format), "response_format"
+        if req.structured_outputs is not None:
+            if structured is not None:
+                raise APIError(400, "response_format and structured_outputs cannot both constrain the output",
+                               "structured_outputs")
+            structured, so_param = req.structured_outputs, "structured_outputs"
+        tool_so = tool_constraint(req.tools, self.tool_mode, self.tool_name, req.parallel_tool_calls) \
+            if self.tool_mode in ("required", "named") else None
+        if tool_so is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {self.tool_mode!r} cannot be combined with {so_param}", "tool_choice")
+            structured, so_param = tool_so, "tools"
         text = front.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                 req.chat_template_kwargs)
+                                 req.chat_template_kwargs, req.tools if self.tool_mode != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         ids = front.encode(text, param="messages", max_tokens=max_tokens, max_tokens_param=limit_name)
@@ -645,8 +717,10 @@ class ChatRun(_Run):
             room = min(front.max_model_len, front.kv_capacity_tokens) - len(ids)
             max_tokens = room if room > 0 else None   # None: the engine explains why nothing fits
         self.top_k = (req.top_logprobs or 0) if req.logprobs else None
-        renames = {"logprobs": "top_logprobs", "max_tokens": limit_name}
-        super().__init__(front, req, [ids], sampling_params(req, max_tokens, self.top_k, renames), "chatcmpl")
+        renames = {"logprobs": "top_logprobs", "max_tokens": limit_name, "structured_outputs": so_param}
+        sampling = sampling_params(req, max_tokens, self.top_k, renames, structured)
+        front.check_structured_outputs(sampling, so_param)
+        super().__init__(front, req, [ids], sampling, "chatcmpl")
 
     def _response_extra(self) -> dict:
         return {"prompt_logprobs": prompt_logprobs_json(self.front, self.acc.prompt_logprobs[0])}   # as vLLM
@@ -656,16 +730,42 @@ class ChatRun(_Run):
             return None
         return chat_logprobs(self.front, items, self.top_k, self.req.return_tokens_as_token_ids)
 
+    def _tool_calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list, str | None]:
+        """``(content, tool_calls, finish_reason)`` of a finished choice (tool_calls.py)."""
+        content, calls = parse_tool_calls(text, self.tool_mode, self.req.tools, self.tool_name,
+                                          self.req.parallel_tool_calls)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return content, calls, finish_reason
+
     def _choice(self, k: int, c: _Choice) -> dict:
-        return {"index": k, "message": {"role": "assistant", "content": "".join(c.text), "tool_calls": []},
-                "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+        content, calls, finish = self._tool_calls("".join(c.text), c.finish_reason)
+        return {"index": k, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                "logprobs": self._logprobs(c.logprobs), "finish_reason": finish,
                 "stop_reason": c.stop_reason}
 
     def _stream_choices(self, i, k, c, d, new_logprobs):
         if not c.started:          # the first chunk of a choice carries the role
             c.started = True
+            c.held = self.tool_mode != "none"
             yield {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None}
+        if c.held:  # the output may be tool calls: held back until it proves not to be, or ends
+            text = "".join(c.text)
+            if d.finish_reason is None and (self.tool_mode != "auto" or might_be_tool_call(text)):
+                return
+            c.held = False
+            if d.finish_reason is not None:
+                content, calls, finish = self._tool_calls(text, d.finish_reason)
+                if calls:
+                    yield {"index": k, "delta": {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]},
+                           "logprobs": None, "finish_reason": None}
+                    yield {"index": k, "delta": {}, "logprobs": None, "finish_reason": finish,
+                           "stop_reason": d.stop_reason}
+                    return
+            yield {"index": k, "delta": {"content": text}, "logprobs": self._logprobs(c.logprobs),
+                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            return
         if d.text or d.token_ids or d.finish_reason is not None:
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             yield {"index": k, "delta": delta, "logprobs": self._logprobs(new_logprobs),

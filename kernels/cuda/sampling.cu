@@ -211,3 +211,16 @@ extern "C" __global__ void apply_penalties_kernel(float* __restrict__ logits, co
     }
     logits[idx] = v;
 }
+
+// Structured outputs: logits[r, t] = -inf where bit (t % 32) of bitmask[r, t / 32] is clear (the
+// grammar forbids token t next; llguidance's / xgrammar's layout). bitmask [R, W] int32, W >=
+// ceil(V / 32). One thread per (row, token): grid = (ceil(V / 256), R), block = 256. Semantics of
+// runtime/worker/sampler.py apply_token_bitmask; applied before penalties and sample_kernel.
+extern "C" __global__ void apply_token_bitmask_kernel(float* __restrict__ logits, const int* __restrict__ bitmask,
+                                                      int V, int W) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const long long r = blockIdx.y;
+    if (t >= V) return;
+    const unsigned int word = (unsigned int)bitmask[r * W + (t >> 5)];
+    if (!((word >> (t & 31)) & 1u)) logits[r * V + t] = FOLIO_NEG_INF;
+}

@@ -489,6 +489,16 @@ class CudaKernels:
                          (logits, entries, row_params, np.int64(num_entries), np.int32(logits.shape[1])))
         return logits
 
+    def apply_token_bitmask(self, logits, bitmask):
+        """Structured outputs' mask on ``logits [R, V]`` float32 in place (sampling.cu): -inf where
+        bit ``t % 32`` of ``bitmask [R, W]`` int32 word ``t // 32`` is clear (``W >= ceil(V / 32)``;
+        runtime/worker/sampler.py ``apply_token_bitmask`` is the spec)."""
+        R, V = logits.shape
+        if R and V:
+            self._launch("apply_token_bitmask_kernel", (math.ceil(V / 256), R), (256,),
+                         (logits, self._c(bitmask, np.int32), np.int32(V), np.int32(bitmask.shape[1])))
+        return logits
+
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def capture(self):
         """Context manager capturing the launches of its body into a graph (``.replay()``)."""

@@ -7,6 +7,7 @@ the penalties follow the CTRL paper (Keskar et al. 2019, repetition penalty) and
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -16,6 +17,91 @@ MAX_LOGPROBS = 20  # most top logprobs a request may ask for (vLLM's default max
 # each new token, so the count and the total length bound that work per token
 MAX_STOP_STRINGS = 256
 MAX_STOP_CHARS = 16384    # all stop strings together, in characters
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is a JSON value valid against it.
+        regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+        choice: a non-empty list of strings; the output is one of them.
+        grammar: a context-free grammar in the EBNF/GBNF form llama.cpp uses (``root ::= ...``) or
+            llguidance's Lark form.
+        json_object: ``True``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        disable_any_whitespace: JSON without whitespace between its tokens (by default any
+            amount is allowed, as in vLLM; a small model may then emit newlines until
+            ``max_tokens``).
+
+    How the constraint is enforced, and how it behaves under overlap scheduling, ``n > 1``,
+    preemption, prefix caching, stop strings, EOS and ``max_tokens``:
+    ``runtime/common/structured_outputs.py``.
+
+    Raises:
+        ValueError: from ``__post_init__``: none or more than one kind set, or a value of the
+            wrong type (named in the message).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        set_kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                     if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {', '.join(set_kinds) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs json must be a JSON schema (an object or its text), got "
+                             f"{type(self.json).__name__}")
+        if isinstance(self.json, (dict, str)):
+            try:
+                schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+                _json.dumps(schema)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"structured_outputs json is not a JSON schema: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs json must be a JSON object (a schema)")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not isinstance(self.choice, list) or not self.choice or \
+                    not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs choice must be a non-empty list of strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs json_object must be a bool")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs disable_any_whitespace must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None and
+                (k != "disable_any_whitespace" or v)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StructuredOutputsParams":
+        """Inverse of ``to_dict``. Raises ``ValueError`` on unknown keys or invalid values."""
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs field(s): {', '.join(map(str, unknown))}")
+        return cls(**d)
 
 
 @dataclass
@@ -54,6 +140,9 @@ class SamplingParams:
             position 0; vLLM's ``RequestOutput.prompt_logprobs``); ``None`` = off. A request that
             asks for them does not read the prefix cache for its prompt (cached positions have
             no logits; vLLM V1 does the same), and needs ``max_tokens >= 1``.
+        structured_outputs: a ``StructuredOutputsParams`` (or its dict) constraining the output
+            to a JSON schema, regex, choice or grammar; ``None`` = free text. Not with
+            ``ignore_eos`` (EOS is where the grammar ends).
 
     Raises:
         ValueError: from ``__post_init__`` with a message naming the field, on any invalid value.
@@ -77,8 +166,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -150,6 +245,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("structured_outputs cannot be combined with ignore_eos (the output ends where "
+                             "the grammar does)")
 
     # --- derived views -------------------------------------------------------------------------
     @property
@@ -164,8 +262,14 @@ class SamplingParams:
 
     # --- IPC -----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """A plain dict of the fields (msgpack-able; ``stop`` always a list)."""
-        return asdict(self)
+        """A plain dict of the fields (msgpack-able; ``stop`` always a list; ``structured_outputs``
+        a dict of its set fields, or ``None``)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":

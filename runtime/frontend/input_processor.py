@@ -158,9 +158,10 @@ class InputProcessor:
 
     # -- pieces ----------------------------------------------------------------------------------
     def render_chat(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text of a conversation (the chat template; ``continue_final_message`` leaves
-        the last message open instead of closing it, as vLLM does).
+        the last message open instead of closing it, as vLLM does). ``tools``: OpenAI tool
+        definitions, handed to the template as ``tools`` (a template that ignores them renders none).
 
         Raises:
             InputError(param="messages"): no messages, a message that is not ``{role: str,
@@ -177,8 +178,11 @@ class InputProcessor:
         for m in messages:
             check_text(m["content"], "messages")
         try:
+            kwargs = dict(chat_template_kwargs or {})
+            if tools:
+                kwargs["tools"] = tools
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
+                                                      **kwargs)
         except (ValueError, TypeError) as e:
             raise InputError(str(e), "messages") from None
         if continue_final_message:

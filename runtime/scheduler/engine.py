@@ -25,6 +25,7 @@ passes a ``ZmqExecutor`` (a worker process). Loop shape after vLLM's ``LLMEngine
 from __future__ import annotations
 
 from collections import deque
+from functools import cached_property
 from typing import Any, Iterable
 
 from ..common.config import EngineConfig
@@ -33,6 +34,7 @@ from .kv_cache_manager import cdiv
 from .output_processor import OutputProcessor
 from ..common.outputs import RequestDelta
 from ..common.sampling_params import BeamSearchParams, SamplingParams
+from ..common.structured_outputs import GrammarValidator
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from ..common.step import make_step_plan
@@ -116,7 +118,9 @@ class LLMEngine:
                 the whole cache, ``n`` (or ``beam_width``) over ``max_num_seqs``, beams that could
                 not all fit the cache unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
                 ``max_num_batched_tokens`` when chunked prefill is off, or a bad cache_salt /
-                sampling_params type.
+                sampling_params type; ``GrammarError`` (a ``ValueError`` with ``param``
+                ``structured_outputs``) for a constraint that is invalid, too large or too slow to
+                compile.
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -132,6 +136,10 @@ class LLMEngine:
                                               prompt_token_ids=prompt_token_ids, cache_salt=cache_salt)
         prompt, prompt_token_ids, cache_salt = inputs.prompt, inputs.prompt_token_ids, inputs.cache_salt
         num_prompt, max_tokens = len(prompt_token_ids), inputs.max_tokens
+        if sampling_params.structured_outputs is not None:
+            if beam is not None:  # not reachable through BeamSearchParams; kept for subclasses
+                raise ValueError("beam search cannot be combined with structured_outputs")
+            self.grammar_validator.check(sampling_params.structured_outputs)
         if sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({sampling_params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request run side by side")
@@ -159,6 +167,12 @@ class LLMEngine:
                                  else self.output_processor.finish_request(request, "length"))
             return
         self.scheduler.add_request(request)
+
+    @cached_property
+    def grammar_validator(self) -> GrammarValidator:
+        """Checks constraints before admission (built on first use: the grammar tokenizer takes
+        about a second; ``runtime/common/structured_outputs.py``)."""
+        return GrammarValidator(self.tokenizer.hf.to_str(), self.eos_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests now: their blocks are freed, their last delta (``finish_reason="abort"``

@@ -38,6 +38,7 @@ from ...model.attention import AttentionMetadata
 from ...model.loader import allocate_kv_caches, load_model, resolve_device
 from ..common.config import EngineConfig
 from .device_step import DeviceStep
+from .structured_outputs import GrammarMatchers, advance, fill_batch_bitmask
 from .sampler import SamplingState, prompt_logprobs, sample
 from ..common.sampling_params import SamplingParams
 from ..common.step import LastSampledTokens, StepPlan, StepResult
@@ -192,6 +193,11 @@ class ModelRunner:
             self.kernels.device.synchronize_device()
         self._seqs: dict[int, SamplingState] = {}
         self._last_sampled = LastSampledTokens()
+        self._grammars = GrammarMatchers(self._tokenizer_json)
+
+    def _tokenizer_json(self) -> str:
+        from ...model.tokenizer import Tokenizer
+        return Tokenizer.from_pretrained(self.model_dir).hf.to_str()
 
     # --- KV sizing on GPU ----------------------------------------------------------------------
     def _profile_gpu_budget(self) -> int:
@@ -240,6 +246,8 @@ class ModelRunner:
             self._seqs[int(ns.seq_id)] = SamplingState(
                 ns.seq_id, SamplingParams.from_dict(ns.sampling), ns.prompt_token_ids, ns.output_token_ids,
                 ns.seed, ns.eos_token_ids, engine_seed=self.config.seed)
+            if self._seqs[int(ns.seq_id)].params.structured_outputs is not None:
+                self._grammars.attach(self._seqs[int(ns.seq_id)])
         sample_ids = [int(s) for s in np.asarray(plan.sample_seq_ids).reshape(-1)]
         missing = [s for s in sample_ids if s not in self._seqs]
         if missing:
@@ -254,7 +262,10 @@ class ModelRunner:
             plan = dataclasses.replace(plan, input_ids=input_ids)
 
         num_plp = len(plan.prompt_logprob_indices)
-        if self.device_step is not None and not num_plp:
+        # a step with a constrained row samples eagerly (the device step's graphs and packed upload
+        # carry no bitmask yet); its mask is applied by the sampler on the table's array module
+        constrained = any(self._seqs[s].matcher is not None for s in sample_ids)
+        if self.device_step is not None and not num_plp and not constrained:
             if R and not plan.num_tokens:
                 raise ValueError("plan samples rows but has no tokens")
             states = [self._seqs[s] for s in sample_ids]
@@ -265,7 +276,7 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=lp,
                               logprob_token_ids=lp_ids, forward_time=fwd, sample_time=smp)
 
-        if self.device_step is not None:  # a prompt-logprob step on the GPU: eager, on folio's stream
+        if self.device_step is not None:  # a prompt-logprob / constrained step on the GPU: eager, on folio's stream
             with self.device_step.dev.activate():
                 return self._execute_eager(plan, sample_ids, R, num_plp)
         return self._execute_eager(plan, sample_ids, R, num_plp)
@@ -311,9 +322,12 @@ class ModelRunner:
                 prompt_logprobs(logits[R:], plan.prompt_logprob_token_ids, self._num_prompt_logprobs(plan), xp)
         if R:
             states = [self._seqs[s] for s in sample_ids]
-            out = sample(logits[:R] if num_plp else logits, states, xp)
+            out = sample(logits[:R] if num_plp else logits, states, xp,
+                         bitmask=fill_batch_bitmask(states, int(logits.shape[1])),
+                         bitmask_kernel=self.kernels.apply_token_bitmask if self.device == "cuda" else None)
             for st, tok in zip(states, out.token_ids.tolist()):
                 st.append(tok)
+            advance(states, out.token_ids.tolist())
             self._last_sampled.record(plan, out.token_ids)
             result.sampled_token_ids, result.logprobs, result.logprob_token_ids = \
                 out.token_ids, out.logprobs, out.logprob_token_ids

@@ -4,8 +4,10 @@ The pipeline follows vLLM V1's sampler (``vllm/v1/sample/sampler.py`` and its ``
 
 1. raw logprobs (log-softmax of the model's output, before any processing; vLLM's default
    ``logprobs_mode="raw_logprobs"``), only when some row asked for logprobs;
-2. min_tokens: EOS (unless ignore_eos) and ``stop_token_ids`` get -inf while fewer than
-   ``min_tokens`` tokens are out;
+2. structured outputs: tokens the row's grammar does not allow next get -inf (``bitmask``, one bit
+   per token, filled by the row's matcher: runtime/worker/structured_outputs.py);
+   min_tokens: EOS (unless ignore_eos) and ``stop_token_ids`` get -inf while fewer than
+   ``min_tokens`` tokens are out (unless the grammar allows nothing else: the grammar wins);
 3. penalties: repetition (CTRL, Keskar et al. 2019) over prompt + output tokens: positive logits
    divided by it, negative ones multiplied; frequency (per occurrence) and presence (once) over the
    output tokens, subtracted (OpenAI API semantics);
@@ -70,6 +72,8 @@ class SamplingState:
         self._out[: len(out)] = out
         self._num_out = len(out)
         self.rng = make_rng(seed, engine_seed, seq_id)
+        self.matcher = None  # the grammar matcher of a constrained sequence (structured_outputs.py)
+        self.grammar_vocab = 0
         if self._num_out and not params.greedy:
             self.rng.random(self._num_out)  # fast-forward: one uniform per token already sampled
 
@@ -193,13 +197,33 @@ def _top_k_top_p_threshold(logits, top_k: np.ndarray, top_p: np.ndarray, xp=np,
     return thresh
 
 
-def sample(logits, states: list[SamplingState], xp=np) -> SamplerOutput:
+def apply_token_bitmask(logits, bitmask, xp=np):
+    """``logits`` ``[R, V]`` float32 with -inf wherever ``bitmask`` ``[R, ceil(V / 32)]`` int32 has
+    the token's bit clear (bit ``t % 32`` of word ``t // 32``; llguidance's and xgrammar's layout).
+    One vectorised gather and shift over ``[R, V]``; no loop over the vocabulary. Returns a new
+    array (``logits`` is not written)."""
+    V = logits.shape[1]
+    if xp is np:  # the bytes of little-endian int32 words, unpacked little-bit first, are the token order
+        allowed = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), axis=1,
+                                count=V, bitorder="little").view(bool)
+    else:
+        cols = xp.arange(V)
+        words = xp.asarray(bitmask)[:, cols >> 5]
+        allowed = ((words >> (cols & 31).astype(xp.int32)) & 1).astype(bool)
+    return xp.where(allowed, logits, xp.float32(_MASK))
+
+
+def sample(logits, states: list[SamplingState], xp=np, bitmask=None, bitmask_kernel=None) -> SamplerOutput:
     """Sample one token for each row of ``logits``.
 
     Args:
         logits: ``[R, V]`` float32 xp array (the model's output for the rows to sample).
         states: ``R`` sampling states, row ``i`` belongs to ``states[i]`` (a sequence appears once).
         xp: numpy or cupy (the module of ``logits``).
+        bitmask: ``[R, ceil(V / 32)]`` int32 host array of the tokens each row may sample
+            (``fill_batch_bitmask``; unconstrained rows all ones), or ``None``.
+        bitmask_kernel: the device table's ``apply_token_bitmask`` (in place on a float32 copy),
+            used instead of the array-module version when given (the CUDA table).
 
     Returns:
         ``SamplerOutput`` with host arrays. The caller appends the tokens to the states.
@@ -213,6 +237,14 @@ def sample(logits, states: list[SamplingState], xp=np) -> SamplerOutput:
     want = [p.logprobs for p in params if p.logprobs is not None]
     raw_lp = log_softmax(logits.astype(xp.float32), xp) if want else None
 
+    # structured outputs: what the grammar forbids
+    if bitmask is not None:
+        if bitmask_kernel is not None:
+            logits = bitmask_kernel(logits.astype(xp.float32, copy=True), xp.asarray(bitmask))
+        else:
+            logits = apply_token_bitmask(logits.astype(xp.float32), bitmask, xp)
+        constrained = logits
+
     # min_tokens: mask EOS and stop tokens
     rows, cols = [], []
     for i, st in enumerate(states):
@@ -225,6 +257,10 @@ def sample(logits, states: list[SamplingState], xp=np) -> SamplerOutput:
     if rows:
         logits = logits.astype(xp.float32, copy=True)
         logits[xp.asarray(rows), xp.asarray(cols)] = _MASK
+        if bitmask is not None:  # a grammar that allows only EOS now: the grammar wins
+            dead = xp.isneginf(logits).all(axis=1)
+            if bool(dead.any()):
+                logits[dead] = constrained[dead]
 
     # penalties
     pen = [i for i, p in enumerate(params) if p.has_penalties]
