@@ -38,7 +38,8 @@ from ..ipc.client import ClientTimeoutError, ServerError
 from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body)
-from .serving import ChatRun, CompletionRun, FrontEnd, api_error_from, cancel_on_disconnect, log_unknown_fields
+from .runs import ChatRun, CompletionRun
+from .serving import FrontEnd, api_error_from, cancel_on_disconnect, log_unknown_fields
 
 log = logging.getLogger("folio.api")
 
