@@ -10,6 +10,7 @@ commands in ``folio/cli.py``).
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import pathlib
 import sys
@@ -34,10 +35,15 @@ def _no_checkout(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (folio bench serve, ...), from a source checkout")
     if not (CHECKOUT / "perf" / "bench" / "__init__.py").is_file():
+        p = subparsers.add_parser("bench", help="benchmarks: they need a source checkout (its perf/ folder)",
+                                  description="The benchmarks live in a source checkout's perf/ folder, "
+                                  f"and {CHECKOUT / 'perf'} has none: clone the repository and run "
+                                  "`make bench` (or `folio bench ...` from its .venv).")
+        p.add_argument("benchmark", nargs=argparse.REMAINDER, help="(needs a source checkout)")
         p.set_defaults(func=_no_checkout)
         return
+    p = subparsers.add_parser("bench", help="benchmarks (folio bench serve, ...), from a source checkout")
     if str(CHECKOUT) not in sys.path:
         sys.path.insert(0, str(CHECKOUT))
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")

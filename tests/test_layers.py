@@ -88,3 +88,22 @@ def test_the_wheel_lists_every_package():
         if "__init__.py" in files and "__pycache__" not in rel.parts:
             on_disk.add(".".join(rel.parts))
     assert on_disk == listed, f"missing from pyproject: {sorted(on_disk - listed)}; not packages: {sorted(listed - on_disk)}"
+
+
+def test_the_package_never_imports_the_top_level_folders_by_their_own_names():
+    """``kernels``, ``model``, ``runtime`` and ``ipc`` are importable as top-level names from the
+    checkout (and static tools offer them), but an installed folio has only ``folio``: inside the
+    package they are reached as ``folio.X`` or relatively, never as ``X`` (import-linter sees such an
+    import as an external package and cannot flag it)."""
+    tops = {"kernels", "model", "runtime", "ipc", "perf", "tests"}
+    bad = []
+    for folder in ("folio", "ipc", "runtime", "model", "kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if any(p.is_symlink() for p in [path, *path.parents] if ROOT in p.parents):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                         else [])
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in tops]
+    assert not bad, "imports by a top-level folder's own name (use folio.X or a relative import):\n" + "\n".join(bad)

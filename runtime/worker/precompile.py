@@ -110,12 +110,24 @@ LANES = (("attention", "layers"), ("linear", "rest"))
 ``GROUPS`` order after ``AFTER``)."""
 
 
-def needed(device: str = "cpu") -> bool:
-    """Whether a worker on ``device`` (``cpu``, ``cuda``, ``auto``: CPU where CuPy is not
-    installed) started with this environment runs the jobs' paths: the CPU kernels on two or more
-    threads (``NUMBA_NUM_THREADS``, else Numba's default: the cores this process may run on)."""
+def _gpu_usable() -> bool:
+    """Whether CuPy is installed and sees a GPU (``auto`` then serves on it). CuPy installed on a
+    machine without a GPU or driver (the test extra installs it) is not a GPU."""
     import importlib.util
-    if device == "cuda" or (device == "auto" and importlib.util.find_spec("cupy") is not None):
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no driver, no device, a broken install: the worker runs on the CPU
+        return False
+
+
+def needed(device: str = "cpu") -> bool:
+    """Whether a worker on ``device`` (``cpu``, ``cuda``, ``auto``: CPU where CuPy sees no GPU)
+    started with this environment runs the jobs' paths: the CPU kernels on two or more threads
+    (``NUMBA_NUM_THREADS``, else Numba's default: the cores this process may run on)."""
+    if device == "cuda" or (device == "auto" and _gpu_usable()):
         return False
     try:
         threads = int(os.environ.get("NUMBA_NUM_THREADS") or len(os.sched_getaffinity(0)))
