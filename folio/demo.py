@@ -182,6 +182,8 @@ def _main(a) -> int:
     try:
         if address is None:
             port = a.port if a.port and _port_free(a.port) else 0
+            if a.port and not port:
+                print(f"port {a.port} is taken: the HTTP front end takes a free port instead", flush=True)
             flags = ["--device", a.device, "--port", str(port)] + (["--model", a.model] if a.model else [])
             print("starting folio serve (scheduler, worker and HTTP front-end processes) ...", flush=True)
             t0 = time.monotonic()
