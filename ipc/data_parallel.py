@@ -44,6 +44,7 @@ import zmq
 import zmq.utils.monitor
 
 from . import messages as M
+from .client_door import ClientDoor
 from .routing import Decision, NoReplicaError, PrefixAwareRouter
 from .transport import check_address, cleanup_ipc_address, make_socket, recv_frames, send_frames
 
@@ -120,7 +121,7 @@ def merge_metrics(snapshots: list[dict]) -> dict:
     return merge(None, snapshots) if snapshots else {}
 
 
-class DataParallelRouter:
+class DataParallelRouter(ClientDoor):
     """The front door of ``folio serve --data-parallel-size N``.
 
     Args:
@@ -296,22 +297,6 @@ class DataParallelRouter:
                 traceback.print_exc()
 
     # -- clients ---------------------------------------------------------------------------------------
-    def _on_client_readable(self) -> None:
-        for _ in range(1024):
-            try:
-                frames = recv_frames(self.sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity, body = bytes(frames[0].buffer), frames[1:]
-            try:
-                self._handle(identity, body)
-            except M.MessageError as e:
-                self.stats["num_bad_messages"] += 1
-                self._send(identity, M.error_reply(str(e), "bad_request", e.request_id, e.corr_id))
-            except Exception as e:
-                traceback.print_exc()
-                self._send(identity, M.error_reply(f"internal error: {type(e).__name__}: {e}", "internal"))
-
     def _handle(self, identity: bytes, body: list) -> None:
         msg_type, f = M.decode(body, self.max_message_bytes)
         if msg_type in ("health", "metrics"):

@@ -46,7 +46,8 @@ import zmq
 
 from ..runtime.scheduler.metrics import ServingStats
 from . import messages as M
-from .transport import check_address, cleanup_ipc_address, make_socket, recv_frames, send_frames
+from .client_door import ClientDoor
+from .transport import check_address, cleanup_ipc_address, make_socket, send_frames
 
 EXIT_WORKER_DIED = 3
 
@@ -75,7 +76,7 @@ def _wire_logprobs(pos: dict) -> list:
     return [[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in pos.items()]
 
 
-class Server:
+class Server(ClientDoor):
     """The scheduler process's main object.
 
     Args:
@@ -217,23 +218,6 @@ class Server:
     def _poll_clients(self, timeout_ms: int) -> None:
         if self.sock.poll(timeout_ms, zmq.POLLIN):
             self._on_client_readable()
-
-    def _on_client_readable(self) -> None:
-        """Receive every queued client message (non-blocking) and handle it; never raises."""
-        for _ in range(1024):
-            try:
-                frames = recv_frames(self.sock, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity, body = bytes(frames[0].buffer), frames[1:]
-            try:
-                self._handle(identity, body)
-            except M.MessageError as e:
-                self.stats["num_bad_messages"] += 1
-                self._send(identity, M.error_reply(str(e), "bad_request", e.request_id, e.corr_id))
-            except Exception as e:  # a bug must not take the server down for one message
-                traceback.print_exc()
-                self._send(identity, M.error_reply(f"internal error: {type(e).__name__}: {e}", "internal"))
 
     def _handle(self, identity: bytes, body: list) -> None:
         msg_type, f = M.decode(body, self.max_message_bytes)
