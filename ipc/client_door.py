@@ -6,19 +6,33 @@ owner's ``_handle``, and answer a malformed one (``bad_request``) or one whose h
 
 from __future__ import annotations
 
+import errno
 import traceback
 
 import zmq
 
 from . import messages as M
-from .transport import recv_frames
+from .transport import recv_frames, send_frames
 
 MAX_MESSAGES_PER_WAKE = 1024  # then the owner's loop gets a turn (steps, heartbeats) before more
 
 
 class ClientDoor:
     """Mixin: the owner has ``sock`` (the ROUTER), ``stats`` (a dict with ``num_bad_messages``),
-    ``_handle(identity, body)`` (may raise ``messages.MessageError``) and ``_send(identity, frames)``."""
+    ``_handle(identity, body)`` (may raise ``messages.MessageError``) and ``_client_gone(identity)``
+    (abort what a vanished or stuck client asked for)."""
+
+    def _send(self, identity: bytes, frames: list) -> bool:
+        """Send now, never blocking; a vanished or stuck client gets its requests aborted
+        (``_client_gone``). Returns success."""
+        try:
+            send_frames(self.sock, frames, identity, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self._client_gone(identity)
+            return False
 
     def _on_client_readable(self) -> None:
         """Receive every queued client message (non-blocking) and handle it; never raises."""

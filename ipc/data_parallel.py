@@ -31,13 +31,12 @@ address)``, callable from any thread, connects the new incarnation and routes to
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import msgpack
 import zmq
@@ -361,16 +360,6 @@ class DataParallelRouter(ClientDoor):
         if r.sock is None:
             return
         send_frames(r.sock, frames)
-
-    def _send(self, identity: bytes, frames: list) -> bool:
-        try:
-            send_frames(self.sock, frames, identity, flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:
-            if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
-                raise
-            self._client_gone(identity)
-            return False
 
     def _client_gone(self, identity: bytes) -> None:
         for eid, f in list(self._requests.items()):

@@ -33,7 +33,6 @@ supervisor (systemd, k8s, a shell loop) restarts ``folio serve`` if wanted.
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
 import time
@@ -47,7 +46,7 @@ import zmq
 from ..runtime.scheduler.metrics import ServingStats
 from . import messages as M
 from .client_door import ClientDoor
-from .transport import check_address, cleanup_ipc_address, make_socket, send_frames
+from .transport import check_address, cleanup_ipc_address, make_socket
 
 EXIT_WORKER_DIED = 3
 
@@ -273,17 +272,6 @@ class Server(ClientDoor):
     @staticmethod
     def _engine_id(identity: bytes, rid: str) -> str:
         return f"{identity.hex()}/{rid}"
-
-    def _send(self, identity: bytes, frames: list) -> bool:
-        """Send now; a vanished or stuck client gets its requests aborted. Returns success."""
-        try:
-            send_frames(self.sock, frames, identity, flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as e:
-            if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
-                raise
-            self._client_gone(identity)
-            return False
 
     def _client_gone(self, identity: bytes) -> None:
         gone = [eid for eid, r in self._requests.items() if r.identity == identity]
