@@ -31,9 +31,9 @@ import argparse
 import signal
 import sys
 
+from .front_door import front_end_flags, serve_behind_front
 from .runtime.common.config import DEFAULT_MODEL, EngineConfig
 
-EXIT_FRONTEND_DIED = 4
 WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
 
 
@@ -152,7 +152,7 @@ def run(a: argparse.Namespace) -> int:
 def _run(a: argparse.Namespace) -> int:
     import os
     import time
-    from .api.frontend import FrontEndProcess, bind_http, default_max_request_bytes, http_url, load_chat_template
+    from .api.frontend import FrontEndProcess, bind_http, http_url, load_chat_template
     from .ipc.scheduler_process import Server
     from .ipc.transport import private_ipc_address
     from .model.config import ModelConfig
@@ -196,35 +196,13 @@ def _run(a: argparse.Namespace) -> int:
         server.engine.warm_up()
         api_address = server.bind_extra(private_ipc_address("api"))
         num_blocks = int(server.engine.get_metrics()["num_total_blocks"])
-        front = FrontEndProcess(http_sock, api_address, {
-            "--model-dir": str(model_dir), "--model-root": config.model,
-            "--served-model-name": a.served_model_name or [config.model], "--max-model-len": max_model_len,
-            "--kv-capacity-tokens": num_blocks * config.block_size, "--chat-template": a.chat_template,
-            "--uvicorn-log-level": a.uvicorn_log_level,
-            "--max-request-bytes": a.max_request_bytes if a.max_request_bytes is not None
-            else default_max_request_bytes(max_model_len)}, api_key=api_key)
+        front = FrontEndProcess(http_sock, api_address, front_end_flags(a, config, model_dir, max_model_len,
+                                                                     num_blocks), api_key=api_key)
         state = {"stopping": False, "front_exit": None}
-
-        def on_front_exit(code):
-            if not state["stopping"]:   # not asked to stop: the front end ended on its own
-                state["front_exit"] = code
-            server.stop()
-
-        front.watch(on_front_exit)
-
-        def on_signal(signum, frame):
-            state["stopping"] = True
-            server.stop()
-
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, on_signal)
-        _say(f"ready on {server.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
-             f"(model {config.model}, device {info.get('device', '?')}, {num_blocks} KV blocks of "
-             f"{config.block_size} tokens, worker pid {getattr(ex, 'worker_pid', '?')})")
-        code = server.serve_forever()
-        if state["front_exit"] not in (None, 0):
-            print(f"folio serve: the HTTP front end died (exit code {state['front_exit']})", file=sys.stderr)
-            code = code or EXIT_FRONTEND_DIED
+        ready = (f"ready on {server.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
+                 f"(model {config.model}, device {info.get('device', '?')}, {num_blocks} KV blocks of "
+                 f"{config.block_size} tokens, worker pid {getattr(ex, 'worker_pid', '?')})")
+        code = serve_behind_front(server, front, state, STOP_SIGNALS, lambda: _say(ready))
     finally:
         for sig in STOP_SIGNALS:                          # the clean-up below is not interrupted
             signal.signal(sig, signal.SIG_IGN)

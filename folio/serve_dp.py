@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 
 
@@ -39,7 +38,8 @@ def run_data_parallel(a: argparse.Namespace, config, say, stop_signals, http_soc
                       model_dir, api_key) -> int:
     """The data-parallel ``folio serve`` (module docstring); returns the exit code."""
     import time
-    from .api.frontend import FrontEndProcess, default_max_request_bytes, http_url, load_chat_template
+    from .api.frontend import FrontEndProcess, http_url, load_chat_template
+    from .front_door import front_end_flags, serve_behind_front
     from .ipc.data_parallel import DataParallelRouter
     from .ipc.transport import private_ipc_address
     from .model.tokenizer import Tokenizer
@@ -95,36 +95,13 @@ def run_data_parallel(a: argparse.Namespace, config, say, stop_signals, http_soc
 
         threading.Thread(target=supervise, name="folio-dp-supervisor", daemon=True).start()
         api_address = router.bind_extra(private_ipc_address("api"))
-        front = FrontEndProcess(http_sock, api_address, {
-            "--model-dir": str(model_dir), "--model-root": config.model,
-            "--served-model-name": a.served_model_name or [config.model], "--max-model-len": max_model_len,
-            "--kv-capacity-tokens": blocks * config.block_size, "--chat-template": a.chat_template,
-            "--uvicorn-log-level": a.uvicorn_log_level,
-            "--max-request-bytes": a.max_request_bytes if a.max_request_bytes is not None
-            else default_max_request_bytes(max_model_len)}, api_key=api_key)
-
-        def on_front_exit(code):
-            if not state["stopping"]:
-                state["front_exit"] = code
-            router.stop()
-
-        front.watch(on_front_exit)
-
-        def on_signal(signum, frame):
-            state["stopping"] = True
-            router.stop()
-
-        for sig in stop_signals:
-            signal.signal(sig, on_signal)
+        front = FrontEndProcess(http_sock, api_address, front_end_flags(a, config, model_dir, max_model_len, blocks),
+                                api_key=api_key)
         where = ", ".join(f"{i['node_ip']} pid {i['pid']}" for i in infos)
-        say(f"ready on {router.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
-            f"(model {config.model}, {a.data_parallel_size} replicas on Ray: {where}; "
-            f"{blocks} KV blocks of {config.block_size} tokens each)")
-        code = router.serve_forever()
-        if state["front_exit"] not in (None, 0):
-            print(f"folio serve: the HTTP front end died (exit code {state['front_exit']})", file=sys.stderr)
-            code = code or 4
-        return code
+        ready = (f"ready on {router.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
+                 f"(model {config.model}, {a.data_parallel_size} replicas on Ray: {where}; "
+                 f"{blocks} KV blocks of {config.block_size} tokens each)")
+        return serve_behind_front(router, front, state, stop_signals, lambda: say(ready))
     finally:
         state["stopping"] = True
         for sig in stop_signals:

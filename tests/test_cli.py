@@ -311,7 +311,8 @@ def test_bench_serve_over_http_and_zmq_count_the_same_tokens(echo_http):
 
 
 def test_a_dead_front_end_stops_the_server_with_code_4(tmp_path):
-    from folio.cmd_serve import EXIT_FRONTEND_DIED, spawn_server
+    from folio.cmd_serve import spawn_server
+    from folio.front_door import EXIT_FRONTEND_DIED
     proc, _ = spawn_server(ECHO, address=f"ipc://{tmp_path}/s.sock", env=echo_env(TMPDIR=str(tmp_path)),
                            startup_timeout=180)
     try:
