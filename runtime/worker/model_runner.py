@@ -238,16 +238,15 @@ class ModelRunner:
                               error=f"{type(e).__name__}: {e}")
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        xp = self.xp
         for sid in plan.finished_seq_ids:
             self._seqs.pop(int(sid), None)
         self._last_sampled.forget(plan.finished_seq_ids)
         for ns in plan.new_seqs:
-            self._seqs[int(ns.seq_id)] = SamplingState(
+            st = self._seqs[int(ns.seq_id)] = SamplingState(
                 ns.seq_id, SamplingParams.from_dict(ns.sampling), ns.prompt_token_ids, ns.output_token_ids,
                 ns.seed, ns.eos_token_ids, engine_seed=self.config.seed)
-            if self._seqs[int(ns.seq_id)].params.structured_outputs is not None:
-                self._grammars.attach(self._seqs[int(ns.seq_id)])
+            if st.params.structured_outputs is not None:
+                self._grammars.attach(st)
         sample_ids = [int(s) for s in np.asarray(plan.sample_seq_ids).reshape(-1)]
         missing = [s for s in sample_ids if s not in self._seqs]
         if missing:
@@ -264,8 +263,8 @@ class ModelRunner:
         num_plp = len(plan.prompt_logprob_indices)
         # a step with a constrained row samples eagerly (the device step's graphs and packed upload
         # carry no bitmask yet); its mask is applied by the sampler on the table's array module
-        constrained = any(self._seqs[s].matcher is not None for s in sample_ids)
-        if self.device_step is not None and not num_plp and not constrained:
+        if self.device_step is not None and not num_plp and not any(self._seqs[s].matcher is not None
+                                                                     for s in sample_ids):
             if R and not plan.num_tokens:
                 raise ValueError("plan samples rows but has no tokens")
             states = [self._seqs[s] for s in sample_ids]
