@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["QuantType", "QUANT_TYPES", "GGML_TYPE_NAMES", "UnsupportedQuantType", "quant_type", "row_bytes",
+__all__ = ["QuantType", "QuantizedWeight", "QUANT_TYPES", "GGML_TYPE_NAMES", "UnsupportedQuantType", "quant_type", "row_bytes",
            "dequantize", "quantize", "QUANTIZERS", "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
            "Q4_K", "Q5_K", "Q6_K"]
 
@@ -410,3 +410,45 @@ def quantize(values: np.ndarray, t) -> np.ndarray:
     lead, nb = x.shape[:-1], x.shape[-1] // q.block_values
     blocks = np.ascontiguousarray(x).reshape(-1, q.block_values)
     return _quantize_blocks(blocks, q).reshape(*lead, nb * q.block_bytes)
+
+
+class QuantizedWeight:
+    """A weight matrix kept in a GGUF type: what the kernel tables' ``linear`` and ``embedding``
+    take in place of a float32 array where a model is served in its stored types.
+
+    Attributes:
+        data: uint8 ``[N, row_bytes(qtype, K)]``, C-contiguous: ``N`` rows of blocks, laid out as
+            llama.cpp lays them out (often a view of a memory-mapped GGUF file: nothing is copied).
+        qtype: the GGML type id (``QUANT_TYPES``).
+        shape: ``(N, K)``, the matrix's logical shape (``y = x @ W.T`` reads ``K`` values per row).
+    Raises:
+        UnsupportedQuantType: ``qtype`` is not supported.
+        ValueError: ``data`` is not C-contiguous uint8 ``[N, row_bytes(qtype, K)]``.
+    """
+
+    __slots__ = ("data", "qtype", "shape")
+
+    def __init__(self, data: np.ndarray, qtype, shape):
+        q = quant_type(qtype)
+        N, K = (int(n) for n in shape)
+        if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.shape == (N, row_bytes(q, K))
+                and data.flags.c_contiguous):
+            raise ValueError(f"a {q.name} weight of shape ({N}, {K}) must be C-contiguous uint8 "
+                             f"[{N}, {row_bytes(q, K)}], got {getattr(data, 'dtype', type(data))} "
+                             f"{getattr(data, 'shape', '')}")
+        self.data, self.qtype, self.shape = data, q.id, (N, K)
+
+    @property
+    def type_name(self) -> str:
+        return QUANT_TYPES[self.qtype].name
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 ``[N, K]`` values (``dequantize``: bit-exact with gguf-py)."""
+        return dequantize(self.data, self.qtype).reshape(self.shape)
+
+    def __repr__(self):
+        return f"QuantizedWeight({self.type_name}, shape={self.shape})"

@@ -2,8 +2,7 @@
 
 ``quant_linear``: ``out [T, N] = x [T, K] @ W [N, K]^T`` with ``W`` stored as GGUF blocks, ``N`` rows
 of ``row_bytes(type, K)`` bytes (``kernels/quant_reference.py`` is the specification of every type:
-F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Made for decode steps (``T`` of 1
-to 8 tokens; any ``T`` is computed correctly, but the batched tiles of prefill are another kernel).
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
 How: **dequantize in registers against float32 activations.** A task takes a block of
 ``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
@@ -21,10 +20,15 @@ less with more tokens; the float32 kernel streams 4-byte weights at memory speed
 weights/s on the shared EPYC). The integer path (activations quantized per row to 8 bits, integer dot
 products, as llama.cpp's ``ggml_vec_dot_q4_K_q8_K``) is not here.
 
+**More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS``): a task decodes a tile of
+``QUANT_SCRATCH_ROWS`` weight rows into its scratch once and multiplies every token against it
+with one single-threaded ``sgemm`` (BLAS's packed kernels; the decoding is then a ``1 / T`` share
+of the work), as the float32 path's sgemm tiles (``linear.py``).
+
 Threads: the project's policy (``threads.py``): one Numba ``prange`` region with a task per
 thread, tasks taking row blocks from a shared atomic counter (``fetch_add``); weights under
 ``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch rows are allocated by the
-caller (``[tasks, 4, K]``), none inside the region.
+caller (``[tasks, QUANT_SCRATCH_ROWS, K]``), none inside the region.
 
 ``quant_embedding``: the rows of a quantized embedding table for a list of token ids, bit-identical
 to ``dequantize`` of those rows.
@@ -42,13 +46,15 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
-from .threads import fetch_add, num_threads, region_guard
+from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
-__all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row",
-           "KERNEL_TYPES", "QUANT_BLOCK_ROWS"]
+__all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
+           "quant_item_rows", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
 
 _F32 = np.float32
-QUANT_BLOCK_ROWS = 16          # weight rows per work item
+QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product
+QUANT_GEMV_MAX_TOKENS = 16     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
+QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each task's scratch)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
 
 KERNEL_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
@@ -347,10 +353,10 @@ def _dot1(x, t, row, out, r):
 
 
 @njit(cache=True)
-def _rows(x, w, qtype, out, buf, r0, r1):
-    # out[:, r0:r1] = x @ dequantize(w[r0:r1]).T: 4 weight rows decoded into buf [4, K] at a time,
-    # then their products with the tokens 2 at a time (one at the end), as the float32 kernel's
-    # register blocks; the last rows one by one
+def _rows(x, w, qtype, out, col0, buf, r0, r1):
+    # out[:, col0 + r0:col0 + r1] = x @ dequantize(w[r0:r1]).T: 4 weight rows decoded into buf [4, K]
+    # at a time, then their products with the tokens 2 at a time (one at the end), as the float32
+    # kernel's register blocks; the last rows one by one
     T = x.shape[0]
     r = r0
     while r1 - r >= 4:
@@ -358,42 +364,79 @@ def _rows(x, w, qtype, out, buf, r0, r1):
             decode_row(w[r + i], qtype, buf[i])
         t = 0
         while T - t >= 2:
-            _dot2x4(x, t, buf, out, r)
+            _dot2x4(x, t, buf, out, col0 + r)
             t += 2
         if t < T:
-            _dot1x4(x, t, buf, out, r)
+            _dot1x4(x, t, buf, out, col0 + r)
         r += 4
     while r < r1:
         decode_row(w[r], qtype, buf[0])
         for t in range(T):
-            _dot1(x, t, buf[0], out, r)
+            _dot1(x, t, buf[0], out, col0 + r)
         r += 1
+
+
+@njit(cache=True)
+def _tile(x, w, qtype, out, col0, buf, r0, r1):
+    # the same product for many tokens (prefill): the rows decoded once into buf [>= r1 - r0, K],
+    # then one single-threaded sgemm of every token against them (BLAS's packed tiles; the
+    # decoding is then a 1 / T share of the work)
+    T, K = x.shape
+    n = r1 - r0
+    for i in range(n):
+        decode_row(w[r0 + i], qtype, buf[i])
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, T, n, K, _F32(1.0), ptr(x, 0), K, ptr(buf, 0), K, _F32(0.0),
+          ptr(out, col0 + r0), out.shape[1])
+
+
+@njit(cache=True)
+def quant_rows(x, w, qtype, out, col0, buf, r0, r1):
+    """``out[:, col0 + r] = x @ dequantize(w[r])`` for the weight rows ``r0 <= r < r1``, on the calling
+    thread: C-contiguous float32 ``x [T, K]``, uint8 ``w [N, row_bytes]``, float32 ``out [T, >= col0
+    + N]``, float32 scratch ``buf [QUANT_SCRATCH_ROWS, K]`` (``r1 - r0 <= QUANT_SCRATCH_ROWS``).
+    Up to ``QUANT_GEMV_MAX_TOKENS`` tokens the decode-and-dot kernel (``_rows``), more: decoded rows
+    and sgemm (``_tile``)."""
+    if x.shape[0] <= QUANT_GEMV_MAX_TOKENS:
+        _rows(x, w, qtype, out, col0, buf, r0, r1)
+    else:
+        _tile(x, w, qtype, out, col0, buf, r0, r1)
+
+
+@njit(cache=True)
+def quant_item_rows(T):
+    """Weight rows per work item of a product of ``T`` tokens: ``QUANT_BLOCK_ROWS`` for decode-sized
+    steps, ``QUANT_SCRATCH_ROWS`` for the sgemm tiles (a larger tile amortises the call and its
+    packing of ``x``)."""
+    return QUANT_BLOCK_ROWS if T <= QUANT_GEMV_MAX_TOKENS else QUANT_SCRATCH_ROWS
 
 
 @njit(parallel=True, cache=True)
 def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
     N = w.shape[0]
-    n_items = (N + QUANT_BLOCK_ROWS - 1) // QUANT_BLOCK_ROWS
+    rows = quant_item_rows(x.shape[0])
+    n_items = (N + rows - 1) // rows
     for task in prange(n_tasks):
         while True:
             i = fetch_add(counter, 1)
             if i >= n_items:
                 break
-            _rows(x, w, qtype, out, buf[task], i * QUANT_BLOCK_ROWS, min(N, (i + 1) * QUANT_BLOCK_ROWS))
+            quant_rows(x, w, qtype, out, 0, buf[task], i * rows, min(N, (i + 1) * rows))
 
 
 @njit(cache=True, nogil=True)
 def quant_linear_into(x, w, qtype, out, buf, tasks):
     """``out[:] = x @ dequantize(w, qtype).T`` from compiled code: C-contiguous float32 ``x [T, K]``,
     uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``), float32 ``out [T, N]``,
-    float32 scratch ``buf [tasks, 4, K]``; ``tasks`` 1 (the calling thread) or the region's threads
+    float32 scratch ``buf [tasks, QUANT_SCRATCH_ROWS, K]``; ``tasks`` 1 (the calling thread) or the region's threads
     (``quant_linear_tasks``). Shapes are not checked here (``quant_linear`` checks them)."""
     if x.shape[0] == 0:
         return
     if tasks > 1:
         _quant_linear_parallel(x, w, qtype, out, buf, tasks, np.zeros(1, np.int64))
     else:
-        _rows(x, w, qtype, out, buf[0], 0, w.shape[0])
+        rows = quant_item_rows(x.shape[0])
+        for r in range(0, w.shape[0], rows):
+            quant_rows(x, w, qtype, out, 0, buf[0], r, min(w.shape[0], r + rows))
 
 
 def quant_linear_tasks(N: int, K: int, threads: int) -> int:
@@ -446,7 +489,7 @@ def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = N
     if T == 0 or N == 0:
         return out
     tasks = quant_linear_tasks(N, K, num_threads())
-    buf = np.empty((tasks, 4, K), _F32)
+    buf = np.empty((tasks, QUANT_SCRATCH_ROWS, K), _F32)
     with region_guard():
         quant_linear_into(x, w, q.id, out, buf, tasks)
     return out
