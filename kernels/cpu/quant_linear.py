@@ -49,7 +49,7 @@ from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
-           "quant_item_rows", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
+           "quant_item_rows", "quant_scratch", "quant_task_rows", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product
@@ -408,6 +408,22 @@ def quant_item_rows(T):
     steps, ``QUANT_SCRATCH_ROWS`` for the sgemm tiles (a larger tile amortises the call and its
     packing of ``x``)."""
     return QUANT_BLOCK_ROWS if T <= QUANT_GEMV_MAX_TOKENS else QUANT_SCRATCH_ROWS
+
+
+@njit(cache=True)
+def quant_scratch(n_tasks, T, K):
+    """Scratch of ``quant_task_rows`` for ``n_tasks`` tasks, products of ``T`` tokens and at most ``K``
+    values per weight row (allocated once per step, before the parallel region)."""
+    return np.empty((n_tasks, QUANT_SCRATCH_ROWS * K), _F32)
+
+
+@njit(cache=True)
+def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
+    """``quant_rows`` on task ``task``'s part of ``scratch`` (``quant_scratch``): the entry point of a
+    fused region's work item (``kernels/cpu/forward.py``)."""
+    K = x.shape[1]
+    buf = scratch[task, :QUANT_SCRATCH_ROWS * K].reshape(QUANT_SCRATCH_ROWS, K)
+    quant_rows(x, w, qtype, out, col0, buf, r0, r1)
 
 
 @njit(parallel=True, cache=True)
