@@ -112,6 +112,11 @@ class CpuKernelTable(KernelTable, Protocol):
         ``buffers``; returns ``(hidden, residual)`` ``[T, hidden]`` float32 (``cpu/forward.py``)."""
         ...
 
+    def stack_quantized(self, layers):
+        """One kind of layer product for every layer in GGUF types (``layers[i]``: layer ``i``'s tuple
+        of ``QuantizedWeight`` segments), as ``decoder_layers`` takes it (``cpu/forward.py``)."""
+        ...
+
     def zeros(self, shape, dtype=np.float32):
         """A zeroed array for the large long-lived arrays (KV cache, weight stacks), on huge
         pages when large (``cpu/memory.py``)."""

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import reference
+from ..kernels.quant_reference import BF16, F16, F32, QuantizedWeight
 from ..kernels.table import KernelTable
 from .attention import AttentionMetadata
 from .config import ModelConfig
@@ -69,6 +70,31 @@ class _Layer:
     down_proj: Any         # [hidden, intermediate]
 
 
+def _matrix_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"] + [p + f"mlp.{n}_proj.weight"
+                                                                       for n in ("gate", "up", "down")]
+    return names
+
+
+def as_quantized(w) -> QuantizedWeight:
+    """A matrix as a ``QuantizedWeight``: itself, or a float32 / float16 / bfloat16-bits (uint16)
+    NumPy ``[N, K]`` array viewed as GGUF F32 / F16 / BF16 rows (no copy when C-contiguous).
+
+    Raises:
+        ValueError: another dtype or not 2-D.
+    """
+    if isinstance(w, QuantizedWeight):
+        return w
+    w = np.ascontiguousarray(w)
+    qtype = {np.dtype(np.float32): F32, np.dtype(np.float16): F16, np.dtype(np.uint16): BF16}.get(w.dtype)
+    if qtype is None or w.ndim != 2:
+        raise ValueError(f"cannot serve a {w.dtype} array of shape {w.shape} as a matrix")
+    return QuantizedWeight(w.reshape(w.shape[0], -1).view(np.uint8), qtype, w.shape)
+
+
 def required_weight_names(config: ModelConfig) -> list[str]:
     """The Hugging Face tensor names a Llama checkpoint of ``config`` must provide."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -111,6 +137,9 @@ class LlamaForCausalLM:
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else prep(
             self._check(weights, "lm_head.weight", (c.vocab_size, hid)))
         self.norm = prep(self._check(weights, "model.norm.weight", (hid,)))
+        if any(isinstance(weights[n], QuantizedWeight) for n in _matrix_names(c)):
+            self._init_quantized_layers(weights)
+            return
         self.layers = []
         # A table that runs all layers in one call (``decoder_layers``, the CPU's) takes each kind
         # of layer weight stacked [num_layers, ...]; the layers are then views of the stacks.
@@ -138,12 +167,70 @@ class LlamaForCausalLM:
                     self.layer_stacks[name][i] = w
                     layer[name] = self.layer_stacks[name][i]
             self.layers.append(_Layer(**layer))
+        self._init_rope()
+
+    def _init_rope(self):
+        c = self.config
+        D = c.head_dim
         # RoPE table built once on the host (float64 math, float32 result) and moved to the device
         inv_freq = reference.rope_inv_freq(D, c.rope_theta, c.rope_scaling)
         self.cos_sin_cache = self.xp.asarray(reference.rope_cos_sin_cache(inv_freq, c.max_position_embeddings))
         self.scale = float(D ** -0.5)
         self.workspace: Workspace | None = None
         self.workspace_generation = 0  # bumped on every reallocation (CUDA graphs hold its addresses)
+
+    def _init_quantized_layers(self, weights):
+        # Weights kept in their stored types (GGUF blocks, 16-bit floats): the products of each
+        # layer are segments (q, k and v; gate and up) that the table's fused forward writes side
+        # by side into one output, instead of concatenated copies; the norms are float32 stacks
+        c, kernels = self.config, self.kernels
+        stack_quantized = getattr(kernels, "stack_quantized", None)
+        if stack_quantized is None:
+            raise ValueError(f"weights in GGUF / 16-bit types are served by the CPU kernels only (this is the "
+                             f"{kernels.name} table); serve with --device cpu, or load them as float32 "
+                             f"(--dtype float32)")
+        H, Hkv, D, hid, inter = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
+                                 c.intermediate_size)
+        prep = kernels.prepare_weight
+        segments = {name: [] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+        norms = {"input_layernorm": [], "post_attention_layernorm": []}
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+
+            def get(name, shape):
+                return as_quantized(self._check(weights, p + name, shape))
+
+            layer = dict(
+                input_layernorm=prep(self._check(weights, p + "input_layernorm.weight", (hid,))),
+                qkv_proj=(get("self_attn.q_proj.weight", (H * D, hid)), get("self_attn.k_proj.weight", (Hkv * D, hid)),
+                          get("self_attn.v_proj.weight", (Hkv * D, hid))),
+                o_proj=(get("self_attn.o_proj.weight", (hid, H * D)),),
+                post_attention_layernorm=prep(self._check(weights, p + "post_attention_layernorm.weight", (hid,))),
+                gate_up_proj=(get("mlp.gate_proj.weight", (inter, hid)), get("mlp.up_proj.weight", (inter, hid))),
+                down_proj=(get("mlp.down_proj.weight", (hid, inter)),),
+            )
+            for name in segments:
+                segments[name].append(layer[name])
+            for name in norms:
+                norms[name].append(layer[name])
+            self.layers.append(_Layer(**layer))
+        self.layer_stacks = {name: np.ascontiguousarray(np.stack(v), dtype=np.float32) for name, v in norms.items()}
+        self.layer_stacks.update({name: stack_quantized(v) for name, v in segments.items()})
+        self._init_rope()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as the kernels read them (quantized ones at their stored size)."""
+        seen, total = set(), 0
+        arrays = [self.embed_tokens, self.lm_head, self.norm]
+        for layer in self.layers:
+            for w in vars(layer).values():
+                arrays += list(w) if isinstance(w, tuple) else [w]
+        for w in arrays:
+            if id(w) not in seen:
+                seen.add(id(w))
+                total += int(w.nbytes)
+        return total
 
     def workspace_for(self, num_tokens: int, num_rows: int) -> Workspace:
         """The workspace, reallocated (larger) only when a step needs more than any before."""

@@ -50,17 +50,19 @@ import weakref
 
 import numpy as np
 from numba import carray, njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .attention import attention_item, attention_scratch, attention_into, finish_attention, plan
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
+from .quant_linear import quant_item_rows, quant_scratch, quant_task_rows
+from ..quant_reference import QUANT_TYPES, QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
                    fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into)
 from .threads import atomic_add, atomic_load, num_threads, region_guard, sched_yield
 
-__all__ = ["decoder_layers", "LAYER_WEIGHTS"]
+__all__ = ["decoder_layers", "LAYER_WEIGHTS", "QuantizedStack", "stack_quantized"]
 
 LAYER_WEIGHTS = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layernorm", "gate_up_proj", "down_proj")
 """The per-layer weights ``decoder_layers`` takes, each stacked ``[num_layers, ...]``."""
@@ -111,11 +113,90 @@ def wait_items_done(done, k, n):
             sched_yield()
 
 
+# The matrix products of a layer take either float32 weight stacks ([num_layers, N, K]: the
+# kernels of linear.py) or a QuantizedStack's table (int64 [num_layers, S, 4]: each layer's
+# product is S weight segments in GGUF types, written side by side into the output, e.g. q, k
+# and v into qkv). The three functions below are resolved by the weights' type when a region is
+# compiled, so the float32 model compiles exactly what it did before.
+
+def product_items(T, w, plan):
+    """Work items of one layer's product of ``T`` tokens (``linear_items`` or the quantized
+    segments' row blocks); compiled code only."""
+    raise NotImplementedError("compiled code only")
+
+
+def product_item(x, w, layer, out, plan, i, qscratch, task):
+    """Item ``i`` of ``product_items`` for layer ``layer``; compiled code only."""
+    raise NotImplementedError("compiled code only")
+
+
+def product_scratch(w, n_tasks, T, K):
+    """The per-task scratch of the products (``quant_scratch``; a placeholder for float32 weights)."""
+    raise NotImplementedError("compiled code only")
+
+
+def _quantized(w):
+    return isinstance(w, types.Array) and w.dtype == types.int64 and w.ndim == 3
+
+
+@overload(product_items)
+def _product_items(T, w, plan):
+    if _quantized(w):
+        def impl(T, w, plan):
+            rows = quant_item_rows(T)
+            n = 0
+            for s in range(w.shape[1]):
+                n += (w[0, s, _S_ROWS] + rows - 1) // rows
+            return n if T > 0 else 0
+        return impl
+    return lambda T, w, plan: linear_items(T, w.shape[1], plan[0], plan[1], plan[2])
+
+
+@overload(product_item)
+def _product_item(x, w, layer, out, plan, i, qscratch, task):
+    if _quantized(w):
+        def impl(x, w, layer, out, plan, i, qscratch, task):
+            rows = quant_item_rows(x.shape[0])
+            K = x.shape[1]
+            for s in range(w.shape[1]):
+                N = w[layer, s, _S_ROWS]
+                n = (N + rows - 1) // rows
+                if i < n:
+                    qtype = w[layer, s, _S_TYPE]
+                    data = carray(_u8_at(w[layer, s, _S_ADDRESS]), (N, _row_bytes(qtype, K)))
+                    quant_task_rows(x, data, qtype, out, w[layer, s, _S_COLUMN], qscratch, task, i * rows,
+                                    min(N, (i + 1) * rows))
+                    return
+                i -= n
+        return impl
+    return lambda x, w, layer, out, plan, i, qscratch, task: linear_item(x, w[layer], out, plan[0], plan[1],
+                                                                         plan[2], i)
+
+
+@overload(product_scratch)
+def _product_scratch(w, n_tasks, T, K):
+    if _quantized(w):
+        return lambda w, n_tasks, T, K: quant_scratch(n_tasks, T, K)
+    return lambda w, n_tasks, T, K: np.empty((1, 1), np.float32)
+
+
+# a QuantizedStack table's columns, and each GGML type's (values, bytes) per block by type id
+_S_ADDRESS, _S_TYPE, _S_ROWS, _S_COLUMN = range(4)
+_BLOCKS = np.zeros((max(QUANT_TYPES) + 1, 2), np.int64)
+for _q in QUANT_TYPES.values():
+    _BLOCKS[_q.id] = _q.block_values, _q.block_bytes
+
+
+@njit(cache=True)
+def _row_bytes(qtype, K):
+    return K // _BLOCKS[qtype, 0] * _BLOCKS[qtype, 1]
+
+
 @njit(cache=True)
 def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
                 gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
                 seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc,
-                acc, m, l, bm, pm, pl, pacc):
+                acc, m, l, bm, pm, pl, pacc, qscratch):
     # item i of one phase of one layer, on task w's scratch
     T = residual.shape[0]
     t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
@@ -125,7 +206,7 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
         else:
             _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
     elif phase == _P_QKV:
-        linear_item(x, qkv_w[layer], qkv, lin[0, 0], lin[0, 1], lin[0, 2], i)
+        product_item(x, qkv_w, layer, qkv, lin[0], i, qscratch, w)
     elif phase == _P_ROPE:
         _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
     elif phase == _P_ATTN:
@@ -134,15 +215,15 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
     elif phase == _P_MERGE:
         finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
     elif phase == _P_O:
-        linear_item(attn2, o_w[layer], hidden, lin[1, 0], lin[1, 1], lin[1, 2], i)
+        product_item(attn2, o_w, layer, hidden, lin[1], i, qscratch, w)
     elif phase == _P_NORM2:
         _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
     elif phase == _P_GATE_UP:
-        linear_item(x, gate_up_w[layer], gate_up, lin[2, 0], lin[2, 1], lin[2, 2], i)
+        product_item(x, gate_up_w, layer, gate_up, lin[2], i, qscratch, w)
     elif phase == _P_SILU:
         _silu_and_mul_rows(gate_up, act, t0, t1)
     else:
-        linear_item(act, down_w[layer], hidden, lin[3, 0], lin[3, 1], lin[3, 2], i)
+        product_item(act, down_w, layer, hidden, lin[3], i, qscratch, w)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -162,17 +243,18 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     n_row = (T + rows_per_item - 1) // rows_per_item
     n_items = np.empty(_PHASES, np.int64)   # items per phase, in _P_* order
     n_items[:] = n_row
-    n_items[_P_QKV] = linear_items(T, qkv_w.shape[1], lin[0, 0], lin[0, 1], lin[0, 2])
+    n_items[_P_QKV] = product_items(T, qkv_w, lin[0])
     n_items[_P_ATTN] = items.shape[0]
     n_items[_P_MERGE] = 1
-    n_items[_P_O] = linear_items(T, o_w.shape[1], lin[1, 0], lin[1, 1], lin[1, 2])
-    n_items[_P_GATE_UP] = linear_items(T, gate_up_w.shape[1], lin[2, 0], lin[2, 1], lin[2, 2])
-    n_items[_P_DOWN] = linear_items(T, down_w.shape[1], lin[3, 0], lin[3, 1], lin[3, 2])
+    n_items[_P_O] = product_items(T, o_w, lin[1])
+    n_items[_P_GATE_UP] = product_items(T, gate_up_w, lin[2])
+    n_items[_P_DOWN] = product_items(T, down_w, lin[3])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
     shape = cache_like.shape
     qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1], shape[1],
                                                                 n_parts)
+    qscratch = product_scratch(qkv_w, n_tasks, T, max(x.shape[1], attn2.shape[1], act.shape[1]))
     for w in prange(n_tasks):
         for layer in range(L):
             key_cache = carray(_f32_at(cache_addrs[layer, 0]), shape)
@@ -189,9 +271,17 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                                 act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_cache, value_cache,
                                 positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H,
                                 Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc, m, l, bm,
-                                pm, pl, pacc)
+                                pm, pl, pacc, qscratch)
                     atomic_add(done, k, 1)
                 wait_items_done(done, k, n_items[phase])
+
+
+@intrinsic
+def _u8_at(typingctx, address):
+    # an int64 address as a uint8 pointer (a quantized weight's bytes)
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+    return types.CPointer(types.uint8)(types.int64), codegen
 
 
 @intrinsic
@@ -223,6 +313,58 @@ def _cache_addresses(kv_caches):
     return addrs
 
 
+class QuantizedStack:
+    """One kind of layer product (e.g. qkv) for every layer, in GGUF types: what ``decoder_layers``
+    takes in place of a float32 ``[num_layers, N, K]`` stack when a model is served in its stored
+    types (``stack_quantized``).
+
+    Attributes:
+        table: int64 ``[num_layers, S, 4]``: per layer, the ``S`` weight segments written side by
+            side into the product's output (q, k, v for qkv; gate, up for gate_up), each as (data
+            address, GGML type id, rows, first output column).
+        shape: ``(N, K)``: the product's output columns (the segments' rows together) and inputs.
+        weights: the ``QuantizedWeight`` segments per layer, kept alive (the table holds only
+            their addresses).
+    """
+
+    def __init__(self, layers):
+        layers = [tuple(segments) for segments in layers]
+        K = layers[0][0].shape[1]
+        rows = [w.shape[0] for w in layers[0]]
+        table = np.zeros((len(layers), len(rows), 4), np.int64)
+        for li, segments in enumerate(layers):
+            if [w.shape for w in segments] != [w.shape for w in layers[0]]:
+                raise ValueError(f"layer {li}'s weights have shapes {[w.shape for w in segments]}, layer 0's "
+                                 f"{[w.shape for w in layers[0]]}")
+            column = 0
+            for s, w in enumerate(segments):
+                table[li, s] = w.data.ctypes.data, w.qtype, w.shape[0], column
+                column += w.shape[0]
+        self.table, self.shape, self.weights = table, (sum(rows), K), layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for segments in self.weights for w in segments)
+
+
+def stack_quantized(layers) -> QuantizedStack:
+    """The ``QuantizedStack`` of one kind of layer product: ``layers[i]`` is layer ``i``'s tuple of
+    ``QuantizedWeight`` segments (e.g. ``(q_proj, k_proj, v_proj)``), each of any supported GGUF type
+    (types may differ between segments and layers, as in llama.cpp's Q4_K_M mixes).
+
+    Raises:
+        ValueError: layers whose segment shapes differ, or segments of different ``K``.
+    """
+    layers = list(layers)
+    for segments in layers:
+        for w in segments:
+            if not isinstance(w, QuantizedWeight):
+                raise ValueError(f"stack_quantized takes QuantizedWeight segments, got {type(w).__name__}")
+            if w.shape[1] != segments[0].shape[1]:
+                raise ValueError(f"segments of one product must share K, got {[v.shape for v in segments]}")
+    return QuantizedStack(layers)
+
+
 def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_caches, cos_sin_cache, scale: float,
                    num_heads: int, num_kv_heads: int, eps: float):
     """Run every decoder layer of a step on the CPU, in place in ``buffers``; returns ``(hidden,
@@ -233,7 +375,9 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     RMSNorm, gate/up product, SwiGLU, down product), one compiled call for all layers.
 
     Args:
-        weights: ``LAYER_WEIGHTS`` names -> C-contiguous float32 ``[num_layers, ...]`` stacks.
+        weights: ``LAYER_WEIGHTS`` names -> C-contiguous float32 ``[num_layers, ...]`` stacks, or for
+            the four products (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) all
+            ``QuantizedStack`` (weights in GGUF types, ``stack_quantized``; the norms stay float32).
         buffers: the workspace's ``[T, ...]`` views (``model.llama.Workspace.view``); ``residual``
             holds the embeddings on entry.
         positions: ``[T]`` int positions; ``attn_metadata``: the step's ``AttentionMetadata``.
@@ -251,19 +395,27 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     b, md = buffers, attn_metadata
     residual = b["residual"]
     T, hid = residual.shape
+    if T == 0:
+        return b["hidden"], residual
     D = cos_sin_cache.shape[1]
     threads = num_threads()
     seq_lens, query_start_loc = _int64(md.seq_lens), _int64(md.query_start_loc)
-    lin = np.array([linear_plan(T, weights[name].shape[1:], threads)
-                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")], dtype=np.int64)
+    products = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    quantized = isinstance(weights["qkv_proj"], QuantizedStack)
+    if quantized:   # every product's plan is its segments' row blocks (product_items)
+        lin = np.zeros((4, 3), np.int64)
+    else:
+        lin = np.array([linear_plan(T, weights[name].shape[1:], threads) for name in products], dtype=np.int64)
     key_cache = kv_caches[0][0]
     items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
                                       threads)
-    region = ONE_REGION and threads > 1 and T > 0
+    # quantized weights: always the one region (on one thread too: a region of one task)
+    region = (quantized or ONE_REGION and threads > 1) and T > 0
     caches = (_cache_addresses(kv_caches), key_cache) if region else \
         (tuple(k for k, _ in kv_caches), tuple(v for _, v in kv_caches))
     step = (residual, b["hidden"], b["x"], b["qkv"], b["q"], b["attn"], b["gate_up"], b["act"],
-            *(weights[name] for name in LAYER_WEIGHTS), *caches,
+            *(weights[name].table if isinstance(weights[name], QuantizedStack) else weights[name]
+              for name in LAYER_WEIGHTS), *caches,
             _int64(positions), cos_sin_cache, _int64(md.slot_mapping), _int64(md.block_tables), seq_lens,
             query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
     with region_guard():   # the layers run without the GIL: see region_guard

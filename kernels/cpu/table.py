@@ -16,12 +16,41 @@ from types import SimpleNamespace
 import numpy as np
 
 from .. import reference
+from ..quant_reference import QuantizedWeight
 from .attention import paged_attention
-from .forward import decoder_layers
-from .linear import linear
+from .forward import decoder_layers, stack_quantized
+from .linear import linear as _float_linear
 from .memory import huge_page_zeros
-from .rows import (copy_blocks, embedding, fused_add_rms_norm, prepare_weight, reshape_and_cache, rms_norm,
-                   rope_and_cache, rotary_embedding, silu_and_mul)
+from .quant_linear import quant_embedding, quant_linear
+from .rows import (copy_blocks, fused_add_rms_norm, reshape_and_cache, rms_norm, rope_and_cache, rotary_embedding,
+                   silu_and_mul)
+from .rows import embedding as _float_embedding
+from .rows import prepare_weight as _float_prepare_weight
+
+
+def linear(x, weight, out=None):
+    """``x [T, K]`` float32 @ ``weight``.T -> ``[T, N]`` float32: ``weight`` a float32 ``[N, K]`` array
+    (``linear.linear``) or a ``QuantizedWeight`` (``quant_linear``: its GGUF blocks read as stored)."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x, weight.data, weight.qtype, out)
+    return _float_linear(x, weight, out)
+
+
+def embedding(ids, table, out=None):
+    """Rows ``ids`` of ``table`` as float32 ``[T, hidden]`` (into ``out`` when given): a float32 table
+    (``rows.embedding``) or a ``QuantizedWeight`` one (``quant_embedding``, the rows dequantized)."""
+    if isinstance(table, QuantizedWeight):
+        rows_ = quant_embedding(table.data, table.qtype, ids, table.shape[1])
+        if out is None:
+            return rows_
+        out[...] = rows_
+        return out
+    return _float_embedding(ids, table, out=out)
+
+
+def prepare_weight(w):
+    """A weight as the kernels read it: a ``QuantizedWeight`` as it is, else ``rows.prepare_weight``."""
+    return w if isinstance(w, QuantizedWeight) else _float_prepare_weight(w)
 
 __all__ = [
     "paged_attention",
@@ -59,6 +88,7 @@ CPU_KERNELS = SimpleNamespace(
     embedding=embedding,
     prepare_weight=prepare_weight,
     decoder_layers=decoder_layers,
+    stack_quantized=stack_quantized,
     zeros=huge_page_zeros,
 )
 """The CPU kernel table (see kernels/__init__.py ``get_kernels``)."""
