@@ -68,7 +68,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                    help="auto: weights from the files; dummy: random weights of the model's shapes")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="weights / KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+                   help="weights dtype (auto: on CPU the types the weights are stored in, a .gguf file's "
+                        "quantized tensors served from the file; bfloat16 on GPU; float32: everything float32)")
+    p.add_argument("--quantization", default=d.quantization, choices=["q8_0", "q4_k"],
+                   help="quantize float weights into this GGUF type as they load (CPU; q4_k falls back to "
+                        "q8_0 for rows that are not whole 256-value blocks)")
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
 
 
@@ -79,7 +83,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=a.enable_prefix_caching,
                         enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory,
                         num_kv_blocks_override=a.num_kv_blocks_override, load_format=a.load_format,
-                        dtype=a.dtype, seed=a.seed, async_scheduling=a.async_scheduling)
+                        dtype=a.dtype, quantization=a.quantization, seed=a.seed,
+                        async_scheduling=a.async_scheduling)
 
 
 def register(subparsers) -> None:

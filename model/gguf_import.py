@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 # GGUF tensor name (per layer after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.")
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -33,11 +33,13 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_TENSORS = {
+GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+MARKER = "folio_import.json"
+"""The file an import folder records its source in (and, for ``weights=False``, ``"weights": "gguf"``)."""
 # tensors that carry nothing the Hugging Face layout needs (checked separately)
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 
@@ -68,7 +70,7 @@ def _field(reader, key, default=None):
     return f.contents()
 
 
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation: adjacent-pair rotary rows -> HF rotate_half rows.
 
     Per head of width d: ``hf_row[i] = gguf_row[2i]``, ``hf_row[i + d/2] = gguf_row[2i + 1]``.
@@ -236,8 +238,13 @@ def _write_json(path: Path, obj) -> None:
         f.write("\n")
 
 
-def convert_gguf(gguf_path, out_dir, *, verbose: bool = False) -> Path:
+def convert_gguf(gguf_path, out_dir, *, weights: bool = True, verbose: bool = False) -> Path:
     """Write a Hugging Face Llama folder for the GGUF file ``gguf_path`` into ``out_dir``.
+
+    With ``weights=False`` the folder gets everything but ``model.safetensors`` (config, tokenizer,
+    chat template), and its ``folio_import.json`` names ``gguf_path`` as the source of its weights:
+    the model is then served from the GGUF file itself (``gguf_weights.load_gguf_weights``), and
+    the import takes a fraction of a second instead of dequantizing every tensor.
 
     The folder is assembled in a temporary sibling directory and renamed into place, so a reader
     never sees half a folder; ``out_dir`` must not exist or be empty.
@@ -270,17 +277,17 @@ def convert_gguf(gguf_path, out_dir, *, verbose: bool = False) -> Path:
 
     names = {}
     for name in tensors:
-        if name in _GLOBAL_TENSORS:
-            names[name] = _GLOBAL_TENSORS[name]
+        if name in GLOBAL_TENSORS:
+            names[name] = GLOBAL_TENSORS[name]
         elif name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
-            if rest not in _LAYER_TENSORS:
+            if rest not in LAYER_TENSORS:
                 raise ValueError(f"unknown GGUF tensor {name} (not a plain Llama layer)")
-            names[name] = f"model.layers.{int(layer)}.{_LAYER_TENSORS[rest]}"
+            names[name] = f"model.layers.{int(layer)}.{LAYER_TENSORS[rest]}"
         elif name not in _IGNORED_TENSORS:
             raise ValueError(f"unknown GGUF tensor {name}")
-    weights = {}
-    for name, hf_name in names.items():
+    tensor_data = {}
+    for name, hf_name in (names.items() if weights else ()):
         t = tensors[name]
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -289,16 +296,17 @@ def convert_gguf(gguf_path, out_dir, *, verbose: bool = False) -> Path:
                              f"dequantize: {e}") from None
         w = np.asarray(w, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
         if name.endswith("attn_q.weight"):
-            w = _unpermute_rows(w, config["num_attention_heads"])
+            w = unpermute_rows(w, config["num_attention_heads"])
         elif name.endswith("attn_k.weight"):
-            w = _unpermute_rows(w, config["num_key_value_heads"])
-        weights[hf_name] = np.ascontiguousarray(w)
+            w = unpermute_rows(w, config["num_key_value_heads"])
+        tensor_data[hf_name] = np.ascontiguousarray(w)
     t_read = time.perf_counter()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if weights:
+            save_file(tensor_data, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(str(tmp / "tokenizer.json"))
         tokens = list(_field(reader, "tokenizer.ggml.tokens"))
         _write_json(tmp / "config.json", config)
@@ -308,8 +316,9 @@ def convert_gguf(gguf_path, out_dir, *, verbose: bool = False) -> Path:
         if config["pad_token_id"] is not None:
             gen["pad_token_id"] = config["pad_token_id"]
         _write_json(tmp / "generation_config.json", gen)
-        _write_json(tmp / "folio_import.json", {
+        _write_json(tmp / MARKER, {
             "source": str(gguf_path.resolve()), "source_bytes": gguf_path.stat().st_size,
+            "weights": "safetensors" if weights else "gguf",
             "gguf_name": _field(reader, "general.name"), "seconds": round(time.perf_counter() - t0, 2)})
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():

@@ -31,36 +31,72 @@ def resolve_device(device: str) -> str:
         return "cpu"
 
 
-def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"):
+def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto", dtype: str = "auto",
+               quantization: str | None = None):
     """Resolve, read and place a model.
 
+    Which weights the kernels read (``dtype``):
+
+    - ``"auto"`` on the CPU: the types the weights are stored in. A GGUF file's tensors are served
+      from the file, memory-mapped (Q4_K, Q8_0, ... as stored: ``gguf_weights.py``); 16-bit
+      safetensors stay 16-bit; float32 stays float32. On the GPU: bfloat16 (a GGUF file through its
+      float32 import).
+    - ``"float32"``: everything float32 (a GGUF file dequantized once into ``models/<name>-float32``).
+    - ``"bfloat16"``: the GPU's own type (refused on the CPU by the model runner).
+
     Args:
-        name_or_path: a folio model name (e.g. ``smollm2-135m-instruct``) or a Hugging Face Llama
-            folder (config.json + safetensors).
+        name_or_path: a folio model name (e.g. ``smollm2-135m-instruct``), a ``.gguf`` file or a
+            Hugging Face Llama folder (config.json + safetensors).
         device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
-        load_format: ``"auto"`` (weights from the folder's safetensors) or ``"dummy"`` (random
-            weights of the config's shapes; only config.json is read).
+        load_format: ``"auto"`` (weights from the files) or ``"dummy"`` (random weights of the
+            config's shapes; only config.json is read).
+        dtype: see above.
+        quantization: ``None``, or a name of ``quantize.QUANTIZATIONS`` (``"q8_0"``, ``"q4_k"``):
+            float matrices quantized as they load (CPU only; not for weights already in GGUF types).
     Returns:
         ``(model: LlamaForCausalLM, config: ModelConfig, model_dir: pathlib.Path)``.
     Raises:
-        ValueError: unknown load_format/device, unsupported architecture, missing tensors.
+        ValueError: unknown load_format/device/dtype/quantization, unsupported architecture, missing
+            tensors, a GGUF file that is truncated or of another architecture, quantization of
+            already-quantized weights or on the GPU.
+        UnsupportedQuantType: a GGUF tensor type folio does not read (named, with the ways out).
         FileNotFoundError: the model cannot be found.
         RuntimeError: ``cuda`` without a usable GPU.
     """
-    from .registry import resolve_model
+    from .gguf_weights import gguf_source, load_gguf_weights
+    from .quantize import quantize_weights
+    from .registry import float32_import, resolve_model
     from .weights import dummy_weights, load_weights
 
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
     kernels = get_kernels(resolve_device(device))
+    on_cpu = getattr(kernels, "stack_quantized", None) is not None
+    if quantization is not None and not on_cpu:
+        raise ValueError(f"--quantization {quantization} runs on the CPU only (the {kernels.name} kernels read "
+                         f"float weights)")
     model_dir = Path(resolve_model(name_or_path))
     config = ModelConfig.from_pretrained(model_dir)
-    if load_format == "auto":
-        weights = load_weights(model_dir, config, keep_bf16=kernels.kv_cache_dtype == np.uint16)
-    elif hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
-        weights = _DeviceDummyWeights(config, kernels)
+    source = gguf_source(model_dir)
+    stored = dtype == "auto" and on_cpu   # serve the weights in the types they are stored in
+    if load_format == "dummy":
+        if hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
+            weights = _DeviceDummyWeights(config, kernels)
+        else:
+            weights = dummy_weights(config, seed=0)
+    elif source is not None and stored:
+        if quantization is not None:
+            raise ValueError(f"--quantization applies to float weights; {source.name} is already stored in GGUF "
+                             f"types (serve it as it is, or re-quantize it with llama.cpp's llama-quantize)")
+        weights = load_gguf_weights(source, config)
     else:
-        weights = dummy_weights(config, seed=0)
+        folder = float32_import(model_dir) if source is not None else model_dir
+        weights = load_weights(folder, config, keep_bf16=kernels.kv_cache_dtype == np.uint16,
+                               keep_16bit=stored)
+    if quantization is not None:
+        weights = quantize_weights(weights, quantization)
     model = LlamaForCausalLM(config, weights, kernels)
     return model, config, model_dir
 

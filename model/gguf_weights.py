@@ -1,0 +1,191 @@
+"""Weights served straight from a GGUF file, memory-mapped, in the types they are stored in.
+
+``load_gguf_weights`` returns the tensors a Llama forward pass needs (``weights.weight_shapes``) under
+their Hugging Face names: each matrix a ``QuantizedWeight`` whose bytes are a view of the mapped file
+(nothing copied, nothing dequantized: the CPU kernels read the blocks as llama.cpp lays them out,
+``kernels/cpu/quant_linear.py``), the norm vectors as float32. The one copy is of ``attn_q`` and
+``attn_k``: llama.cpp's converter permutes their rows for its rotary layout (pairs of adjacent
+rows), and folio's rotary kernels use Hugging Face's (halves of each head), so those two are read
+into memory with their rows put back in Hugging Face order (a permutation of whole rows: the
+blocks are unchanged). They are read with file reads, not through the mapping, so their mapped
+pages are never touched and not counted twice in the resident set.
+
+Everything is checked before a byte of weight data is read: the architecture, every tensor's
+presence, shape and type (a type outside ``quant_reference.QUANT_TYPES`` is refused with
+``UnsupportedQuantType``, which names the type and the ways out), and that the file holds each
+tensor's bytes in full (a truncated download is named as such).
+
+The tokenizer and config of the file are imported separately, once, into a small Hugging Face
+folder (``gguf_import.convert_gguf(..., weights=False)``); that folder's ``folio_import.json``
+records this file as the source of its weights (``gguf_source``).
+
+Sources: the GGUF specification (github.com/ggml-org/ggml/blob/master/docs/gguf.md) for the layout
+(header, metadata, tensor infos, aligned data); gguf-py's ``GGUFReader`` (the ``gguf`` package) reads
+it; llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) for the q/k row order.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..kernels.quant_reference import QuantizedWeight, UnsupportedQuantType, dequantize, quant_type, row_bytes
+from .config import ModelConfig
+from .gguf_import import GLOBAL_TENSORS, LAYER_TENSORS, MARKER, unpermute_rows
+from .weights import weight_shapes
+
+__all__ = ["load_gguf_weights", "open_gguf", "gguf_source"]
+
+
+def gguf_source(model_dir) -> Path | None:
+    """The GGUF file whose weights a folio import folder serves (its ``folio_import.json`` says
+    ``"weights": "gguf"``), or None for a folder that holds its own weights.
+
+    Raises:
+        FileNotFoundError: the folder names a GGUF file that is no longer there.
+    """
+    marker = Path(model_dir) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if info.get("weights") != "gguf":
+        return None
+    source = Path(info["source"])
+    if not source.is_file():
+        raise FileNotFoundError(f"{model_dir} serves the weights of {source}, which is gone; give the .gguf "
+                                f"file again (or remove {model_dir} to import it afresh)")
+    return source
+
+
+def open_gguf(path):
+    """A ``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a GGUF file, a truncated or corrupt one, or a tensor of a GGML type id that
+            ``gguf`` does not know (each named).
+    """
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic at its start)")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except ValueError as e:
+        if "GGMLQuantizationType" in str(e):
+            raise ValueError(f"{path}: a tensor has a GGML type unknown to the gguf package ({e}); re-quantize "
+                             f"it with llama.cpp's llama-quantize to Q4_K_M or Q8_0") from None
+        raise ValueError(f"{path} is truncated or corrupt: {e}") from None
+    except (IndexError, OSError, struct.error) as e:
+        raise ValueError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
+
+
+def _gguf_names(config: ModelConfig) -> dict[str, str]:
+    # Hugging Face name -> GGUF name for every tensor the forward pass needs
+    hf_to_gguf = {hf: g for g, hf in GLOBAL_TENSORS.items()}
+    out = {}
+    for name in weight_shapes(config):
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers."):].split(".", 1)
+            out[name] = f"blk.{layer}." + {hf: g for g, hf in LAYER_TENSORS.items()}[rest]
+        else:
+            out[name] = hf_to_gguf[name]
+    return out
+
+
+def load_gguf_weights(path, config: ModelConfig) -> dict:
+    """The tensors of ``weight_shapes(config)`` from the GGUF file ``path``, in their stored types.
+
+    Returns:
+        dict Hugging Face name -> ``QuantizedWeight`` for every matrix (``[N, K]``; F32, F16, BF16,
+        Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K as stored, views of the mapped file except
+        ``q_proj`` / ``k_proj``, see the module docstring) and float32 ``[hidden]`` arrays for the
+        norms.
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a llama GGUF, truncated or corrupt, a tensor missing or of another shape
+            than ``config`` says (named).
+        UnsupportedQuantType: a tensor in a type folio does not read (named, with the ways out).
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch!r}; folio serves llama GGUF files only")
+    tensors = {t.name: t for t in reader.tensors}
+    expected = weight_shapes(config)
+    names = _gguf_names(config)
+    size = path.stat().st_size
+    plan = {}
+    for hf_name, g in names.items():
+        t = tensors.get(g)
+        if t is None:
+            raise ValueError(f"{path}: tensor {g} ({hf_name}) is missing")
+        try:
+            q = quant_type(int(t.tensor_type))
+        except UnsupportedQuantType as e:
+            raise UnsupportedQuantType(f"{path}: tensor {g}: {e}") from None
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if shape != expected[hf_name]:
+            raise ValueError(f"{path}: tensor {g} has shape {list(shape)}, the model's config expects "
+                             f"{list(expected[hf_name])}")
+        nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes(q, shape[-1])
+        if t.data_offset + nbytes > size:
+            raise ValueError(f"{path} is truncated: tensor {g} needs bytes {t.data_offset}..{t.data_offset + nbytes} "
+                             f"of a {size}-byte file")
+        plan[hf_name] = (t, q, shape, nbytes)
+    _advise_willneed(reader)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    out = {}
+    for hf_name, (t, q, shape, nbytes) in plan.items():
+        if len(shape) == 1:
+            out[hf_name] = np.ascontiguousarray(dequantize(_bytes(t, nbytes), q).reshape(shape), dtype=np.float32)
+            continue
+        kind = hf_name.rsplit(".", 2)[-2]
+        if kind in heads:   # rows back into Hugging Face's rotary order, read past the mapping
+            raw = np.empty((shape[0], row_bytes(q, shape[1])), np.uint8)
+            with open(path, "rb") as f:
+                f.seek(t.data_offset)
+                if f.readinto(raw) != raw.nbytes:
+                    raise ValueError(f"{path} is truncated in tensor {t.name}")
+            data = unpermute_rows(raw, heads[kind])
+        else:
+            data = _bytes(t, nbytes).reshape(shape[0], -1)
+        out[hf_name] = QuantizedWeight(data, q.id, shape)
+    return out
+
+
+def _bytes(t, nbytes: int) -> np.ndarray:
+    # the tensor's bytes as a flat uint8 view of the mapping (gguf-py types F32/F16 data as floats)
+    data = np.asarray(t.data).reshape(-1).view(np.uint8)
+    if data.nbytes != nbytes:
+        raise ValueError(f"tensor {t.name} holds {data.nbytes} bytes, its type and shape need {nbytes}")
+    return data
+
+
+def _advise_willneed(reader) -> None:
+    # ask the kernel to read the file ahead (the first steps then find the weights in memory
+    # instead of faulting them in page by page); best effort
+    mm = getattr(reader.data, "_mmap", None)
+    advice = getattr(mmap, "MADV_WILLNEED", None)
+    if mm is not None and advice is not None and hasattr(mm, "madvise"):
+        try:
+            mm.madvise(advice)
+        except OSError:
+            pass
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
