@@ -181,7 +181,7 @@ def _run(a: argparse.Namespace) -> int:
     front = server = None
     kernels = None   # the CPU kernels into Numba's cache while the worker loads the model (its own runner only)
     if a.worker_runner == WORKER_RUNNER:
-        kernels = _start_kernel_compile(config.device)
+        kernels = _start_kernel_compile(config)
     try:
         _say(f"loading {config.model} in the worker process (device {config.device}) ...")
         server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,
@@ -220,13 +220,13 @@ def _run(a: argparse.Namespace) -> int:
     return code
 
 
-def _start_kernel_compile(device: str):
-    """A future of ``runtime.worker.precompile.precompile_with_progress`` (the CPU kernels into
-    Numba's cache, in two processes, progress on the terminal) when the worker will run the CPU
-    kernels on two or more threads, else None."""
+def _start_kernel_compile(config):
+    """A future of ``runtime.worker.precompile.precompile_with_progress`` (the CPU kernels of the
+    model's weight layout into Numba's cache, in two processes, progress on the terminal) when the
+    worker will run the CPU kernels on two or more threads, else None."""
     import threading
     from .runtime.worker import precompile
-    if not precompile.needed(device):
+    if not precompile.needed(config.device):
         return None
 
     class Compile(threading.Thread):   # a daemon: a stop during start-up does not wait for it
@@ -234,7 +234,9 @@ def _start_kernel_compile(device: str):
 
         def run(self):
             try:
-                precompile.precompile_with_progress(_say)
+                variant = precompile.weights_variant(config.model, config.dtype, config.quantization,
+                                                     config.load_format)
+                precompile.precompile_with_progress(_say, variant=variant)
             except BaseException as e:  # noqa: BLE001 - raised by result()
                 self.error = e
 

@@ -101,6 +101,27 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
     return model, config, model_dir
 
 
+def serves_quantized(name_or_path: str, dtype: str = "auto", quantization: str | None = None,
+                     load_format: str = "auto") -> bool:
+    """Whether ``load_model`` on the CPU serves this model's matrices in GGUF / 16-bit types (its
+    kernels then differ from a float32 model's): with ``quantization``, or ``dtype="auto"`` and a
+    GGUF file's weights or 16-bit safetensors. Reads only the import folder and safetensors headers.
+
+    Raises:
+        what ``registry.resolve_model`` raises.
+    """
+    from .gguf_weights import gguf_source
+    from .registry import resolve_model
+    from .weights import stored_16bit
+
+    if quantization is not None:
+        return True
+    if dtype != "auto" or load_format == "dummy":
+        return False
+    model_dir = Path(resolve_model(name_or_path))
+    return gguf_source(model_dir) is not None or stored_16bit(model_dir)
+
+
 class _DeviceDummyWeights(Mapping):
     """``dummy_weights``' names, shapes and distribution, each tensor made on the kernel table's
     device when first read (``kernels.random_weight``), with a seed derived from its name."""

@@ -155,6 +155,22 @@ def load_weights(model_dir, config: ModelConfig, keep_bf16: bool = False, keep_1
     return out
 
 
+def stored_16bit(model_dir) -> bool:
+    """Whether a Hugging Face folder's safetensors store any matrix in F16 or BF16 (headers only)."""
+    model_dir = Path(model_dir)
+    try:
+        files = set(_weight_files(model_dir).values())
+    except FileNotFoundError:
+        return False
+    for path in files:
+        if not path.is_file():
+            continue
+        header, _ = read_safetensors_header(path)
+        if any(info.get("dtype") in ("F16", "BF16") and len(info.get("shape", ())) == 2 for info in header.values()):
+            return True
+    return False
+
+
 def dummy_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights of the right names and shapes (for benchmarks and tests).
 

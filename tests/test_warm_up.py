@@ -122,8 +122,8 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
 
 
 PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dedent("""
-    from folio.runtime.worker.precompile import JOBS, compile_job
-    for job in JOBS:
+    from folio.runtime.worker.precompile import compile_job, jobs, weights_variant
+    for job in jobs(weights_variant(EngineConfig().model)):   # the default model's layout (its GGUF types)
         compile_job(job)
     before = signatures()
     engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512), ModelRunner(cfg))

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["JOBS", "GROUPS", "LAST_GROUP", "AFTER", "LANES", "Job", "precompile", "precompile_with_progress", "compile_job",
+__all__ = ["JOBS", "VARIANTS", "jobs", "weights_variant", "GROUPS", "LAST_GROUP", "AFTER", "LANES", "Job", "precompile", "precompile_with_progress", "compile_job",
            "in_cache", "needed"]
 
 
@@ -62,23 +62,28 @@ def _types() -> dict:
     a = types.Array
     return {"F1": a(types.float32, 1, "C"), "F2": a(types.float32, 2, "C"), "F3": a(types.float32, 3, "C"),
             "F4": a(types.float32, 4, "C"), "I1": a(types.int64, 1, "C"), "I2": a(types.int64, 2, "C"),
+            "I3": a(types.int64, 3, "C"), "U2": a(types.uint8, 2, "C"),
+            "U2r": a(types.uint8, 2, "C", readonly=True),   # a read-only memory-mapped GGUF tensor
             "i64": types.int64, "u64": types.uint64, "f64": types.float64, "f32": types.float32}
 
 
 _ATTENTION_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3 I2 i64 F2 F2 F2 I1 F2 F2 F1 F1 F1 F2 F2 F3"
 # forward._phase_item: phase, i, layer, task; buffers (residual, hidden, x, qkv, q, attn, attn2,
 # gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch
-_PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  F2 F3 F3 F2 F3 F3  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
-               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3")
+# gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch; product
+# scratch (a placeholder with float32 weights)
+_PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  {W}  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
+               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3 F2")
 # forward._layers_region: buffers, stacked weights, cache addresses and a cache, step metadata
-_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  F2 F3 F3 F2 F3 F3  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64"
+_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  {W}  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64"
+# the stacked weights (ln1, qkv, o, ln2, gate_up, down): float32 stacks, or QuantizedStack tables
+_FLOAT_WEIGHTS = "F2 F3 F3 F2 F3 F3"
+_QUANT_WEIGHTS = "F2 I3 I3 F2 I3 I3"
 
-JOBS = (
+_SHARED_JOBS = (
     Job("attention", "attention_item", _ATTENTION_ITEM, "attention", 18, "paged attention: prefill tiles and decode items"),
     Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "attention", 2.5,
         "paged attention: merge of key partitions"),
-    Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
-    Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
     Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.5, "RMSNorm"),
     Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 1, "residual add + RMSNorm"),
     Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.7,
@@ -86,16 +91,55 @@ JOBS = (
     Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.5, "SwiGLU"),
     Job("attention", "attention_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1.2, "paged attention: scratch buffers"),
     Job("forward", "wait_items_done", "I1 i64 i64", "linear", 0.2, "decoder layers: phase barrier"),
-    Job("forward", "_phase_item", _PHASE_ITEM, "layers", 8, "decoder layers: one work item of a phase"),
-    Job("forward", "_layers_region", _LAYERS_REGION, "layers", 30, "decoder layers: one parallel region per step"),
-    Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
+)
+_LAST_JOBS = (
     Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 2.5,
         "residual add + RMSNorm, parallel region (final norm)"),
     Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "rest", 6.5, "paged attention: work plan"),
     Job("rows", "_copy_blocks_kernel", "F4 I2", "rest", 0.5, "KV block copies (copy-on-write)"),
 )
-"""What ``precompile`` compiles: the signatures a two-thread worker's steps call (``forward``'s
-one-region layer loop, the final norm and ``lm_head`` product, the attention plan, block copies)."""
+_VARIANT_JOBS = {
+    "float32": (
+        Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
+        Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_FLOAT_WEIGHTS), "layers", 8,
+            "decoder layers: one work item of a phase"),
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_FLOAT_WEIGHTS), "layers", 30,
+            "decoder layers: one parallel region per step"),
+        Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
+    ),
+    # weights in GGUF types (a .gguf file served as stored, 16-bit safetensors, --quantization):
+    # the products read GGUF blocks; lm_head and the embedding are a read-only mapped tensor
+    "quantized": (
+        Job("quant_linear", "quant_task_rows", "F2 U2 i64 F2 i64 F2 u64 i64 i64", "linear", 14,
+            "matrix products from GGUF blocks"),
+        Job("quant_linear", "quant_item_rows", "i64", "linear", 0.2, "matrix products: rows per item"),
+        Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.3, "matrix products: scratch"),
+        Job("forward", "_row_bytes", "i64 i64", "linear", 0.1, "GGUF row sizes"),
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS), "layers", 8,
+            "decoder layers: one work item of a phase"),
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS), "layers", 30,
+            "decoder layers: one parallel region per step"),
+        Job("quant_linear", "quant_linear_into", "F2 U2r i64 F2 F3 i64", "rest", 10,
+            "matrix products from GGUF blocks, parallel region (lm_head)"),
+        Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 3, "embedding rows from GGUF blocks"),
+    ),
+}
+VARIANTS = tuple(_VARIANT_JOBS)
+"""The weight layouts a worker can run: float32 stacks, or weights in GGUF types."""
+
+
+def jobs(variant: str = "float32") -> tuple:
+    """The jobs of ``variant`` (``VARIANTS``), in the order they are listed (groups keep it)."""
+    if variant not in _VARIANT_JOBS:
+        raise ValueError(f"unknown kernel variant {variant!r}; one of {', '.join(VARIANTS)}")
+    return _SHARED_JOBS + _VARIANT_JOBS[variant] + _LAST_JOBS
+
+
+JOBS = jobs("float32")
+"""What ``precompile`` compiles for a float32 model: the signatures a two-thread worker's steps call
+(``forward``'s one-region layer loop, the final norm and ``lm_head`` product, the attention plan,
+block copies); ``jobs("quantized")`` for weights in GGUF types."""
 
 GROUPS = tuple(dict.fromkeys(j.group for j in JOBS))
 LAST_GROUP = "layers"
@@ -136,6 +180,16 @@ def needed(device: str = "cpu") -> bool:
     return threads > 1
 
 
+def weights_variant(model: str, dtype: str = "auto", quantization: str | None = None,
+                    load_format: str = "auto") -> str:
+    """The ``VARIANTS`` entry a CPU worker of this model runs: ``"quantized"`` where the weights are
+    served in GGUF / 16-bit types (``model.loader.load_model``'s rules: ``--dtype auto`` with a GGUF
+    file or 16-bit safetensors, or ``--quantization``), else ``"float32"``. Reads only the model's
+    import folder and safetensors headers (the import is made if absent)."""
+    from ...model.loader import serves_quantized
+    return "quantized" if serves_quantized(model, dtype, quantization, load_format) else "float32"
+
+
 def _dispatcher(job: Job):
     types = _types()
     fn = getattr(importlib.import_module(f"...kernels.cpu.{job.module}", __package__), job.function)
@@ -163,16 +217,21 @@ def in_cache(job: Job) -> bool:
 
 
 def _child_main(args: list[str]) -> int:
-    # "--check": first one line "missing N" (jobs of any group not in the cache), and stop there
-    # when N is 0; then the given groups' jobs in order, one line per job: "done NAME SECONDS C|L"
+    # "--variant V" first (default float32); "--check": first one line "missing N" (jobs of any
+    # group not in the cache), and stop there when N is 0; then the given groups' jobs in order,
+    # one line per job: "done NAME SECONDS C|L"
+    variant = "float32"
+    if args[:1] == ["--variant"]:
+        variant, args = args[1], args[2:]
+    all_jobs = jobs(variant)
     if args[:1] == ["--check"]:
         args = args[1:]
-        missing = sum(not in_cache(j) for j in JOBS)
+        missing = sum(not in_cache(j) for j in all_jobs)
         print(f"missing {missing}", flush=True)
         if not missing:
             return 0
     for g in args:
-        for job in JOBS:
+        for job in all_jobs:
             if job.group == g:
                 t0 = time.perf_counter()
                 compiled = compile_job(job)
@@ -193,8 +252,9 @@ def _lanes(processes: int) -> list[list[str]]:
 
 
 def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], None] | None = None,
-               on_start: Callable[[Job], None] | None = None, env: dict | None = None) -> dict:
-    """Fill Numba's cache with ``JOBS`` using up to ``processes`` child processes (``python -m``
+               on_start: Callable[[Job], None] | None = None, env: dict | None = None,
+               variant: str = "float32") -> dict:
+    """Fill Numba's cache with ``jobs(variant)`` using up to ``processes`` child processes (``python -m``
     this module): the first checks the cache index and, if nothing is missing, ends at once (a
     warm start spawns one process, which loads nothing); otherwise each process runs its lane of
     ``LANES``, each group after the groups it waits for (``AFTER``).
@@ -205,6 +265,7 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
             (``compiled``: False when it came from the cache; ``running``: the jobs now under way).
         on_start: called with each job as a child starts it.
         env: the children's environment (default this process's).
+        variant: the model's weight layout (``VARIANTS``; ``weights_variant`` tells a model's).
     Returns:
         ``{"seconds": wall time, "compiled": jobs compiled, "loaded": jobs found in the cache,
         "processes": children used}``.
@@ -213,16 +274,17 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
     """
     t0 = time.perf_counter()
     lanes = _lanes(processes)
-    by_name = {j.name: j for j in JOBS}
+    job_list = jobs(variant)
+    by_name = {j.name: j for j in job_list}
     lock = threading.Lock()
     running: dict[int, Job] = {}
     counts = {"compiled": 0, "loaded": 0, "processes": 0}
     checked = threading.Event()
-    missing = [len(JOBS)]
+    missing = [len(job_list)]
 
     def run(lane_id: int, groups: list[str], check: bool) -> None:
-        jobs = [j for g in groups for j in JOBS if j.group == g]
-        cmd = [sys.executable, "-m", __name__, *(["--check"] if check else []), *groups]
+        lane_jobs = [j for g in groups for j in job_list if j.group == g]
+        cmd = [sys.executable, "-m", __name__, "--variant", variant, *(["--check"] if check else []), *groups]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env if env is not None else os.environ.copy())
         with lock:
@@ -230,9 +292,9 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
 
         def start_first():
             with lock:
-                running[lane_id] = jobs[0]
+                running[lane_id] = lane_jobs[0]
             if on_start:
-                on_start(jobs[0])
+                on_start(lane_jobs[0])
 
         if not check:
             start_first()
@@ -249,8 +311,8 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
                 tail.append(line)
                 continue
             job = by_name[parts[1]]
-            k = jobs.index(job)
-            nxt = jobs[k + 1] if k + 1 < len(jobs) else None
+            k = lane_jobs.index(job)
+            nxt = lane_jobs[k + 1] if k + 1 < len(lane_jobs) else None
             with lock:
                 counts["compiled" if parts[3] == "C" else "loaded"] += 1
                 if nxt is None:
@@ -311,23 +373,25 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
     if errors:
         raise errors[0]
     if not missing[0]:
-        counts["loaded"] = len(JOBS)
+        counts["loaded"] = len(job_list)
     return {"seconds": time.perf_counter() - t0, **counts}
 
 
-def precompile_with_progress(say: Callable[[str], None], stream=None, processes: int = 2, env: dict | None = None):
+def precompile_with_progress(say: Callable[[str], None], stream=None, processes: int = 2, env: dict | None = None,
+                             variant: str = "float32"):
     """``precompile`` with its progress shown: a bar (tqdm) on ``stream`` (default stderr) when it
     is a terminal: the share of the estimated work done, the kernels done out of all, the ones
     being compiled; otherwise one line per compiled kernel through ``say``. Ends with one line
     through ``say``: how long it took, how many kernels were compiled and how many came from the
     cache. Returns ``precompile``'s dict; raises what it raises."""
     stream = sys.stderr if stream is None else stream
-    total = len(JOBS)
+    job_list = jobs(variant)
+    total = len(job_list)
     done = [0]
     bar = None
     if getattr(stream, "isatty", lambda: False)():
         from tqdm import tqdm
-        bar = tqdm(total=round(sum(j.seconds for j in JOBS), 1), file=stream, desc="checking Numba's cache",
+        bar = tqdm(total=round(sum(j.seconds for j in job_list), 1), file=stream, desc="checking Numba's cache",
                    bar_format="compiling CPU kernels: {percentage:3.0f}%|{bar:20}| {elapsed} | {desc}", leave=False)
         lock = threading.Lock()
 
@@ -352,7 +416,7 @@ def precompile_with_progress(say: Callable[[str], None], stream=None, processes:
             if compiled:
                 say(f"compiled {job.name} ({job.what}) in {seconds:.1f} s [{done[0]}/{total}]")
     try:
-        r = precompile(processes, progress=progress, on_start=on_start, env=env)
+        r = precompile(processes, progress=progress, on_start=on_start, env=env, variant=variant)
     finally:
         if bar is not None:
             bar.close()
