@@ -438,6 +438,8 @@ class QuantizedWeight:
                              f"{getattr(data, 'shape', '')}")
         self.data, self.qtype, self.shape = data, q.id, (N, K)
 
+    ndim = 2
+
     @property
     def type_name(self) -> str:
         return QUANT_TYPES[self.qtype].name

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -61,6 +62,33 @@ PRE_TOKENIZERS = {
 
 # llama.cpp token types (gguf.TokenType)
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+
+
+def open_gguf(path):
+    """A ``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a GGUF file, a truncated or corrupt one, or a tensor of a GGML type id that
+            ``gguf`` does not know (each named).
+    """
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic at its start)")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except ValueError as e:
+        if "GGMLQuantizationType" in str(e):
+            raise ValueError(f"{path}: a tensor has a GGML type unknown to the gguf package ({e}); re-quantize "
+                             f"it with llama.cpp's llama-quantize to Q4_K_M or Q8_0") from None
+        raise ValueError(f"{path} is truncated or corrupt: {e}") from None
+    except (IndexError, OSError, struct.error) as e:
+        raise ValueError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
 def _field(reader, key, default=None):
@@ -266,7 +294,7 @@ def convert_gguf(gguf_path, out_dir, *, weights: bool = True, verbose: bool = Fa
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"output folder {out_dir} exists and is not empty")
     t0 = time.perf_counter()
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config_from_gguf(reader, set(tensors))
     tokenizer = build_tokenizer(reader)  # fails early on an unsupported tokenizer

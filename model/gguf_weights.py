@@ -28,17 +28,16 @@ from __future__ import annotations
 
 import json
 import mmap
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from ..kernels.quant_reference import QuantizedWeight, UnsupportedQuantType, dequantize, quant_type, row_bytes
 from .config import ModelConfig
-from .gguf_import import GLOBAL_TENSORS, LAYER_TENSORS, MARKER, unpermute_rows
+from .gguf_import import GLOBAL_TENSORS, LAYER_TENSORS, MARKER, open_gguf, unpermute_rows
 from .weights import weight_shapes
 
-__all__ = ["load_gguf_weights", "open_gguf", "gguf_source"]
+__all__ = ["load_gguf_weights", "gguf_source"]
 
 
 def gguf_source(model_dir) -> Path | None:
@@ -62,33 +61,6 @@ def gguf_source(model_dir) -> Path | None:
         raise FileNotFoundError(f"{model_dir} serves the weights of {source}, which is gone; give the .gguf "
                                 f"file again (or remove {model_dir} to import it afresh)")
     return source
-
-
-def open_gguf(path):
-    """A ``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not a GGUF file, a truncated or corrupt one, or a tensor of a GGML type id that
-            ``gguf`` does not know (each named).
-    """
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such GGUF file: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic at its start)")
-    try:
-        return gguf.GGUFReader(str(path), "r")
-    except ValueError as e:
-        if "GGMLQuantizationType" in str(e):
-            raise ValueError(f"{path}: a tensor has a GGML type unknown to the gguf package ({e}); re-quantize "
-                             f"it with llama.cpp's llama-quantize to Q4_K_M or Q8_0") from None
-        raise ValueError(f"{path} is truncated or corrupt: {e}") from None
-    except (IndexError, OSError, struct.error) as e:
-        raise ValueError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
 def _gguf_names(config: ModelConfig) -> dict[str, str]:

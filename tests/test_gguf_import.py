@@ -19,6 +19,7 @@ from folio.model.config import ModelConfig
 from folio.model.gguf_import import convert_gguf
 from folio.model.registry import find_packaged_gguf, resolve_model
 from folio.model.tokenizer import Tokenizer
+from folio.model.gguf_weights import gguf_source
 from folio.model.weights import load_weights, weight_shapes
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_135m.json").read_text())
@@ -36,8 +37,9 @@ def _deq(t) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def default_weights(default_model_dir):
+    # the float32 import (--dtype float32): every tensor dequantized into model.safetensors
     cfg = ModelConfig.from_pretrained(default_model_dir)
-    return cfg, load_weights(default_model_dir, cfg)
+    return cfg, load_weights(registry.float32_import(default_model_dir), cfg)
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +98,20 @@ def test_default_qk_permutation_and_other_tensors(default_weights, default_gguf,
         np.testing.assert_array_equal(w[p + hf + ".weight"], _deq(default_gguf[b + gg + ".weight"]), err_msg=hf)
 
 
-def test_registry_reuses_the_import(default_model_dir):
-    st = Path(default_model_dir) / "model.safetensors"
-    before = st.stat().st_mtime_ns
-    assert resolve_model("smollm2-135m-instruct") == Path(default_model_dir)
-    assert resolve_model(str(default_model_dir)) == Path(default_model_dir)  # a folder is used as is
-    assert st.stat().st_mtime_ns == before
+def test_registry_reuses_the_import(default_model_dir, default_weights):
+    # the default import holds config and tokenizer only (the weights are served from the GGUF);
+    # the float32 import is a sibling folder, made once
+    folder = Path(default_model_dir)
+    assert not (folder / "model.safetensors").exists()
+    assert gguf_source(folder) == find_packaged_gguf("smollm2-135m-instruct").resolve()
+    st = folder / "tokenizer.json"
+    f32 = registry.float32_import(folder)
+    assert f32 == folder.parent / (folder.name + registry.FLOAT32_SUFFIX) and gguf_source(f32) is None
+    before = st.stat().st_mtime_ns, (f32 / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model("smollm2-135m-instruct") == folder
+    assert resolve_model(str(folder)) == folder  # a folder is used as is
+    assert registry.float32_import(folder) == f32
+    assert (st.stat().st_mtime_ns, (f32 / "model.safetensors").stat().st_mtime_ns) == before
 
 
 def test_registry_errors(monkeypatch, tmp_path):
@@ -327,7 +337,8 @@ def test_registry_imports_once_and_redoes_stale(tmp_path, monkeypatch):
     folder = tmp_path / "home" / "models" / "tiny-test"
     assert results == [folder] * 3
     assert sorted(os.listdir(tmp_path / "home" / "models")) == ["tiny-test"]  # no temporary folders left
-    st = folder / "model.safetensors"
+    assert not (folder / "model.safetensors").exists()   # weights served from the GGUF file
+    st = folder / "tokenizer.json"
     before = st.stat().st_mtime_ns
     assert resolve_model("tiny-test") == folder and st.stat().st_mtime_ns == before
 
