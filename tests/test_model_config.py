@@ -165,3 +165,29 @@ def test_dummy_weights_shapes_and_determinism():
     assert all(np.array_equal(a[n], b[n]) for n in a)
     assert not np.array_equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
     assert all(w.dtype == np.float32 for w in a.values())
+
+
+def test_bf16_checkpoint_stays_16_bit_on_cpu(tmp_path):
+    # --dtype auto on the CPU: bf16 matrices served as BF16 (half of float32's bytes), the same
+    # values as the float32 load; norms float32; --dtype float32 widens everything
+    from folio.kernels.quant_reference import QuantizedWeight
+    from folio.model.loader import load_model, serves_quantized
+
+    cfg = ModelConfig.from_dict(TINY)
+    rng = np.random.default_rng(1)
+    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in weight_shapes(cfg).items()}
+    _write_tiny_sharded(tmp_path, weights)
+    widened = load_weights(tmp_path, cfg)
+    kept = load_weights(tmp_path, cfg, keep_16bit=True)
+    for name, w in kept.items():
+        if widened[name].ndim == 2:
+            assert isinstance(w, QuantizedWeight) and w.type_name == "BF16" and w.nbytes == widened[name].nbytes // 2
+            np.testing.assert_array_equal(w.dequantize(), widened[name], err_msg=name)
+        else:
+            assert w.dtype == np.float32
+            np.testing.assert_array_equal(w, widened[name], err_msg=name)
+    assert serves_quantized(str(tmp_path)) and not serves_quantized(str(tmp_path), dtype="float32")
+    model, _, _ = load_model(str(tmp_path), device="cpu")
+    assert isinstance(model.lm_head, QuantizedWeight)
+    model32, _, _ = load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert model32.weight_bytes() > 1.9 * model.weight_bytes()
