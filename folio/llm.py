@@ -8,6 +8,7 @@ cumulative view, built from the engine's per-step deltas when each request finis
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any, Sequence
 
 from .runtime.scheduler.beam_search import BeamSearchOutput
@@ -35,7 +36,11 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, executor=None, **engine_args):
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         if executor is None:
+            from .runtime.worker import precompile
             from .runtime.worker.model_runner import ModelRunner  # the worker side, in this process
+            # a cold Numba cache: the kernels compiled in parallel processes, with progress
+            # (a bar on a terminal), instead of silently inside the first step
+            precompile.precompile_for(self.config, lambda m: print(f"folio: {m}", file=sys.stderr, flush=True))
             executor = ModelRunner(self.config)
         self.llm_engine = LLMEngine(self.config, executor=executor)
         self._counter = itertools.count()

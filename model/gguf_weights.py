@@ -20,24 +20,26 @@ folder (``gguf_import.convert_gguf(..., weights=False)``); that folder's ``folio
 records this file as the source of its weights (``gguf_source``).
 
 Sources: the GGUF specification (github.com/ggml-org/ggml/blob/master/docs/gguf.md) for the layout
-(header, metadata, tensor infos, aligned data); gguf-py's ``GGUFReader`` (the ``gguf`` package) reads
-it; llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) for the q/k row order.
+(header, metadata, tensor infos, aligned data; ``read_tensor_infos`` walks it, a few milliseconds
+where gguf-py's reader takes seconds); llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) for the q/k row order.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ..kernels.quant_reference import QuantizedWeight, UnsupportedQuantType, dequantize, quant_type, row_bytes
 from .config import ModelConfig
-from .gguf_import import GLOBAL_TENSORS, LAYER_TENSORS, MARKER, open_gguf, unpermute_rows
+from .gguf_import import GLOBAL_TENSORS, LAYER_TENSORS, MARKER, unpermute_rows
 from .weights import weight_shapes
 
-__all__ = ["load_gguf_weights", "gguf_source"]
+__all__ = ["load_gguf_weights", "gguf_source", "read_tensor_infos", "TensorInfo"]
 
 
 def gguf_source(model_dir) -> Path | None:
@@ -76,6 +78,102 @@ def _gguf_names(config: ModelConfig) -> dict[str, str]:
     return out
 
 
+class TensorInfo(NamedTuple):
+    """One tensor of a GGUF file: ``shape`` in NumPy order (the file's dims reversed), GGML type id,
+    absolute byte offset of its data."""
+    shape: tuple
+    type_id: int
+    offset: int
+
+
+# GGUF metadata value types (gguf.md): fixed sizes of the scalar ones; 8 = string, 9 = array
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def read_tensor_infos(path) -> tuple[str | None, dict[str, TensorInfo]]:
+    """``(general.architecture, {name: TensorInfo})`` of a GGUF file (versions 2 and 3), from its
+    header alone.
+
+    gguf-py's ``GGUFReader`` parses every metadata value into NumPy views of a memory map, several
+    seconds for a tokenizer's 50-130k strings and merges; serving needs only the tensor infos and
+    the architecture, so this walks the metadata without decoding it (the tokenizer and config
+    are read with gguf-py once, at import). ``tests/test_gguf_serving.py`` checks it against
+    gguf-py.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a GGUF file, an unknown version, or a header cut short (truncated file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
+    try:
+        return _parse_header(buf, path)
+    except (struct.error, IndexError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is truncated or corrupt (its header ends early: {e})") from None
+    finally:
+        if isinstance(buf, mmap.mmap):
+            buf.close()
+
+
+def _parse_header(buf, path: Path):
+    if buf[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic at its start)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version}; folio reads versions 2 and 3")
+    at = 24
+
+    def string(at):
+        (n,) = struct.unpack_from("<Q", buf, at)
+        end = at + 8 + n
+        if end > len(buf):
+            raise IndexError("a string runs past the end of the file")
+        return bytes(buf[at + 8:end]).decode("utf-8"), end
+
+    def skip(vtype, at):
+        if vtype in _SCALAR_BYTES:
+            return at + _SCALAR_BYTES[vtype]
+        if vtype == _STRING:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            return at + 8 + n
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if etype in _SCALAR_BYTES:
+                return at + count * _SCALAR_BYTES[etype]
+            for _ in range(count):
+                at = skip(etype, at)
+            return at
+        raise ValueError(f"{path}: unknown metadata value type {vtype}")
+
+    arch, alignment = None, 32
+    for _ in range(n_kv):
+        key, at = string(at)
+        (vtype,) = struct.unpack_from("<I", buf, at)
+        at += 4
+        if key == "general.architecture" and vtype == _STRING:
+            arch, at = string(at)
+        elif key == "general.alignment" and vtype == 4:
+            (alignment,) = struct.unpack_from("<I", buf, at)
+            at += 4
+        else:
+            at = skip(vtype, at)
+    raw = []
+    for _ in range(n_tensors):
+        name, at = string(at)
+        (n_dims,) = struct.unpack_from("<I", buf, at)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, at + 4)
+        type_id, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * n_dims)
+        at += 4 + 8 * n_dims + 12
+        raw.append((name, tuple(int(d) for d in reversed(dims)), int(type_id), int(offset)))
+    data_start = (at + alignment - 1) // alignment * alignment
+    return arch, {name: TensorInfo(shape, type_id, data_start + offset) for name, shape, type_id, offset in raw}
+
+
 def load_gguf_weights(path, config: ModelConfig) -> dict:
     """The tensors of ``weight_shapes(config)`` from the GGUF file ``path``, in their stored types.
 
@@ -91,11 +189,9 @@ def load_gguf_weights(path, config: ModelConfig) -> dict:
         UnsupportedQuantType: a tensor in a type folio does not read (named, with the ways out).
     """
     path = Path(path)
-    reader = open_gguf(path)
-    arch = _field(reader, "general.architecture")
+    arch, tensors = read_tensor_infos(path)
     if arch != "llama":
         raise ValueError(f"{path}: architecture {arch!r}; folio serves llama GGUF files only")
-    tensors = {t.name: t for t in reader.tensors}
     expected = weight_shapes(config)
     names = _gguf_names(config)
     size = path.stat().st_size
@@ -105,59 +201,48 @@ def load_gguf_weights(path, config: ModelConfig) -> dict:
         if t is None:
             raise ValueError(f"{path}: tensor {g} ({hf_name}) is missing")
         try:
-            q = quant_type(int(t.tensor_type))
+            q = quant_type(t.type_id)
         except UnsupportedQuantType as e:
             raise UnsupportedQuantType(f"{path}: tensor {g}: {e}") from None
-        shape = tuple(int(n) for n in reversed(t.shape))
-        if shape != expected[hf_name]:
-            raise ValueError(f"{path}: tensor {g} has shape {list(shape)}, the model's config expects "
+        if t.shape != expected[hf_name]:
+            raise ValueError(f"{path}: tensor {g} has shape {list(t.shape)}, the model's config expects "
                              f"{list(expected[hf_name])}")
-        nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes(q, shape[-1])
-        if t.data_offset + nbytes > size:
-            raise ValueError(f"{path} is truncated: tensor {g} needs bytes {t.data_offset}..{t.data_offset + nbytes} "
+        nbytes = int(np.prod(t.shape[:-1], dtype=np.int64)) * row_bytes(q, t.shape[-1])
+        if t.offset + nbytes > size:
+            raise ValueError(f"{path} is truncated: tensor {g} needs bytes {t.offset}..{t.offset + nbytes} "
                              f"of a {size}-byte file")
-        plan[hf_name] = (t, q, shape, nbytes)
-    _advise_willneed(reader)
+        plan[hf_name] = (g, t, q, nbytes)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    _advise_willneed(mapped)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     out = {}
-    for hf_name, (t, q, shape, nbytes) in plan.items():
+    for hf_name, (g, t, q, nbytes) in plan.items():
+        shape = t.shape
         if len(shape) == 1:
-            out[hf_name] = np.ascontiguousarray(dequantize(_bytes(t, nbytes), q).reshape(shape), dtype=np.float32)
+            out[hf_name] = np.ascontiguousarray(dequantize(np.asarray(mapped[t.offset:t.offset + nbytes]), q),
+                                                dtype=np.float32).reshape(shape)
             continue
         kind = hf_name.rsplit(".", 2)[-2]
         if kind in heads:   # rows back into Hugging Face's rotary order, read past the mapping
-            raw = np.empty((shape[0], row_bytes(q, shape[1])), np.uint8)
+            raw = np.empty((shape[0], nbytes // shape[0]), np.uint8)
             with open(path, "rb") as f:
-                f.seek(t.data_offset)
+                f.seek(t.offset)
                 if f.readinto(raw) != raw.nbytes:
-                    raise ValueError(f"{path} is truncated in tensor {t.name}")
+                    raise ValueError(f"{path} is truncated in tensor {g}")
             data = unpermute_rows(raw, heads[kind])
-        else:
-            data = _bytes(t, nbytes).reshape(shape[0], -1)
+        else:   # a read-only view of the mapping (np.asarray: a plain ndarray, the map its base)
+            data = np.asarray(mapped[t.offset:t.offset + nbytes]).reshape(shape[0], -1)
         out[hf_name] = QuantizedWeight(data, q.id, shape)
     return out
 
 
-def _bytes(t, nbytes: int) -> np.ndarray:
-    # the tensor's bytes as a flat uint8 view of the mapping (gguf-py types F32/F16 data as floats)
-    data = np.asarray(t.data).reshape(-1).view(np.uint8)
-    if data.nbytes != nbytes:
-        raise ValueError(f"tensor {t.name} holds {data.nbytes} bytes, its type and shape need {nbytes}")
-    return data
-
-
-def _advise_willneed(reader) -> None:
+def _advise_willneed(mapped: np.memmap) -> None:
     # ask the kernel to read the file ahead (the first steps then find the weights in memory
     # instead of faulting them in page by page); best effort
-    mm = getattr(reader.data, "_mmap", None)
+    mm = getattr(mapped, "_mmap", None)
     advice = getattr(mmap, "MADV_WILLNEED", None)
     if mm is not None and advice is not None and hasattr(mm, "madvise"):
         try:
             mm.madvise(advice)
         except OSError:
             pass
-
-
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()

@@ -68,9 +68,13 @@ def _is_current_import(folder: Path, source: Path, weights: bool) -> bool:
             info = json.load(f)
     except (OSError, json.JSONDecodeError):
         return False
+    # the same file by size and name (another install's copy of a package's file is the same
+    # file: two virtual environments share one import); a folder that serves its weights from the
+    # file must still find it where it recorded it
+    recorded = Path(info.get("source", ""))
     return (info.get("format_version") == IMPORT_FORMAT_VERSION and info.get("source_bytes") == source.stat().st_size
-            and info.get("source") == str(source.resolve())
-            and info.get("weights") == ("safetensors" if weights else "gguf"))
+            and recorded.name == source.name and info.get("weights") == ("safetensors" if weights else "gguf")
+            and (weights or recorded.is_file()))
 
 
 def ensure_gguf_import(gguf_path, out_dir, weights: bool = False) -> Path:

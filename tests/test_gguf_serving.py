@@ -233,6 +233,20 @@ def test_cli_reports_a_bad_file_and_exits(tmp_path, capsys):
     assert "truncated" in err and "Traceback" not in err
 
 
+def test_tensor_infos_agree_with_gguf_py(tmp_path):
+    # the header walk that serving uses, against gguf-py's reader, on the default model's file and
+    # a mixed-type one
+    from folio.model.gguf_weights import read_tensor_infos
+    from folio.model.registry import find_packaged_gguf
+    write_tiny_gguf(tmp_path / "tiny.gguf", tied=False)
+    for path in (find_packaged_gguf("smollm2-135m-instruct"), tmp_path / "tiny.gguf"):
+        reader = gguf.GGUFReader(str(path))
+        arch, infos = read_tensor_infos(path)
+        assert arch == "llama"
+        assert infos == {t.name: (tuple(int(n) for n in reversed(t.shape)), int(t.tensor_type), int(t.data_offset))
+                         for t in reader.tensors}
+
+
 def test_marker_names_the_source(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path)

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["JOBS", "VARIANTS", "jobs", "weights_variant", "GROUPS", "LAST_GROUP", "AFTER", "LANES", "Job", "precompile", "precompile_with_progress", "compile_job",
+__all__ = ["JOBS", "VARIANTS", "jobs", "weights_variant", "GROUPS", "LAST_GROUP", "AFTER", "LANES", "Job", "precompile", "precompile_with_progress", "precompile_for", "compile_job",
            "in_cache", "needed"]
 
 
@@ -426,6 +426,19 @@ def precompile_with_progress(say: Callable[[str], None], stream=None, processes:
     else:
         say(f"CPU kernels found in Numba's cache ({r['seconds']:.1f} s)")
     return r
+
+
+def precompile_for(config, say: Callable[[str], None], stream=None) -> dict | None:
+    """``precompile_with_progress`` for an engine of ``config`` (an ``EngineConfig``) in this
+    process (``folio.LLM``, ``folio generate``), when its worker runs the CPU kernels on two or
+    more threads and the kernels of its weight layout are not all in Numba's cache (checked here,
+    without compiling or spawning anything); else None at once."""
+    if not needed(config.device):
+        return None
+    variant = weights_variant(config.model, config.dtype, config.quantization, config.load_format)
+    if all(in_cache(job) for job in jobs(variant)):
+        return None
+    return precompile_with_progress(say, stream, variant=variant)
 
 
 def _die_with_parent() -> None:
