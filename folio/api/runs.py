@@ -19,7 +19,7 @@ from ..ipc.client import StreamDelta
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .serving import (LOGPROB_FLOOR, BeamSearchGroup, FrontEnd, RequestGroup, beam_search_params, response_format_constraint,
                       sampling_params)
-from .tool_calls import might_be_tool_call, parse_tool_calls, resolve_tool_choice, tool_constraint
+from .tool_calls import ToolCallParser, parse_tool_calls, resolve_tool_choice, tool_constraint
 
 log = logging.getLogger("folio.api")
 
@@ -32,7 +32,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False                             # streaming: first chunk sent
-    held: bool = False                                # streaming: text held back (may be tool calls)
+    tool_parser: ToolCallParser | None = None         # streaming chat with tools: its calls and content
+    held_logprobs: list = field(default_factory=list)  # streaming: of tokens whose text is held back
     text_offset: int = 0                              # completions logprobs: offset of the next token
 
 
@@ -328,26 +329,57 @@ class ChatRun(_Run):
     def _stream_choices(self, i, k, c, d, new_logprobs):
         if not c.started:          # the first chunk of a choice carries the role
             c.started = True
-            c.held = self.tool_mode != "none"
+            if self.tool_mode != "none":
+                c.tool_parser = ToolCallParser(self.tool_mode, self.req.tools, self.tool_name,
+                                               self.req.parallel_tool_calls)
             yield {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None}
-        if c.held:  # the output may be tool calls: held back until it proves not to be, or ends
-            text = "".join(c.text)
-            if d.finish_reason is None and (self.tool_mode != "auto" or might_be_tool_call(text)):
-                return
-            c.held = False
-            if d.finish_reason is not None:
-                content, calls, finish = self._tool_calls(text, d.finish_reason)
-                if calls:
-                    yield {"index": k, "delta": {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]},
-                           "logprobs": None, "finish_reason": None}
-                    yield {"index": k, "delta": {}, "logprobs": None, "finish_reason": finish,
-                           "stop_reason": d.stop_reason}
-                    return
-            yield {"index": k, "delta": {"content": text}, "logprobs": self._logprobs(c.logprobs),
-                   "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if c.tool_parser is not None:
+            yield from self._stream_tool_choices(k, c, d, new_logprobs)
             return
         if d.text or d.token_ids or d.finish_reason is not None:
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             yield {"index": k, "delta": delta, "logprobs": self._logprobs(new_logprobs),
                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+    def _stream_tool_choices(self, k, c, d, new_logprobs):
+        """The chunks of one engine delta when the output may hold tool calls: the parser's events
+        (``ToolCallParser``) as OpenAI streams them: content; a call's first delta with ``index``,
+        ``id``, ``type`` and ``function.name`` (arguments ``""``); then its arguments in pieces.
+        Logprobs of tokens whose text is held back go with the next chunk sent."""
+        events = c.tool_parser.feed(d.text)
+        if d.finish_reason is not None:
+            events += c.tool_parser.finish()
+        c.held_logprobs.extend(new_logprobs)
+        for delta in _event_deltas(events):
+            logprobs, c.held_logprobs = c.held_logprobs, []
+            yield {"index": k, "delta": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                   "finish_reason": None}
+        if d.finish_reason is not None:
+            finish = "tool_calls" if c.tool_parser.calls and d.finish_reason == "stop" else d.finish_reason
+            logprobs, c.held_logprobs = c.held_logprobs, []
+            yield {"index": k, "delta": {}, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                   "finish_reason": finish, "stop_reason": d.stop_reason}
+
+
+def _event_deltas(events: list) -> list[dict]:
+    """``ToolCallEvent``s as chat ``delta``s: runs of content (or of one call's arguments) merged
+    into one delta, each call's first delta on its own."""
+    out: list[dict] = []
+    for e in events:
+        last = out[-1] if out else None
+        if e.kind == "content":
+            if last is not None and "content" in last:
+                last["content"] += e.text
+            else:
+                out.append({"content": e.text})
+        elif e.kind == "call":
+            out.append({"tool_calls": [{"index": e.index, "id": e.call_id, "type": "function",
+                                        "function": {"name": e.text, "arguments": ""}}]})
+        else:
+            item = last["tool_calls"][0] if last is not None and "tool_calls" in last else None
+            if item is not None and item["index"] == e.index and "id" not in item:
+                item["function"]["arguments"] += e.text
+            else:
+                out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return out
