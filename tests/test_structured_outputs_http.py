@@ -3,8 +3,9 @@
 
 Expectations are independent of the server: pydantic parses ``parse()``'s output, ``jsonschema``
 validates every call's arguments against its function's parameters, ``re.fullmatch`` the regex
-output; streamed tool calls are compared with the same request answered whole (greedy).
-The tool-call parser (``auto``) is checked on texts in the Hermes and Llama 3.x formats.
+output; streamed tool calls are compared with the same request answered whole (greedy): the
+same calls, their arguments arriving in pieces. The tool-call parser (``auto``) is checked on texts
+in the Hermes and Llama 3.x formats (split into tokens: tests/test_tool_call_parser.py).
 """
 
 from __future__ import annotations
@@ -88,23 +89,55 @@ def _args_valid(call, tools):
     jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+def _streamed(chunks):
+    """``(content, [(id, name, [argument pieces])], finish_reason)`` of a streamed choice, checking
+    OpenAI's delta shape: a call's first delta has its id, type and name and empty arguments, the
+    later ones only arguments."""
+    content, calls = "", {}
+    for ch in chunks:
+        delta = ch.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id and tc.id.startswith("call_") and tc.type == "function", tc
+                assert tc.function.name and tc.function.arguments == "", tc
+                calls[tc.index] = (tc.id, tc.function.name, [])
+            else:
+                assert tc.id is None and tc.function.name is None and tc.function.arguments, tc
+                calls[tc.index][2].append(tc.function.arguments)
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in range(len(calls))], chunks[-1].choices[0].finish_reason
+
+
+def _same_calls_whole_and_streamed(client, min_pieces=2, **request):
+    """The request answered whole and streamed (greedy): the same calls, the streamed arguments in
+    at least ``min_pieces`` pieces each. Returns the whole response's choice."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, **request)
+    whole = r.choices[0]
+    content, calls, finish = _streamed(list(client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, stream=True, **request)))
+    assert finish == whole.finish_reason == "tool_calls", whole.message
+    assert content == (whole.message.content or "")
+    assert [(name, "".join(pieces)) for _, name, pieces in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(len(pieces) >= min_pieces for _, _, pieces in calls), calls
+    assert len({call_id for call_id, _, _ in calls}) == len(calls)
+    return whole
+
+
 def test_named_and_required_tool_calls_whole_and_streamed(client):
     tools = [WEATHER, TIME]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=named,
-                                       max_tokens=40, temperature=0)
-    c = r.choices[0]
+    c = _same_calls_whole_and_streamed(client, tools=tools, tool_choice=named, max_tokens=40)
     assert c.finish_reason == "tool_calls" and c.message.content is None
     (call,) = c.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     _args_valid(call, tools)
-    # streamed: the same call (greedy), in OpenAI's delta shape
-    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=named,
-                                                 max_tokens=40, temperature=0, stream=True))
-    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert deltas and deltas[0].id and deltas[0].function.name == "get_weather"
-    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # required: the grammar's array of {name, parameters}, streamed call by call
+    c = _same_calls_whole_and_streamed(client, tools=tools, tool_choice="required", max_tokens=60)
+    assert c.message.content is None and c.message.tool_calls
+    for call in c.message.tool_calls:
+        _args_valid(call, tools)
 
     for temperature in (0.0, 1.0):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
@@ -113,6 +146,50 @@ def test_named_and_required_tool_calls_whole_and_streamed(client):
         assert c.finish_reason == "tool_calls", c.message
         assert len(c.message.tool_calls) == 1
         _args_valid(c.message.tool_calls[0], tools)
+
+
+# ``auto`` end to end: SmolLM2's template does not render tools, so a regex (structured_outputs,
+# which ``auto`` leaves free) makes the model write a call in each format; its tokenizer splits
+# ``<tool_call>`` into five tokens and the JSON into many
+HERMES_REGEX = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+                r'\{"city": "[A-Z][a-z]{2,8}", "unit": "[cf]"\}\}\n</tool_call>')
+LLAMA_JSON_REGEX = r'\{"name": "get_time", "parameters": \{"zone": "[A-Z]{3}"\}\}'
+
+
+def test_auto_tool_calls_in_both_formats_whole_and_streamed(client):
+    tools = [WEATHER, TIME]
+    c = _same_calls_whole_and_streamed(client, tools=tools, max_tokens=80,
+                                       extra_body={"structured_outputs": {"regex": HERMES_REGEX}})
+    assert c.message.content == "Let me check."        # the text before the call; the call is not content
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    _args_valid(call, tools)
+    c = _same_calls_whole_and_streamed(client, tools=tools, max_tokens=40,
+                                       extra_body={"structured_outputs": {"regex": LLAMA_JSON_REGEX}})
+    assert c.message.content is None and [t.function.name for t in c.message.tool_calls] == ["get_time"]
+    _args_valid(c.message.tool_calls[0], tools)
+    # tool_choice none: the same text is the content
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="none", temperature=0,
+                                       max_tokens=40, extra_body={"structured_outputs": {"regex": LLAMA_JSON_REGEX}})
+    assert r.choices[0].message.tool_calls is None or r.choices[0].message.tool_calls == []
+    assert re.fullmatch(LLAMA_JSON_REGEX, r.choices[0].message.content)
+
+
+def test_the_sdks_stream_helper_parses_streamed_tool_calls(client):
+    class GetTime(pydantic.BaseModel):
+        zone: str = pydantic.Field(max_length=8)
+
+    tool = openai.pydantic_function_tool(GetTime, name="get_time")
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=[tool], max_tokens=40, temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_time"}}) as s:
+        events = list(s)
+        final = s.get_final_completion()
+    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
+    (done,) = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert len(pieces) > 1 and "".join(pieces) == done.arguments
+    assert done.name == "get_time" and isinstance(done.parsed_arguments, GetTime)
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.parsed_arguments == done.parsed_arguments and final.choices[0].finish_reason == "tool_calls"
 
 
 def test_bad_constraints_are_400_naming_the_field(client):
