@@ -175,7 +175,7 @@ def test_auto_tool_calls_in_both_formats_whole_and_streamed(client):
     assert re.fullmatch(LLAMA_JSON_REGEX, r.choices[0].message.content)
 
 
-def test_the_sdks_stream_helper_parses_streamed_tool_calls(client):
+def test_the_sdks_stream_helper_and_parse_read_tool_calls(client):
     class GetTime(pydantic.BaseModel):
         zone: str = pydantic.Field(max_length=8)
 
@@ -190,6 +190,11 @@ def test_the_sdks_stream_helper_parses_streamed_tool_calls(client):
     assert done.name == "get_time" and isinstance(done.parsed_arguments, GetTime)
     (call,) = final.choices[0].message.tool_calls
     assert call.function.parsed_arguments == done.parsed_arguments and final.choices[0].finish_reason == "tool_calls"
+    # parse(): the same call answered whole
+    r = _parse(client)(model=MODEL, messages=ASK, tools=[tool], max_tokens=40, temperature=0,
+                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (whole,) = r.choices[0].message.tool_calls
+    assert whole.function.arguments == done.arguments and whole.function.parsed_arguments == done.parsed_arguments
 
 
 def test_bad_constraints_are_400_naming_the_field(client):

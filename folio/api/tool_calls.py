@@ -126,9 +126,8 @@ class _CallObject:
     """Scan state of one ``{"name": ..., "arguments"|"parameters": ...}`` object (keys in any order,
     other keys skipped)."""
 
-    def __init__(self, start: int):
+    def __init__(self):
         self.state = "key_or_end"   # key_or_end | key | colon | value_start | value | after_value
-        self.start = start          # the "{"
         self.key_start = 0
         self.key = ""
         self.kind = "other"         # of the value being scanned: name | arguments | other
@@ -318,7 +317,7 @@ class ToolCallParser:
         if self.buf[j] != "{":
             self._fail()
             return True
-        self._obj = _CallObject(j)
+        self._obj = _CallObject()
         self.pos = j + 1
         self._state = "object"
         return True
