@@ -24,9 +24,11 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 TOOLS = [WEATHER, TIME]
 
 
-def stream(tokens, mode="auto", name=None, parallel=True):
+def stream(tokens, mode="auto", name=None, parallel=True, compact_at=None):
     """Feed ``tokens`` one by one: ``(events per token (the last item: finish()), parser)``."""
     p = ToolCallParser(mode, TOOLS, name, parallel)
+    if compact_at is not None:
+        p.compact_at = compact_at
     per_token = [p.feed(t) for t in tokens] + [p.finish()]
     return per_token, p
 
@@ -54,9 +56,10 @@ def check_stream(tokens, content, calls, mode="auto", name=None, parallel=True):
     expect = (content, calls)
     splits = [list(text), [text]] + [[text[:k], text[k:]] for k in range(1, len(text))]
     for pieces in splits:
-        _, q = stream(pieces, mode, name, parallel)
-        c2, calls2 = q.result()
-        assert (c2, [(c["function"]["name"], c["function"]["arguments"]) for c in calls2]) == expect, pieces
+        for compact_at in (None, 1):      # also with the read text dropped after every piece
+            _, q = stream(pieces, mode, name, parallel, compact_at)
+            c2, calls2 = q.result()
+            assert (c2, [(c["function"]["name"], c["function"]["arguments"]) for c in calls2]) == expect, pieces
     c3, calls3 = parse_tool_calls(text, mode, TOOLS, name, parallel)
     assert (c3, [(c["function"]["name"], c["function"]["arguments"]) for c in calls3]) == expect
     return per_token
@@ -177,3 +180,19 @@ def test_event_deltas_in_openais_shape():
                          "function": {"name": "get_time", "arguments": ""}}]},
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"zone": "UTC"}'}}]},
     ]
+
+
+def test_a_long_output_keeps_little_text():
+    """What was read is dropped: the buffer stays near ``compact_at``, however long the output."""
+    prose = "word " * 20000
+    tokens = [prose[i:i + 5] for i in range(0, len(prose), 5)] + ["<tool_call>", '{"name": "get_time", ',
+                                                                  '"arguments": {"zone": "', "x" * 50000, '"}}']
+    p = ToolCallParser("auto", TOOLS)
+    longest = 0
+    for t in tokens:
+        p.feed(t)
+        longest = max(longest, len(p.buf))
+    p.finish()
+    assert longest < p.compact_at + 50000 + 100        # the compaction threshold plus the largest token
+    content, (call,) = p.result()
+    assert content == prose.rstrip() and call["function"]["arguments"] == '{"zone": "' + "x" * 50000 + '"}'

@@ -177,6 +177,8 @@ class ToolCallParser:
     escapes), which needs no re-serialization and keeps the model's text exactly.
     """
 
+    compact_at = 8192     # characters of read text kept before they are dropped (feed stays linear)
+
     def __init__(self, mode: str, tools: list[dict] | None, name: str | None = None, parallel: bool = True):
         self.mode, self.parallel = mode, parallel
         self.names = set(_functions(tools)) if tools else set()
@@ -202,6 +204,7 @@ class ToolCallParser:
             raise ValueError("ToolCallParser.feed after finish()")
         self.buf += text
         self._run(final=False)
+        self._compact()
         return self._take()
 
     def finish(self) -> list[ToolCallEvent]:
@@ -220,6 +223,24 @@ class ToolCallParser:
         return (content or None) if self.calls else content, self.calls
 
     # -- machinery ------------------------------------------------------------------------------
+
+    def _compact(self) -> None:
+        """Drop the text no state can look back at (all but a tentative call's, and, in
+        ``required``, all before the first call: ``finish()`` may return it as content), once
+        over ``compact_at`` characters; every index shifts with it."""
+        if self.mode == "required" and not self.calls:
+            return
+        keep = self._block if self._state in ("block_open", "object") else self.pos
+        if keep < self.compact_at:
+            return
+        self.buf = self.buf[keep:]
+        self.pos -= keep
+        self._block -= keep
+        self._resume -= keep
+        if self._obj is not None:
+            self._obj.key_start -= keep
+            self._obj.value_start -= keep
+            self._obj.sent_to -= keep
 
     def _take(self) -> list[ToolCallEvent]:
         events, self._events = self._events, []
