@@ -32,7 +32,7 @@ import signal
 import sys
 
 from .front_door import front_end_flags, serve_behind_front
-from .runtime.common.config import DEFAULT_MODEL, EngineConfig
+from .runtime.common.config import DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
 
 WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
 
@@ -68,8 +68,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                    help="auto: weights from the files; dummy: random weights of the model's shapes")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="weights / KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+                   help="weights / activations dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
+
+
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype`` (vLLM's flag), also on ``folio generate``."""
+    p.add_argument("--kv-cache-dtype", default=EngineConfig().kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage (auto: float32 on CPU, bfloat16 on GPU; bfloat16 on CPU halves the KV "
+                        "memory: twice the blocks, keys and values rounded to bfloat16)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -79,7 +87,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=a.enable_prefix_caching,
                         enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory,
                         num_kv_blocks_override=a.num_kv_blocks_override, load_format=a.load_format,
-                        dtype=a.dtype, seed=a.seed, async_scheduling=a.async_scheduling)
+                        dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed,
+                        async_scheduling=a.async_scheduling)
 
 
 def register(subparsers) -> None:
@@ -176,7 +185,7 @@ def _run(a: argparse.Namespace) -> int:
     front = server = None
     kernels = None   # the CPU kernels into Numba's cache while the worker loads the model (its own runner only)
     if a.worker_runner == WORKER_RUNNER:
-        kernels = _start_kernel_compile(config.device)
+        kernels = _start_kernel_compile(config.device, config.kv_cache_dtype)
     try:
         _say(f"loading {config.model} in the worker process (device {config.device}) ...")
         server = Server(config, a.address, allow_remote=a.allow_remote, runner=a.worker_runner,
@@ -215,10 +224,10 @@ def _run(a: argparse.Namespace) -> int:
     return code
 
 
-def _start_kernel_compile(device: str):
+def _start_kernel_compile(device: str, kv_cache_dtype: str = "auto"):
     """A future of ``runtime.worker.precompile.precompile_with_progress`` (the CPU kernels into
-    Numba's cache, in two processes, progress on the terminal) when the worker will run the CPU
-    kernels on two or more threads, else None."""
+    Numba's cache, in two processes, progress on the terminal, for KV caches of
+    ``kv_cache_dtype``) when the worker will run the CPU kernels on two or more threads, else None."""
     import threading
     from .runtime.worker import precompile
     if not precompile.needed(device):
@@ -229,7 +238,7 @@ def _start_kernel_compile(device: str):
 
         def run(self):
             try:
-                precompile.precompile_with_progress(_say)
+                precompile.precompile_with_progress(_say, kv_cache_dtype=kv_cache_dtype)
             except BaseException as e:  # noqa: BLE001 - raised by result()
                 self.error = e
 

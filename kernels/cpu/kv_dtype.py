@@ -31,27 +31,13 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["KV_CACHE_DTYPES", "kv_cache_dtype", "to_f32", "from_f32", "is_float32", "line_elems"]
+__all__ = ["KV_CACHE_DTYPES", "to_f32", "from_f32", "is_float32", "line_elems"]
 
 KV_CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16)}
 """``--kv-cache-dtype`` names the CPU kernels run -> the NumPy dtype of the cache arrays."""
 
 _STORAGE = (types.float32, types.uint16)
 _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
-
-
-def kv_cache_dtype(name: str) -> np.dtype:
-    """The cache arrays' dtype for a ``--kv-cache-dtype`` name (``auto`` = float32).
-
-    Raises:
-        ValueError: a name the CPU kernels do not run, naming the flag and the values it takes.
-    """
-    if name == "auto":
-        return KV_CACHE_DTYPES["float32"]
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {name!r} is not available on cpu; it takes auto, "
-                         + ", ".join(KV_CACHE_DTYPES))
-    return KV_CACHE_DTYPES[name]
 
 
 def widen(builder, v, ty):

@@ -18,6 +18,7 @@ import numpy as np
 from .. import reference
 from .attention import paged_attention
 from .forward import decoder_layers
+from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear
 from .memory import huge_page_zeros
 from .rows import (copy_blocks, embedding, fused_add_rms_norm, prepare_weight, reshape_and_cache, rms_norm,
@@ -43,6 +44,7 @@ CPU_KERNELS = SimpleNamespace(
     xp=np,
     name="cpu",
     kv_cache_dtype=np.dtype(np.float32),
+    kv_cache_dtypes=KV_CACHE_DTYPES,
     act_dtype=np.dtype(np.float32),
     matmul_input_dtype=np.dtype(np.float32),
     paged_attention=paged_attention,
