@@ -19,7 +19,7 @@ Conventions shared by all kernels (docs/architecture.md, "One step" and "KV cach
 * ``slot_mapping [T] int64``: slot = block_id * block_size + offset; -1 means "do not write".
 * The KV cache's dtype is float32, or ``uint16`` holding bfloat16 bit patterns (``--kv-cache-dtype
   bfloat16``): a key or value is stored rounded to the nearest bfloat16, ties to even
-  (``float32_to_bf16_bits``: within a relative ``2^-9`` of the float32 value), and read back
+  (``float32_to_bf16_bits``: within a relative ``2^-8`` of the float32 value), and read back
   exactly widened to float32 (``kv_cache_values``).
 
 Sources: PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for Large Language
@@ -34,10 +34,7 @@ import math
 
 import numpy as np
 
-__all__ = [
-    "float32_to_bf16_bits",
-    "bf16_bits_to_float32",
-    "kv_cache_values",
+__all__ = [   # the kernels (float32_to_bf16_bits, bf16_bits_to_float32, kv_cache_values: the cache's helpers)
     "paged_attention",
     "reshape_and_cache",
     "copy_blocks",

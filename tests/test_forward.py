@@ -35,8 +35,10 @@ def max_dot_len(config: ModelConfig) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_paged(model, config, ids, chunk, block_size=BLOCK_SIZE, shuffle_seed=None, all_logits=True):
-    """Feed ``ids`` through ``model`` ``chunk`` tokens per step, one sequence, fresh KV cache.
+def run_paged(model, config, ids, chunk, block_size=BLOCK_SIZE, shuffle_seed=None, all_logits=True,
+              kv_cache_dtype=None):
+    """Feed ``ids`` through ``model`` ``chunk`` tokens per step, one sequence, fresh KV cache (of
+    ``kv_cache_dtype``, default the table's).
 
     The sequence's blocks are ``0..n-1`` or, with ``shuffle_seed``, a random permutation of a larger
     pool. Returns the logits of every position ``[len(ids), vocab]`` (or only the last row).
@@ -49,7 +51,7 @@ def run_paged(model, config, ids, chunk, block_size=BLOCK_SIZE, shuffle_seed=Non
     else:
         table = np.random.default_rng(shuffle_seed).permutation(pool)[:n_blocks].astype(np.int32)
     kernels = model.kernels
-    caches = allocate_kv_caches(config, pool, block_size, kernels)
+    caches = allocate_kv_caches(config, pool, block_size, kernels, kv_cache_dtype)
     out = []
     for start in range(0, n, chunk):
         end = min(n, start + chunk)

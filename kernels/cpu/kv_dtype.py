@@ -5,7 +5,7 @@
 * ``float32``: as computed;
 * ``bfloat16``: the high half of the float32 bits, rounded to nearest even, held as ``uint16``
   bit patterns (NumPy has no bfloat16; the CUDA table stores its cache the same way). 8 bits of
-  significand: a stored value is within a relative ``2^-9`` of the float32 one; same range as
+  significand: a stored value is within a relative ``2^-8`` of the float32 one; same range as
   float32;
 
 ``float16`` is not offered: Numba has no float16 arrays on the CPU (no data model for the type),
