@@ -6,7 +6,8 @@ Usage:
 
 For each cache dtype, thread count (0: every core this process may use), number of sequences
 and context length: ``--steps`` decode steps of that many sequences, each at that context (its
-keys and values already in the cache), best of ``--repeat``; the figure is output tokens/s
+keys and values already in the cache), best of ``--repeat``, the two dtypes alternating
+repeat by repeat (so that both meet the same spells of load); the figure is output tokens/s
 (sequences x steps / seconds), the whole forward pass (weights streamed, attention over the
 context, lm_head) as ``model.forward`` runs it in the engine, without sampling. The cache holds
 random keys and values written directly (rounded to bfloat16 for the bfloat16 cache), in a
@@ -57,39 +58,44 @@ def main(argv=None) -> int:
     print(f"model {a.model}: {config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads x "
           f"{config.head_dim}; KV bytes per token: float32 {config.kv_bytes_per_token(4)}, bfloat16 "
           f"{config.kv_bytes_per_token(2)}; cache of {num_blocks} blocks of {bs} tokens")
-    results = []
-    for name, dtype in (("float32", np.float32), ("bfloat16", np.uint16)):
-        caches = allocate_kv_caches(config, num_blocks, bs, kernels, dtype)
-        for kc, vc in caches:   # random keys / values (a decode's time does not depend on them)
+    dtypes = (("float32", np.float32), ("bfloat16", np.uint16))
+    caches = {}
+    for name, dtype in dtypes:
+        caches[name] = allocate_kv_caches(config, num_blocks, bs, kernels, dtype)
+        for kc, vc in caches[name]:   # random keys / values (a decode's time does not depend on them)
             for c in (kc, vc):
                 x = rng.standard_normal(c.shape, dtype=np.float32)
                 c[...] = reference.float32_to_bf16_bits(x) if dtype == np.uint16 else x
-        for threads in a.threads:
-            t_used = threads or all_threads
-            with numba_threads(t_used):
-                for S in a.seqs:
-                    for C in a.contexts:
-                        def step(pos):
-                            positions = np.full(S, pos, np.int64)
-                            slots = table[:S, pos // bs].astype(np.int64) * bs + pos % bs
-                            md = AttentionMetadata(slot_mapping=slots, query_start_loc=np.arange(S + 1, dtype=np.int32),
-                                                   seq_lens=np.full(S, pos + 1, np.int32),
-                                                   block_tables=np.ascontiguousarray(table[:S]), max_query_len=1,
-                                                   max_seq_len=pos + 1)
-                            model.forward(np.full(S, 1000, np.int64), positions, md, caches, np.arange(S))
-                        step(C)   # compile / warm
-                        best = float("inf")
-                        for r in range(a.repeat):
+
+    def step(kv, S, pos):
+        slots = table[:S, pos // bs].astype(np.int64) * bs + pos % bs
+        md = AttentionMetadata(slot_mapping=slots, query_start_loc=np.arange(S + 1, dtype=np.int32),
+                               seq_lens=np.full(S, pos + 1, np.int32), block_tables=np.ascontiguousarray(table[:S]),
+                               max_query_len=1, max_seq_len=pos + 1)
+        model.forward(np.full(S, 1000, np.int64), np.full(S, pos, np.int64), md, kv, np.arange(S))
+
+    results = []
+    for threads in a.threads:
+        t_used = threads or all_threads
+        with numba_threads(t_used):
+            for S in a.seqs:
+                for C in a.contexts:
+                    # the two dtypes alternate, repeat by repeat: each sees the same spells of load
+                    best = {name: float("inf") for name, _ in dtypes}
+                    for name, _ in dtypes:
+                        step(caches[name], S, C)   # compile / warm
+                    for r in range(a.repeat):
+                        for name, _ in dtypes:
                             t0 = time.perf_counter()
                             for i in range(a.steps):
-                                step(C + 1 + r * a.steps + i)
-                            best = min(best, time.perf_counter() - t0)
-                        tok_s = S * a.steps / best
+                                step(caches[name], S, C + 1 + r * a.steps + i)
+                            best[name] = min(best[name], time.perf_counter() - t0)
+                    for name, _ in dtypes:
+                        tok_s = S * a.steps / best[name]
                         results.append({"kv_cache_dtype": name, "threads": t_used, "seqs": S, "context": C,
-                                        "tok_s": round(tok_s, 1), "ms_per_step": round(1e3 * best / a.steps, 2)})
+                                        "tok_s": round(tok_s, 1), "ms_per_step": round(1e3 * best[name] / a.steps, 2)})
                         print(f"{name:9s} threads {t_used:2d} seqs {S:3d} context {C:5d}: {tok_s:8.1f} tok/s "
-                              f"({1e3 * best / a.steps:.2f} ms/step)  load {os.getloadavg()[0]:.2f}", flush=True)
-        del caches
+                              f"({1e3 * best[name] / a.steps:.2f} ms/step)  load {os.getloadavg()[0]:.2f}", flush=True)
     print("\nratio bfloat16 / float32 (tok/s):")
     f32 = {(r["threads"], r["seqs"], r["context"]): r["tok_s"] for r in results if r["kv_cache_dtype"] == "float32"}
     for r in results:

@@ -1,4 +1,5 @@
-"""The CPU kernel table, ``CPU_KERNELS``: the operations of ``kernels/reference.py`` in Numba, float32.
+"""The CPU kernel table, ``CPU_KERNELS``: the operations of ``kernels/reference.py`` in Numba, float32
+(the KV cache float32 or bfloat16 bits as uint16, ``--kv-cache-dtype``: ``kv_dtype.py``).
 
 The parts: the row kernels (KV-cache append, norms, RoPE, activation, embedding) in ``rows.py``,
 paged attention in ``attention.py``, matrix products (``linear``) in ``linear.py``, every decoder
