@@ -27,7 +27,8 @@ def _run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=args.ignore_eos, top_p=args.top_p, top_k=args.top_k)
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - t0
     prompt = {"prompt_token_ids": ids_arg} if ids_arg is not None else args.prompt
     out = llm.generate(prompt, params, use_tqdm=False)[0]
@@ -54,6 +55,7 @@ def _run(args) -> int:
 
 
 def register(subparsers) -> None:
+    from .cmd_serve import add_kv_cache_dtype_arg
     p = subparsers.add_parser("generate", help="complete one prompt through the engine and print the text")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name, Hugging Face folder or .gguf file")
     src = p.add_mutually_exclusive_group(required=True)
@@ -70,5 +72,6 @@ def register(subparsers) -> None:
                    help="weights dtype (auto: the types the weights are stored in on CPU; see folio serve)")
     p.add_argument("--quantization", default=None, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text, finish_reason, timings")
     p.set_defaults(func=_run)

@@ -36,7 +36,8 @@ def run(a: argparse.Namespace) -> int:
         from .cmd_serve import spawn_server, stop_server
         flags = ["--model", a.model, "--device", a.device, "--block-size", str(a.block_size),
                  "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                 "--load-format", a.load_format, "--dtype", a.dtype, "--seed", str(a.seed),
+                 "--load-format", a.load_format, "--dtype", a.dtype, "--kv-cache-dtype", a.kv_cache_dtype,
+                 "--seed", str(a.seed),
                  "--gpu-memory-utilization", str(a.gpu_memory_utilization),
                  "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
                  "--async-scheduling" if a.async_scheduling else "--no-async-scheduling"]

@@ -32,7 +32,7 @@ import signal
 import sys
 
 from .front_door import front_end_flags, serve_behind_front
-from .runtime.common.config import DEFAULT_MODEL, EngineConfig
+from .runtime.common.config import DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
 
 WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
 
@@ -73,7 +73,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d.quantization, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU; q4_k falls back to "
                         "q8_0 for rows that are not whole 256-value blocks)")
+    add_kv_cache_dtype_arg(p)
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
+
+
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype`` (vLLM's flag), also on ``folio generate``."""
+    p.add_argument("--kv-cache-dtype", default=EngineConfig().kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage (auto: float32 on CPU, bfloat16 on GPU; bfloat16 on CPU halves the KV "
+                        "memory: twice the blocks, keys and values rounded to bfloat16)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -83,7 +91,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=a.enable_prefix_caching,
                         enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory,
                         num_kv_blocks_override=a.num_kv_blocks_override, load_format=a.load_format,
-                        dtype=a.dtype, quantization=a.quantization, seed=a.seed,
+                        dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed,
                         async_scheduling=a.async_scheduling)
 
 
@@ -222,8 +230,8 @@ def _run(a: argparse.Namespace) -> int:
 
 def _start_kernel_compile(config):
     """A future of ``runtime.worker.precompile.precompile_with_progress`` (the CPU kernels of the
-    model's weight layout into Numba's cache, in two processes, progress on the terminal) when the
-    worker will run the CPU kernels on two or more threads, else None."""
+    model's weight layout and KV cache type into Numba's cache, in two processes, progress on the
+    terminal) when the worker will run the CPU kernels on two or more threads, else None."""
     import threading
     from .runtime.worker import precompile
     if not precompile.needed(config.device):
@@ -236,7 +244,7 @@ def _start_kernel_compile(config):
             try:
                 variant = precompile.weights_variant(config.model, config.dtype, config.quantization,
                                                      config.load_format)
-                precompile.precompile_with_progress(_say, variant=variant)
+                precompile.precompile_with_progress(_say, variant=variant, kv_cache_dtype=config.kv_cache_dtype)
             except BaseException as e:  # noqa: BLE001 - raised by result()
                 self.error = e
 

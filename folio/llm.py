@@ -26,7 +26,8 @@ class LLM:
     Args:
         model: a folio model name (default ``smollm2-135m-instruct``) or a Hugging Face Llama folder.
         **engine_args: any ``EngineConfig`` field (``block_size``, ``max_num_seqs``,
-            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``num_kv_blocks_override``, ...).
+            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``num_kv_blocks_override``,
+            ``kv_cache_dtype``, ...).
     Raises:
         TypeError: an unknown engine argument. ValueError: an invalid value.
     Attributes:

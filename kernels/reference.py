@@ -17,6 +17,10 @@ Conventions shared by all kernels (docs/architecture.md, "One step" and "KV cach
   num_kv_heads, head_dim]``. Logical key ``j`` of sequence ``s`` lives in physical block
   ``block_tables[s, j // block_size]`` at offset ``j % block_size``.
 * ``slot_mapping [T] int64``: slot = block_id * block_size + offset; -1 means "do not write".
+* The KV cache's dtype is float32, or ``uint16`` holding bfloat16 bit patterns (``--kv-cache-dtype
+  bfloat16``): a key or value is stored rounded to the nearest bfloat16, ties to even
+  (``float32_to_bf16_bits``: within a relative ``2^-8`` of the float32 value), and read back
+  exactly widened to float32 (``kv_cache_values``).
 
 Sources: PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for Large Language
 Model Serving with PagedAttention"); RMSNorm (Zhang & Sennrich 2019); RoPE (Su et al. 2021,
@@ -30,7 +34,7 @@ import math
 
 import numpy as np
 
-__all__ = [
+__all__ = [   # the kernels (float32_to_bf16_bits, bf16_bits_to_float32, kv_cache_values: the cache's helpers)
     "paged_attention",
     "reshape_and_cache",
     "copy_blocks",
@@ -42,6 +46,40 @@ __all__ = [
     "rope_and_cache",
     "silu_and_mul",
 ]
+
+
+def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> ``uint16`` bfloat16 bit patterns: the high half of the float32 bits, rounded to
+    nearest, ties to even (a NaN stays a quiet NaN; a value rounding past the largest bfloat16
+    becomes an infinity, as the IEEE rounding does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), r)
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """``uint16`` bfloat16 bit patterns -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def kv_cache_values(cache: np.ndarray) -> np.ndarray:
+    """A KV cache array's values as float32: itself for float32, widened for bfloat16 bits (uint16).
+
+    Raises:
+        ValueError: another dtype.
+    """
+    if cache.dtype == np.float32:
+        return cache
+    if cache.dtype == np.uint16:
+        return bf16_bits_to_float32(cache)
+    raise ValueError(f"a KV cache is float32 or bfloat16 bits as uint16, got {cache.dtype}")
+
+
+def _to_cache(x: np.ndarray, cache: np.ndarray) -> np.ndarray:
+    # values as stored in cache: float32, or rounded to bfloat16 bits for a uint16 cache
+    kv_cache_values(cache[:0])  # the dtype check
+    return float32_to_bf16_bits(x) if cache.dtype == np.uint16 else np.asarray(x, dtype=np.float32)
 
 
 def paged_attention(
@@ -57,8 +95,9 @@ def paged_attention(
 
     Args:
         q: ``[T, num_heads, head_dim]`` float32, queries of this step's tokens (RoPE applied).
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the keys and
-            values of this step's tokens must already be appended (see ``reshape_and_cache``).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or
+            bfloat16 bits (uint16, read widened: ``kv_cache_values``); the keys and values of this
+            step's tokens must already be appended (see ``reshape_and_cache``).
         block_tables: ``[S, max_blocks]`` int32 physical block ids; unused entries are ignored.
         seq_lens: ``[S]`` int32 context length after this step.
         query_start_loc: ``[S+1]`` int32 token offsets of each sequence in ``q``.
@@ -80,8 +119,8 @@ def paged_attention(
             continue
         idx = np.arange(ctx)
         blocks = block_tables[s, idx // block_size]
-        k = key_cache[blocks, idx % block_size].astype(np.float64)  # [ctx, Hkv, D]
-        v = value_cache[blocks, idx % block_size].astype(np.float64)
+        k = kv_cache_values(key_cache[blocks, idx % block_size]).astype(np.float64)  # [ctx, Hkv, D]
+        v = kv_cache_values(value_cache[blocks, idx % block_size]).astype(np.float64)
         for i in range(q_len):
             pos = ctx - q_len + i
             for h in range(H):
@@ -103,7 +142,8 @@ def reshape_and_cache(
 
     Args:
         key, value: ``[T, num_kv_heads, head_dim]``.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (modified).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (modified),
+            float32, or bfloat16 bits (uint16: each value rounded, ``float32_to_bf16_bits``).
         slot_mapping: ``[T]`` int64; token ``t`` goes to block ``slot // block_size``, offset
             ``slot % block_size``; slot -1 is skipped (padding).
     """
@@ -111,8 +151,8 @@ def reshape_and_cache(
     for t, slot in enumerate(slot_mapping):
         if slot < 0:
             continue
-        key_cache[slot // block_size, slot % block_size] = key[t]
-        value_cache[slot // block_size, slot % block_size] = value[t]
+        key_cache[slot // block_size, slot % block_size] = _to_cache(key[t], key_cache)
+        value_cache[slot // block_size, slot % block_size] = _to_cache(value[t], value_cache)
 
 
 def copy_blocks(key_caches: list, value_caches: list, block_mapping: np.ndarray) -> None:

@@ -38,7 +38,10 @@ class KernelTable(Protocol):
     Attributes:
         name: ``"cpu"`` or ``"cuda"``.
         xp: the array module of the table's arrays (``numpy`` or ``cupy``).
-        kv_cache_dtype: dtype of the KV cache arrays (float32 on CPU, bf16 bit patterns on GPU).
+        kv_cache_dtype: dtype of the KV cache arrays by default (``--kv-cache-dtype auto``: float32
+            on CPU, bf16 bit patterns on GPU).
+        kv_cache_dtypes: ``--kv-cache-dtype`` names the table's kernels run -> dtype of the cache
+            arrays (CPU: ``float32``, ``bfloat16`` as uint16 bits; GPU: ``bfloat16``).
         act_dtype: dtype of activations (float32).
         matmul_input_dtype: dtype the norms and activations hand to ``linear`` (float32 on CPU,
             bf16 bit patterns on GPU).
@@ -47,6 +50,7 @@ class KernelTable(Protocol):
     name: str
     xp: Any
     kv_cache_dtype: np.dtype
+    kv_cache_dtypes: dict
     act_dtype: np.dtype
     matmul_input_dtype: np.dtype
 

@@ -260,7 +260,8 @@ class LlamaForCausalLM:
                 (< ``max_position_embeddings``).
             attn_metadata: slot mapping, query_start_loc, seq_lens, block tables of the step.
             kv_caches: one ``(key_cache, value_cache)`` per layer, each ``[num_blocks,
-                block_size, num_kv_heads, head_dim]``; this step's K/V are appended in place.
+                block_size, num_kv_heads, head_dim]`` of one of ``kernels.kv_cache_dtypes``
+                (``--kv-cache-dtype``); this step's K/V are appended in place.
             logits_indices: ``[R]`` int64 rows of the batch whose logits are wanted.
             out: optional ``[R, vocab_size]`` float32 buffer for the logits.
         Returns:

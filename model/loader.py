@@ -145,9 +145,10 @@ class _DeviceDummyWeights(Mapping):
         return len(self._shapes)
 
 
-def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, kernels) -> list:
+def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, kernels, dtype=None) -> list:
     """One zeroed ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size,
-    num_kv_heads, head_dim]`` of ``kernels.kv_cache_dtype`` on the table's device.
+    num_kv_heads, head_dim]`` of ``dtype`` (default ``kernels.kv_cache_dtype``; one of
+    ``kernels.kv_cache_dtypes``) on the table's device.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` < 1.
@@ -156,5 +157,5 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ke
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
     zeros = getattr(kernels, "zeros", None) or kernels.xp.zeros   # the CPU's: on huge pages (kernels/cpu/memory.py)
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [(zeros(shape, dtype=kernels.kv_cache_dtype), zeros(shape, dtype=kernels.kv_cache_dtype))
-            for _ in range(config.num_hidden_layers)]
+    dtype = kernels.kv_cache_dtype if dtype is None else dtype
+    return [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]

@@ -19,7 +19,7 @@ from folio.model.config import ModelConfig
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import allocate_kv_caches
 from folio.model.weights import dummy_weights
-from numerics import forward_logit_atol
+from numerics import forward_logit_atol, kv_bf16_logit_atol
 
 BLOCK_SIZE = 16
 
@@ -35,8 +35,10 @@ def max_dot_len(config: ModelConfig) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_paged(model, config, ids, chunk, block_size=BLOCK_SIZE, shuffle_seed=None, all_logits=True):
-    """Feed ``ids`` through ``model`` ``chunk`` tokens per step, one sequence, fresh KV cache.
+def run_paged(model, config, ids, chunk, block_size=BLOCK_SIZE, shuffle_seed=None, all_logits=True,
+              kv_cache_dtype=None):
+    """Feed ``ids`` through ``model`` ``chunk`` tokens per step, one sequence, fresh KV cache (of
+    ``kv_cache_dtype``, default the table's).
 
     The sequence's blocks are ``0..n-1`` or, with ``shuffle_seed``, a random permutation of a larger
     pool. Returns the logits of every position ``[len(ids), vocab]`` (or only the last row).
@@ -49,7 +51,7 @@ def run_paged(model, config, ids, chunk, block_size=BLOCK_SIZE, shuffle_seed=Non
     else:
         table = np.random.default_rng(shuffle_seed).permutation(pool)[:n_blocks].astype(np.int32)
     kernels = model.kernels
-    caches = allocate_kv_caches(config, pool, block_size, kernels)
+    caches = allocate_kv_caches(config, pool, block_size, kernels, kv_cache_dtype)
     out = []
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
@@ -189,7 +191,8 @@ def test_tiny_model_mixed_batch_equals_separate_runs(tiny):
 @pytest.mark.parametrize("threads,driver", [(1, "per-call"), (1, "3 tasks on 1 thread"), (2, "one region"),
                                             (2, "per-call")])
 @pytest.mark.parametrize("forced", [False, True], ids=["auto", "parallel"])
-def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.uint16], ids=["kv_float32", "kv_bfloat16"])
+def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, kv_dtype, monkeypatch):
     # The CPU table runs all layers in one compiled call (kernels/cpu/forward.py): with several
     # threads one parallel region per step whose tasks meet at each phase ("one region"), or a
     # region per kernel call ("per-call"); a table without it runs the per-kernel loop of
@@ -197,7 +200,8 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, m
     # caches must be bit-identical, for prefill chunks (sgemm tiles) and decode steps (streaming
     # products), with padding rows and a shuffled table. "3 tasks on 1 thread": the region's
     # tasks run one after another (a pool smaller than the plan, or a nested call); a task that
-    # waited for items nobody had taken would hang here.
+    # waited for items nobody had taken would hang here. Also with a bfloat16 cache (uint16
+    # bits: the one-region loop builds its views of the caches from addresses, of that dtype).
     from types import SimpleNamespace
 
     from conftest import force_parallel_kernels
@@ -243,7 +247,7 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, m
     with numba_threads(threads):
         results = []
         for model in (fused, loop):
-            caches = allocate_kv_caches(config, 16, BLOCK_SIZE, model.kernels)
+            caches = allocate_kv_caches(config, 16, BLOCK_SIZE, model.kernels, kv_dtype)
             logits = [step(model, caches, *st) for st in schedule]
             results.append((logits, caches))
     for got, want in zip(results[0][0], results[1][0]):
@@ -305,6 +309,25 @@ def test_golden_top5_logits(default_model, golden):
     # two float32 implementations (folio, Hugging Face transformers), each its own rounding
     atol = forward_logit_atol(config.num_hidden_layers, max_dot_len(config), logits, schedules=2)
     np.testing.assert_allclose(logits[top5], ref["top5_logits"], atol=atol, rtol=0)
+
+
+def test_bf16_kv_cache_first_step_logits_within_rounding_bound(default_model, golden):
+    # --kv-cache-dtype bfloat16 on the default model: each golden prompt's first step (a whole
+    # prefill, whose attention already reads the keys and values it stored, rounded) against the
+    # float32 cache, within numerics.kv_bf16_logit_atol (one 2^-8 rounding of each stored key and
+    # value per layer, as a random walk over the layers). The greedy token agrees wherever the
+    # float32 run's top-2 margin exceeds twice that bound (the two logits move by at most it each).
+    model, config, _ = default_model
+    for case in golden["greedy_cases"]:
+        ids = case["prompt_ids"]
+        want = run_paged(model, config, ids, len(ids), all_logits=False)[0]
+        got = run_paged(model, config, ids, len(ids), all_logits=False, kv_cache_dtype=np.uint16)[0]
+        atol = kv_bf16_logit_atol(config.num_hidden_layers, want)
+        assert not np.array_equal(got, want), case["id"]     # the rounding is there
+        np.testing.assert_allclose(got, want, atol=atol, rtol=0, err_msg=case["id"])
+        top2 = np.sort(want)[-2:]
+        if top2[1] - top2[0] > 2 * atol:
+            assert int(np.argmax(got)) == int(np.argmax(want)), case["id"]
 
 
 def _prompt_300(golden):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import force_parallel_kernels
 from kernel_cases import cases_for, copy_case, paged_attention_case, rotary_embedding_case
-from numerics import U32, attention_bound, dot_bound, exp2_rel_bound, gamma
+from numerics import U32, U_BF16, attention_bound, bf16_attention_bound, dot_bound, exp2_rel_bound, gamma
 
 from folio.kernels.cpu import table as cpu
 from folio.kernels.cpu import attention as cpu_attention
@@ -505,5 +505,162 @@ def test_kernel_table():
     assert k is cpu.CPU_KERNELS
     assert k.xp is np and k.name == "cpu"
     assert k.kv_cache_dtype == np.float32 and k.act_dtype == np.float32
+    assert k.kv_cache_dtypes == {"float32": np.float32, "bfloat16": np.uint16}
     for name in reference.__all__ + ["linear", "embedding", "prepare_weight"]:
         assert callable(getattr(k, name)), name
+
+
+# ----------------------------------------------------------------------------------------------
+# a bfloat16 KV cache (--kv-cache-dtype bfloat16: uint16 bit patterns, kernels/cpu/kv_dtype.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _bf16_case(case):
+    # the case's float32 caches rounded to bfloat16 bits (the cache a bfloat16 engine holds), and
+    # the same values widened back to float32 (what the kernels compute with)
+    k16, v16 = (reference.float32_to_bf16_bits(case[n]) for n in ("key_cache", "value_cache"))
+    return ({**case, "key_cache": k16, "value_cache": v16},
+            {**case, "key_cache": reference.bf16_bits_to_float32(k16),
+             "value_cache": reference.bf16_bits_to_float32(v16)})
+
+
+def test_bf16_rounding_of_the_reference_is_round_to_nearest_even():
+    # the spec's rounding against the definition, independently: of the two bfloat16 values around
+    # x (its truncation t and t + 1 ulp), the nearer one, the even one on a tie; NaN stays NaN,
+    # infinities and zeros stay themselves, and the relative error is at most U_BF16 = 2^-8
+    rng = np.random.default_rng(3)
+    x = np.concatenate([(rng.standard_normal(20000) * 10.0 ** rng.integers(-30, 30, 20000)).astype(np.float32),
+                        # ties: the dropped half is exactly 0x8000, with an even and an odd kept half
+                        (np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7F8000], np.uint32)).view(np.float32),
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)])
+    got = reference.float32_to_bf16_bits(x)
+    back = reference.bf16_bits_to_float32(got).astype(np.float64)
+    finite = np.isfinite(x)
+    t = (x.view(np.uint32) >> 16).astype(np.uint16)
+    with np.errstate(invalid="ignore"):   # the non-finite inputs, checked apart
+        lo = reference.bf16_bits_to_float32(t).astype(np.float64)
+        hi = reference.bf16_bits_to_float32(t + np.uint16(1)).astype(np.float64)   # further from zero
+        x64 = x.astype(np.float64)
+        d_lo, d_hi = np.abs(x64 - lo), np.abs(x64 - hi)
+        want = np.where(d_lo < d_hi, t, np.where(d_hi < d_lo, t + np.uint16(1), np.where(t % 2 == 0, t, t + np.uint16(1))))
+    m = finite & np.isfinite(hi)
+    np.testing.assert_array_equal(got[m], want[m])
+    assert got[-3] == 0x7F80 and got[-2] == 0xFF80 and np.isnan(back[-1])   # +-inf, NaN
+    assert got[-4] == 0x8000 and got[-5] == 0
+    m = finite & np.isfinite(back)
+    assert np.all(np.abs(back[m] - x64[m]) <= U_BF16 * np.abs(x64[m]))
+    # the kernels' own rounding (kv_dtype.from_f32 through reshape_and_cache) is the spec's, bit for bit
+    n = x.size // 8 * 8
+    key = x[:n].reshape(-1, 2, 4)
+    kc = np.zeros((key.shape[0], 1, 2, 4), np.uint16)
+    vc = np.zeros_like(kc)
+    cpu.reshape_and_cache(key, key, kc, vc, np.arange(key.shape[0], dtype=np.int64))
+    np.testing.assert_array_equal(kc.reshape(-1), got[:n])
+    np.testing.assert_array_equal(vc.reshape(-1), got[:n])
+
+
+_BF16_ATTENTION_CASES = ([(f"shared_{i}", b) for i, b in cases_for("paged_attention")]
+                         + [(f"decode_{r}", DECODE_REGIMES[r]) for r in sorted(DECODE_REGIMES)]
+                         + [(f"tile_{r}", TILE_REGIMES[r]) for r in sorted(TILE_REGIMES)])
+
+
+@pytest.mark.parametrize("case_id,build", _BF16_ATTENTION_CASES, ids=_ids(_BF16_ATTENTION_CASES))
+def test_paged_attention_bf16_cache(case_id, build):
+    # the kernel over a bfloat16 cache against the spec over the same cache (which reads it
+    # widened to float32): the widening is exact and every operation after it is float32, so the
+    # float32 bound holds, computed over the widened values (decode blocks in vector code, their
+    # scalar loops, vector and sgemm tiles, key partitions with the parallel drivers forced)
+    case16, widened = _bf16_case(build())
+    want = reference.paged_attention(**case16)
+    got = cpu.paged_attention(**case16)
+    assert np.isfinite(got).all()
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= attention_bound(widened)), float(np.max(err - attention_bound(widened)))
+    assert not got[int(case16["query_start_loc"][-1]):].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("case_id", ["mixed_batch_gqa3", "multi_token_decodes_gqa1", "chunk_50_after_203"])
+def test_paged_attention_bf16_cache_against_float32(case_id):
+    # what storing in bfloat16 costs: the kernel over the rounded cache against the exact
+    # attention over the float32 one, within the float32 bound (over the widened values) plus
+    # the effect of rounding each key and value once (relative 2^-8; numerics.bf16_attention_bound)
+    case = dict(cases_for("paged_attention"))[case_id]()
+    case16, widened = _bf16_case(case)
+    want = reference.paged_attention(**case)
+    got = cpu.paged_attention(**case16)
+    bound = attention_bound(widened) + bf16_attention_bound(case) + U32 * np.abs(want).max()
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= bound), float(np.max(err - bound))
+    assert err.max() > 0   # the rounding is there (the comparison is not of two float32 runs)
+
+
+@pytest.mark.parametrize("case_id,build", cases_for("reshape_and_cache"), ids=_ids(cases_for("reshape_and_cache")))
+def test_reshape_and_cache_bf16(case_id, build):
+    # each value stored rounded to bfloat16 as the spec rounds it, skipped slots untouched
+    case = build()
+    for name in ("key_cache", "value_cache"):
+        case[name] = reference.float32_to_bf16_bits(case[name])
+    want, got = copy_case(case), copy_case(case)
+    reference.reshape_and_cache(**want)
+    cpu.reshape_and_cache(**got)
+    assert got["key_cache"].dtype == np.uint16
+    np.testing.assert_array_equal(got["key_cache"], want["key_cache"])
+    np.testing.assert_array_equal(got["value_cache"], want["value_cache"])
+
+
+def test_rope_and_cache_bf16():
+    # the fused pass over a bfloat16 cache: values stored as the spec rounds them (bit for bit),
+    # keys within the rotation's float32 bound and then one rounding to bfloat16 (2^-8 relative,
+    # of the kernel's float32 key), queries as over a float32 cache; padding slots untouched
+    rng = np.random.default_rng(9)
+    T, H, Hkv, D, bs, nb = 37, 9, 3, 64, 16, 5
+    case = rotary_embedding_case(4, num_tokens=T, num_heads=H, num_kv_heads=Hkv, head_dim=D, max_position=400)
+    qkv = rng.standard_normal((T, (H + 2 * Hkv) * D)).astype(np.float32)
+    slots = rng.choice(nb * bs, size=T, replace=False).astype(np.int64)
+    slots[[3, 20]] = -1
+    kc = reference.float32_to_bf16_bits(rng.standard_normal((nb, bs, Hkv, D)).astype(np.float32))
+    vc = reference.float32_to_bf16_bits(rng.standard_normal((nb, bs, Hkv, D)).astype(np.float32))
+    kc2, vc2 = kc.copy(), vc.copy()
+    pos, cs = case["positions"], case["cos_sin_cache"]
+    want_q = reference.rope_and_cache(pos, qkv, cs, kc, vc, slots, H, Hkv)
+    got_q = cpu.rope_and_cache(pos, qkv, cs, kc2, vc2, slots, H, Hkv)
+    np.testing.assert_array_equal(got_q, cpu.rope_and_cache(pos, qkv, cs, np.zeros((nb, bs, Hkv, D), np.float32),
+                                                            np.zeros((nb, bs, Hkv, D), np.float32), slots, H, Hkv))
+    assert np.all(np.abs(got_q.astype(np.float64) - want_q) <= _rotary_bound(qkv[:, :H * D].reshape(T, H, D), pos, cs))
+    np.testing.assert_array_equal(vc2, vc)
+    _, k_exact = reference.rotary_embedding(pos, qkv[:, :H * D].reshape(T, H, D),
+                                            qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D), cs)
+    k_bound = _rotary_bound(qkv[:, H * D:(H + Hkv) * D].reshape(T, Hkv, D), pos, cs)
+    got_k = reference.bf16_bits_to_float32(kc2).astype(np.float64)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            b, o = divmod(int(slot), bs)
+            exact = k_exact[t].astype(np.float64)
+            assert np.all(np.abs(got_k[b, o] - exact) <= k_bound[t] + U_BF16 * (np.abs(exact) + k_bound[t]))
+    untouched = np.ones(nb * bs, bool)
+    untouched[slots[slots >= 0]] = False
+    np.testing.assert_array_equal(kc2.reshape(nb * bs, -1)[untouched], kc.reshape(nb * bs, -1)[untouched])
+
+
+def test_copy_blocks_bf16():
+    case = cases_for("copy_blocks")[0][1]()
+    for name in ("key_caches", "value_caches"):
+        case[name] = [reference.float32_to_bf16_bits(c) for c in case[name]]
+    want, got = copy_case(case), copy_case(case)
+    reference.copy_blocks(**want)
+    cpu.copy_blocks(**got)
+    for a, b in zip(got["key_caches"] + got["value_caches"], want["key_caches"] + want["value_caches"]):
+        assert a.dtype == np.uint16
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kv_cache_dtype_errors():
+    # caches of two dtypes, or of a dtype the kernels do not read, are clear errors
+    case = paged_attention_case(1, [(40, 1)], num_heads=4, num_kv_heads=2, head_dim=32)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu.paged_attention(**{**case, "value_cache": reference.float32_to_bf16_bits(case["value_cache"])})
+    with pytest.raises(ValueError, match="uint16"):
+        cpu.paged_attention(**{**case, "key_cache": case["key_cache"].astype(np.float16),
+                               "value_cache": case["value_cache"].astype(np.float16)})
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        reference.kv_cache_values(case["key_cache"].astype(np.float16))

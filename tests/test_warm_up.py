@@ -123,10 +123,11 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
 
 PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dedent("""
     from folio.runtime.worker.precompile import compile_job, jobs, weights_variant
+    kv = sys.argv[1]
     for job in jobs(weights_variant(EngineConfig().model)):   # the default model's layout (its GGUF types)
-        compile_job(job)
+        compile_job(job, kv)
     before = signatures()
-    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512), ModelRunner(cfg))
+    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512, kv_cache_dtype=kv), ModelRunner(cfg))
     engine.warm_up()
     after = signatures()
     engine.shutdown()
@@ -135,15 +136,18 @@ PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dede
 """)
 
 
-def test_precompile_jobs_cover_the_warm_up(default_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_precompile_jobs_cover_the_warm_up(default_model_dir, kv_cache_dtype):
     """``folio serve`` compiles ``runtime/worker/precompile.JOBS`` ahead, in other processes, so
     that its worker's warm-up only loads machine code from Numba's cache: after the jobs (compiled
     or loaded here, in a fresh interpreter), the warm-up adds no signature to any CPU kernel. With
-    ``test_no_kernel_compiles_after_warm_up`` this covers the served workload too."""
+    ``test_no_kernel_compiles_after_warm_up`` this covers the served workload too. For each KV
+    cache dtype: the jobs compiled for a bfloat16 cache cover a bfloat16 engine's warm-up."""
     from folio.runtime.worker import precompile
     if not precompile.needed("cpu"):
         pytest.skip("one kernel thread: the jobs are the two-thread paths and folio serve skips them")
-    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT], capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT, kv_cache_dtype], capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     new = json.loads(r.stdout.strip().splitlines()[-1])
     assert new == {}, f"signatures the warm-up compiled beyond precompile.JOBS: {new}"

@@ -48,6 +48,13 @@ Two ways to compute an item, chosen by its number of rows:
   head, so each thread reads whole key rows of its own blocks in memory order (a cut by KV head
   read every third 256-byte slice of the rows, and two threads were slower than one).
 
+**KV cache dtype.** The caches are float32, or 16-bit (``--kv-cache-dtype bfloat16``: bfloat16
+bits as uint16, ``kernels/cpu/kv_dtype.py``): every read of a key or value widens it to float32
+in registers (the vector code loads ``W`` 16-bit elements and widens them in two instructions;
+the scalar loops convert per element), and all arithmetic stays float32. The sgemm tiles read
+float32 only, so a 16-bit chunk is always gathered (widened) into the contiguous buffers. Numba
+compiles one variant per cache dtype, when first called with it.
+
 Scores are kept in base 2 (``q * scale * log2(e)``) and exponentiated with the vectorised
 ``kernels.cpu.math.exp2``: a scalar ``exp`` per score would cost as much as the two products. Items are
 taken largest first from a shared counter by one task per thread (``kernels.cpu.threads``); every
@@ -66,6 +73,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .kv_dtype import KV_CACHE_DTYPES, is_float32, line_elems, to_f32
 from .math import LOG2E, exp2
 from .simd import TILE_RB, W as _W, exp2_sum16 as _exp2_sum16, pv as _pv, qk16 as _qk16
 from .simd import row_exp2 as _row_exp2, row_max as _row_max, tile_pv as _tile_pv, tile_scores as _tile_scores
@@ -182,8 +190,9 @@ def _write_rows(h0, h1, t0, t1, group, acc, l, out):
 
 @njit(inline="always")
 def _prefetch_row(cache, start, n):
-    # request the cache lines of cache's flat elements start .. start + n (one per 16 floats)
-    for x in range(0, n, 16):
+    # request the cache lines of cache's flat elements start .. start + n (one per 64 bytes: 16
+    # float32, 32 elements of a 16-bit cache)
+    for x in range(0, n, line_elems(cache)):
         prefetch(cache, start + x)
 
 
@@ -240,7 +249,7 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                         r = hh * Rh + rr
                         a = _F32(0.0)
                         for d in range(D):
-                            a += qs[r, d] * key_cache[b, o, h0 + hh, d]
+                            a += qs[r, d] * to_f32(key_cache[b, o, h0 + hh, d])
                         sc[r, o] = a
                         bm[r] = max(bm[r], a) if o > o0 else a
         for r in range(R):
@@ -283,7 +292,7 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                         r = hh * Rh + rr
                         p = sc[r, o]
                         for d in range(D):
-                            acc[r, d] += p * value_cache[b, o, h0 + hh, d]
+                            acc[r, d] += p * to_f32(value_cache[b, o, h0 + hh, d])
     if part < 0:
         _write_rows(h0, h1, t0, t1, group, acc, l, out)
         return
@@ -364,7 +373,7 @@ def _tile_chunks(key_cache, value_cache, block_tables, s, h0, R, n_keys, first_p
         for j in range(full, nk):
             b = block_tables[s, (c0 + j) // bs]
             for d in range(D):
-                kt[d, j] = key_cache[b, (c0 + j) % bs, h0, d]
+                kt[d, j] = to_f32(key_cache[b, (c0 + j) % bs, h0, d])
         # the last vector's lanes past nk: never read as scores (the softmax masks them), zeroed
         # so that the products never meet uninitialised subnormals (slow on some cores)
         for j in range(nk, (nk + _W - 1) // _W * _W):
@@ -420,7 +429,7 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         # the chunk's keys and values as [nk, D] matrices: in place when its blocks are
         # consecutive in the cache (row stride Hkv * D), else gathered into kb / vb
         b0 = block_tables[s, c0 // bs]
-        in_place = True
+        in_place = is_float32(key_cache)      # sgemm reads float32 only: a 16-bit cache is gathered
         for bi in range(c0 // bs + 1, (c0 + nk + bs - 1) // bs):
             if block_tables[s, bi] != b0 + bi - c0 // bs:
                 in_place = False
@@ -432,8 +441,8 @@ def _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 b = block_tables[s, (c0 + j) // bs]
                 o = (c0 + j) % bs
                 for d in range(D):
-                    kb[j, d] = key_cache[b, o, h0, d]
-                    vb[j, d] = value_cache[b, o, h0, d]
+                    kb[j, d] = to_f32(key_cache[b, o, h0, d])
+                    vb[j, d] = to_f32(value_cache[b, o, h0, d])
             kmat, vmat, ld = ptr(kb, 0), ptr(vb, 0), D
         sgemm(ROW_MAJOR, NO_TRANS, TRANS, R, nk, D, _F32(1.0), ptr(qs, 0), D, kmat, ld, _F32(0.0), ptr(sc, 0), CH)
         _softmax_step(sc, R, R, nk, c0, first_pos, group, m, l, acc)
@@ -632,7 +641,9 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     """Causal attention of a flattened varlen batch over a paged KV cache (GQA aware).
 
     Same contract as ``reference.paged_attention``: ``q [T, num_heads, head_dim]`` float32,
-    caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 (C-contiguous),
+    caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or 16-bit (bfloat16 bits as
+    uint16, ``kernels/cpu/kv_dtype.py``: widened to float32 as they are read), C-contiguous, both
+    of one dtype,
     ``block_tables [S, max_blocks]``, ``seq_lens [S]``, ``query_start_loc [S+1]`` (int, converted
     to int64), ``scale`` float. Returns ``[T, num_heads, head_dim]`` float32; rows at or past
     ``query_start_loc[S]`` are zero. Decodes and prefill chunks of one step go through one
@@ -641,11 +652,13 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     C-contiguous ``[T, num_heads, head_dim]`` float32 buffer for the result.
 
     Raises:
-        ValueError: a KV cache that is not C-contiguous float32 (the kernels address blocks directly).
+        ValueError: KV caches that are not C-contiguous, of another dtype, or of two dtypes (the
+            kernels address blocks directly).
     """
     if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous
-            and key_cache.dtype == _F32 and value_cache.dtype == _F32):
-        raise ValueError("paged_attention needs C-contiguous float32 KV caches")
+            and key_cache.dtype in KV_CACHE_DTYPES.values() and value_cache.dtype == key_cache.dtype):
+        raise ValueError("paged_attention needs C-contiguous KV caches of one dtype: float32, or bfloat16 bits "
+                         f"as uint16 (got {key_cache.dtype} and {value_cache.dtype})")
     q = np.ascontiguousarray(q, dtype=_F32)
     T, H, D = q.shape
     bs, Hkv = key_cache.shape[1], key_cache.shape[2]

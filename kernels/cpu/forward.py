@@ -53,6 +53,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .attention import attention_item, attention_scratch, attention_into, finish_attention, plan
+from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
 from .quant_linear import quant_item_rows, quant_scratch, quant_task_rows
@@ -257,8 +258,8 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     qscratch = product_scratch(qkv_w, n_tasks, T, max(x.shape[1], attn2.shape[1], act.shape[1]))
     for w in prange(n_tasks):
         for layer in range(L):
-            key_cache = carray(_f32_at(cache_addrs[layer, 0]), shape)
-            value_cache = carray(_f32_at(cache_addrs[layer, 1]), shape)
+            key_cache = carray(_ptr_at(cache_addrs[layer, 0], cache_like), shape)
+            value_cache = carray(_ptr_at(cache_addrs[layer, 1], cache_like), shape)
             for phase in range(_PHASES):
                 k = layer * _PHASES + phase
                 while True:
@@ -285,11 +286,12 @@ def _u8_at(typingctx, address):
 
 
 @intrinsic
-def _f32_at(typingctx, address):
-    # an int64 address as a float32 pointer (numba.carray makes it an array view)
+def _ptr_at(typingctx, address, like):
+    # an int64 address as a pointer to like's dtype (float32, or uint16 for a bfloat16 cache;
+    # numba.carray makes it an array view)
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-    return types.CPointer(types.float32)(types.int64), codegen
+    return types.CPointer(like.dtype)(types.int64, like), codegen
 
 
 def _int64(a):
@@ -381,17 +383,20 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
         buffers: the workspace's ``[T, ...]`` views (``model.llama.Workspace.view``); ``residual``
             holds the embeddings on entry.
         positions: ``[T]`` int positions; ``attn_metadata``: the step's ``AttentionMetadata``.
-        kv_caches: per layer ``(key_cache, value_cache)``, C-contiguous float32 ``[num_blocks,
-            block_size, num_kv_heads, head_dim]``; this step's keys and values are appended.
+        kv_caches: per layer ``(key_cache, value_cache)``, C-contiguous ``[num_blocks, block_size,
+            num_kv_heads, head_dim]``, float32 or bfloat16 bits as uint16 (``kv_dtype.py``), all of
+            one dtype; this step's keys and values are appended.
         cos_sin_cache: ``[max_position, head_dim]`` float32 RoPE table; ``scale``: softmax scale.
     Raises:
-        ValueError: a KV cache that is not C-contiguous float32, or caches of different shapes
+        ValueError: a KV cache that is not C-contiguous float32 / uint16, or caches of different shapes or dtypes
             (the kernels address blocks directly; the one-region loop gets the layers' caches as
             addresses of arrays of one shape).
     """
-    shape0 = kv_caches[0][0].shape
-    if not all(c.flags.c_contiguous and c.dtype == np.float32 and c.shape == shape0 for pair in kv_caches for c in pair):
-        raise ValueError("decoder_layers needs C-contiguous float32 KV caches, all of one shape")
+    shape0, dtype0 = kv_caches[0][0].shape, kv_caches[0][0].dtype
+    if dtype0 not in KV_CACHE_DTYPES.values() or \
+            not all(c.flags.c_contiguous and c.dtype == dtype0 and c.shape == shape0 for pair in kv_caches for c in pair):
+        raise ValueError("decoder_layers needs C-contiguous KV caches (float32, or bfloat16 bits as uint16), all of "
+                         "one shape and dtype")
     b, md = buffers, attn_metadata
     residual = b["residual"]
     T, hid = residual.shape

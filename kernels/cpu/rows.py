@@ -18,6 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .kv_dtype import from_f32
 from .math import LOG2E, exp2
 from .memory import HUGE_PAGE_MIN_BYTES, huge_page_zeros
 from .threads import fetch_add, num_threads, region_guard
@@ -44,15 +45,16 @@ def _reshape_and_cache_kernel(key, value, key_cache, value_cache, slot_mapping):
         o = slot - b * block_size
         for h in range(Hkv):
             for d in range(D):
-                key_cache[b, o, h, d] = key[t, h, d]
-                value_cache[b, o, h, d] = value[t, h, d]
+                key_cache[b, o, h, d] = from_f32(key[t, h, d], key_cache)
+                value_cache[b, o, h, d] = from_f32(value[t, h, d], value_cache)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     """Write this step's K/V ``[T, num_kv_heads, head_dim]`` into cache slots, in place.
 
     Same contract as ``reference.reshape_and_cache`` (slot -1 skipped). ``key``/``value`` may be
-    strided views (e.g. slices of a fused QKV projection).
+    strided views (e.g. slices of a fused QKV projection). The caches are float32 or bfloat16
+    bits as uint16 (each value rounded to nearest even, ``kernels/cpu/kv_dtype.py``).
     """
     _reshape_and_cache_kernel(key, value, key_cache, value_cache,
                               np.asarray(slot_mapping, dtype=np.int64))
@@ -74,7 +76,7 @@ def _copy_blocks_kernel(cache, block_mapping):
 def copy_blocks(key_caches, value_caches, block_mapping):
     """Copy whole blocks ``(src, dst)`` rows of ``block_mapping [N, 2]`` in every layer, in place.
 
-    Rows are applied in order, as in ``reference.copy_blocks``.
+    Rows are applied in order, as in ``reference.copy_blocks``. Any cache dtype (bit copies).
     """
     mapping = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
     if mapping.shape[0] == 0:
@@ -359,10 +361,10 @@ def _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, 
                 s = cos_sin_cache[p, half + i]
                 x1 = qkv[t, k0 + i]
                 x2 = qkv[t, k0 + half + i]
-                key_cache[b, o, h, i] = x1 * c - x2 * s
-                key_cache[b, o, h, half + i] = x2 * c + x1 * s
+                key_cache[b, o, h, i] = from_f32(x1 * c - x2 * s, key_cache)
+                key_cache[b, o, h, half + i] = from_f32(x2 * c + x1 * s, key_cache)
             for i in range(D):
-                value_cache[b, o, h, i] = qkv[t, v0 + i]
+                value_cache[b, o, h, i] = from_f32(qkv[t, v0 + i], value_cache)
 
 
 @njit(parallel=True, cache=True)
@@ -395,8 +397,9 @@ def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_m
                    num_kv_heads, out=None):
     """``reference.rope_and_cache`` in one pass: RoPE on the q / k slices of the fused projection
     ``qkv [T, (H + 2 Hkv) * D]`` float32 (rows may be strided), the rotated keys and the values
-    written to their cache slots (``slot_mapping [T]``, -1 = skip); returns the rotated queries
-    ``[T, H, D]`` float32 (into ``out`` when given)."""
+    written to their cache slots (``slot_mapping [T]``, -1 = skip; float32 caches, or bfloat16 bits
+    as uint16 rounded to nearest even); returns the rotated queries ``[T, H, D]`` float32 (into
+    ``out`` when given)."""
     T = qkv.shape[0]
     D = cos_sin_cache.shape[1]
     out = np.empty((T, num_heads, D), dtype=_F32) if out is None else out

@@ -32,7 +32,10 @@ of 64-128 reached about half of this core's rate:
 * ``row_max`` / ``row_exp2``: a row's online-softmax maximum and weights in masked vectors.
 
 Arguments are arrays with flat element offsets (C-contiguous data from the offset on, as the
-kernels' caches and per-task buffers are) of float32 (another dtype fails to compile);
+kernels' caches and per-task buffers are) of float32 (another dtype fails to compile), except
+the KV cache operands (``qk16``'s keys, ``pv``'s and ``tile_pv``'s values, ``transpose_rows``'
+source), which may also be a 16-bit cache (bfloat16 bits as uint16, ``kernels/cpu/kv_dtype.py``):
+its ``W`` elements are loaded as one half-width vector and widened to float32 in registers;
 ``head_dim`` must be a multiple of ``W``, which the caller checks. Sums are in float32 in a
 blocked order (``head_dim / W`` terms per lane, then the tree), within the any-order bounds of
 the tests.
@@ -52,6 +55,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .kv_dtype import storage_ir, widen
 from .math import _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7
 
 __all__ = ["compiles_avx512", "W", "TILE_RB", "qk16", "pv", "exp2_sum16", "transpose_rows", "tile_scores", "tile_pv",
@@ -88,6 +92,19 @@ _I64 = ir.IntType(64)
 def _f32_arrays(*arrays) -> bool:
     # the intrinsics read raw float32 data: any other dtype is a typing error, not wrong numbers
     return all(isinstance(a, types.Array) and a.dtype == types.float32 for a in arrays)
+
+
+def _kv_array(a) -> bool:
+    # a KV cache operand: float32, or a 16-bit cache widened as it is loaded (kv_dtype.py)
+    return isinstance(a, types.Array) and a.dtype in (types.float32, types.uint16)
+
+
+def _vload_kv(builder, base, off, ty):
+    # W elements of a cache of element type ty at element offset off, as float32 lanes
+    if ty == types.float32:
+        return _vload(builder, base, off)
+    vt = ir.VectorType(storage_ir(ty), W)
+    return widen(builder, builder.load(builder.bitcast(builder.gep(base, [off]), vt.as_pointer()), align=2), ty)
 
 
 def _vec(w):
@@ -153,7 +170,7 @@ def _transpose_reduce(builder, accs):
 def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
     """``s[soff + o] = sum_d q[qoff + d] * k[koff + o * kstride + d]`` for the 16 keys ``o =
     0..15`` and ``d < D`` (flat float32 element offsets; ``D`` a multiple of ``W``)."""
-    if not _f32_arrays(q, k, s):
+    if not (_f32_arrays(q, s) and _kv_array(k)):
         return None
     sig = types.none(q, types.int64, k, types.int64, types.int64, types.int64, s, types.int64)
 
@@ -165,7 +182,8 @@ def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
             c = builder.mul(loop.index, ir.Constant(_I64, W))
             qv = _vload(builder, qd, builder.add(qo, c))
             for o in range(16):
-                kv = _vload(builder, kd, builder.add(builder.add(ko, builder.mul(ks, ir.Constant(_I64, o))), c))
+                kv = _vload_kv(builder, kd, builder.add(builder.add(ko, builder.mul(ks, ir.Constant(_I64, o))), c),
+                               sg.args[2].dtype)
                 builder.store(_fma(builder, qv, kv, builder.load(slots[o])), slots[o])
         for i, v in enumerate(_transpose_reduce(builder, [builder.load(sl) for sl in slots])):
             _vstore(builder, v, sd, _offset(builder, so, i * W))
@@ -177,7 +195,7 @@ def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
 def pv(typingctx, p, poff, n, v, voff, vstride, D, acc, aoff):
     """``acc[aoff + d] += sum_{o < n} p[poff + o] * v[voff + o * vstride + d]`` for ``d < D`` (a
     multiple of ``W``): ``4 W`` coordinates at a time kept in registers over the ``n`` keys."""
-    if not _f32_arrays(p, v, acc):
+    if not (_f32_arrays(p, acc) and _kv_array(v)):
         return None
     sig = types.none(p, types.int64, types.int64, v, types.int64, types.int64, types.int64, acc, types.int64)
 
@@ -197,7 +215,7 @@ def pv(typingctx, p, poff, n, v, voff, vstride, D, acc, aoff):
                 w = _splat(builder, builder.load(builder.gep(pd, [builder.add(po, o)])))
                 base = builder.add(vo, builder.add(builder.mul(vs, o), c0))
                 for j in range(width):
-                    vv = _vload(builder, vd, _offset(builder, base, j * W))
+                    vv = _vload_kv(builder, vd, _offset(builder, base, j * W), sg.args[3].dtype)
                     builder.store(_fma(builder, w, vv, builder.load(slots[j])), slots[j])
             for j in range(width):
                 _vstore(builder, builder.load(slots[j]), ad, builder.add(ao, _offset(builder, c0, j * W)))
@@ -322,7 +340,7 @@ def tile_pv(typingctx, p, poff, ldp, rows, n, v, voffs, D, acc, aoff, lda):
     rows``, ``d < D`` (a multiple of ``W``): a prefill tile's ``acc += P V`` with the value rows
     read in place (``voffs``: int64 flat offset of key ``j``'s value row), ``TILE_RB`` rows x
     ``4 W`` coordinates of ``acc`` in registers over the ``n`` keys, each weight broadcast."""
-    if not (_f32_arrays(p, v, acc) and isinstance(voffs, types.Array) and voffs.dtype == types.int64):
+    if not (_f32_arrays(p, acc) and _kv_array(v) and isinstance(voffs, types.Array) and voffs.dtype == types.int64):
         return None
     i64 = types.int64
     sig = types.none(p, i64, i64, i64, i64, v, voffs, i64, acc, i64, i64)
@@ -340,7 +358,7 @@ def tile_pv(typingctx, p, poff, ldp, rows, n, v, voffs, D, acc, aoff, lda):
                       for j in range(nv)] for i in range(nr)]
             with cgutils.for_range(builder, nn) as loop:
                 vbase = builder.add(builder.load(builder.gep(od, [loop.index])), c0)
-                vv = [_vload(builder, vd, _offset(builder, vbase, j * W)) for j in range(nv)]
+                vv = [_vload_kv(builder, vd, _offset(builder, vbase, j * W), sg.args[5].dtype) for j in range(nv)]
                 for i in range(nr):
                     w = _splat(builder, builder.load(builder.gep(pd, [builder.add(prow[i], loop.index)])))
                     for j in range(nv):
@@ -380,7 +398,7 @@ def transpose_rows(typingctx, src, offs, n, D, dst, ldd):
     of ``dst``, ``W x W`` blocks transposed in registers (``W`` loads, ``W log2 W`` two-input
     shuffles and ``W`` stores per block) where element-wise copies cost a store per element and,
     with ``ldd`` a multiple of 512 bytes, kept every store in the same few L1 sets."""
-    if not (_f32_arrays(src, dst) and isinstance(offs, types.Array) and offs.dtype == types.int64):
+    if not (_f32_arrays(dst) and _kv_array(src) and isinstance(offs, types.Array) and offs.dtype == types.int64):
         return None
     i64 = types.int64
     sig = types.none(src, offs, i64, i64, dst, i64)
@@ -394,7 +412,7 @@ def transpose_rows(typingctx, src, offs, n, D, dst, ldd):
             bases = [builder.load(builder.gep(od, [_offset(builder, j0, i)])) for i in range(W)]
             with cgutils.for_range(builder, builder.udiv(d, wc)) as dl:
                 d0 = builder.mul(dl.index, wc)
-                cols = _transpose(builder, [_vload(builder, sd, builder.add(b, d0)) for b in bases])
+                cols = _transpose(builder, [_vload_kv(builder, sd, builder.add(b, d0), sg.args[0].dtype) for b in bases])
                 for k, v in enumerate(cols):
                     _vstore(builder, v, dd, builder.add(builder.mul(_offset(builder, d0, k), ld), j0))
         return context.get_dummy_value()

@@ -1,4 +1,5 @@
-"""The CPU kernel table, ``CPU_KERNELS``: the operations of ``kernels/reference.py`` in Numba, float32.
+"""The CPU kernel table, ``CPU_KERNELS``: the operations of ``kernels/reference.py`` in Numba, float32
+(the KV cache float32 or bfloat16 bits as uint16, ``--kv-cache-dtype``: ``kv_dtype.py``).
 
 The parts: the row kernels (KV-cache append, norms, RoPE, activation, embedding) in ``rows.py``,
 paged attention in ``attention.py``, matrix products (``linear``) in ``linear.py``, every decoder
@@ -19,6 +20,7 @@ from .. import reference
 from ..quant_reference import QuantizedWeight
 from .attention import paged_attention
 from .forward import decoder_layers, stack_quantized
+from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear as _float_linear
 from .memory import huge_page_zeros
 from .quant_linear import quant_embedding, quant_linear
@@ -72,6 +74,7 @@ CPU_KERNELS = SimpleNamespace(
     xp=np,
     name="cpu",
     kv_cache_dtype=np.dtype(np.float32),
+    kv_cache_dtypes=KV_CACHE_DTYPES,
     act_dtype=np.dtype(np.float32),
     matmul_input_dtype=np.dtype(np.float32),
     paged_attention=paged_attention,

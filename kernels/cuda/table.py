@@ -100,6 +100,7 @@ class CudaKernels:
                  device=None, kernel_names=()):
         self.xp = xp
         self.kv_cache_dtype = np.dtype(np.uint16)  # bf16 bit patterns
+        self.kv_cache_dtypes = {"bfloat16": self.kv_cache_dtype}
         self.act_dtype = np.dtype(np.float32)
         self.matmul_input_dtype = np.dtype(np.uint16)  # what the norms / activations hand to linear
         self.device = device or (HostDevice() if xp is np else CupyDevice(xp))

@@ -34,6 +34,8 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--tf-batch-size", type=positive, default=16, help="transformers static batch size")
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="run N processes spinning on a core each during every engine's run (a loaded machine)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="folio's KV cache storage (auto: float32 on CPU)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=with_threads(run))
 
@@ -46,7 +48,8 @@ def run(args) -> int:
                          output_len=tuple(args.output_len), seed=args.seed, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                          peers=tuple(dict.fromkeys(args.peer)), threads=args.threads,
-                         tf_batch_size=args.tf_batch_size, progress=not args.no_progress, busy=args.busy)
+                         tf_batch_size=args.tf_batch_size, progress=not args.no_progress, busy=args.busy,
+                         kv_cache_dtype=args.kv_cache_dtype)
     print(format_throughput(out))
     if args.json:
         with open(args.json, "w") as f:

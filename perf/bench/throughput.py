@@ -48,7 +48,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
                    num_prompts: int = 64, input_len=(32, 512), output_len=(16, 256), seed: int = 0,
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_blocks: int | None = None,
                    peers=(), threads: int | None = None, tf_batch_size: int = 16, progress: bool = True,
-                   keep_trace: bool = False, build_llama_server: bool = True, busy: int = 0) -> dict:
+                   keep_trace: bool = False, build_llama_server: bool = True, busy: int = 0,
+                   kv_cache_dtype: str = "auto") -> dict:
     """Run the workload through folio, then through each peer in ``peers``.
 
     Args:
@@ -58,6 +59,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
             folio runs at once (``min(num_prompts, max_num_seqs)``); with ``build_llama_server``
             False it runs only when already built.
         busy: processes spinning on a core each during every engine's run (a loaded machine).
+        kv_cache_dtype: folio's ``--kv-cache-dtype`` (a host given is used as loaded).
         threads: the thread count every engine gets (folio's is the calling thread's Numba
             setting; None: that setting, by default every core this process may use).
     Returns:
@@ -72,7 +74,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
     if host is None:
         from folio.runtime.scheduler.kv_cache_manager import cdiv
         nb = num_blocks or sum(cdiv(len(r.prompt_token_ids) + r.output_len, 16) for r in requests) + 16
-        host = ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb)
+        host = ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb, kv_cache_dtype=kv_cache_dtype)
     engine = host.engine(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     bar = tqdm(total=len(requests), desc="folio", disable=not progress, dynamic_ncols=True)
     with numba_threads(threads):
@@ -87,7 +89,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                      "output_tokens": sum(r.output_len for r in requests)},
         "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                   "block_size": 16, "num_blocks": host.num_blocks, "threads": threads, "dtype": "float32"},
+                   "block_size": 16, "num_blocks": host.num_blocks, "threads": threads, "dtype": "float32",
+                   "kv_cache_dtype": str(host.base.get("kv_cache_dtype", "auto"))},
         "busy_processes": busy,
         "warm_up_s": host.warm_up_s,
         "folio": folio_figures(res, requests),

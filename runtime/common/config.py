@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+"""``--kv-cache-dtype`` values (vLLM's names); which of them a device runs: ``KernelTable.kv_cache_dtypes``."""
 
 
 @dataclass
@@ -33,6 +35,11 @@ class EngineConfig:
             weight float32) or ``"bfloat16"`` (GPU).
         quantization: ``None`` or ``"q8_0"`` / ``"q4_k"``: float weights quantized into that GGUF type
             as they load (CPU; ``model/quantize.py``).
+        kv_cache_dtype: storage of the KV cache (vLLM's ``--kv-cache-dtype``): ``"auto"`` (the
+            device's own: float32 on CPU, bfloat16 on GPU), ``"float32"`` (CPU) or ``"bfloat16"``
+            (CPU: half the memory per block, so twice the blocks for one budget; keys and values
+            rounded to bfloat16 as they are stored, attention computed in float32). A value the
+            device does not run is refused when the worker starts (``ModelRunner``).
         seed: base seed of the engine (random prefix-hash root is separate and per process).
         enforce_eager: never capture CUDA graphs for decode steps (vLLM's flag of the same name).
         async_scheduling: overlap scheduling (SGLang's overlap scheduler, vLLM's
@@ -58,6 +65,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
     async_scheduling: bool = True
@@ -90,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.quantization not in (None, "q8_0", "q4_k"):
             raise ValueError(f"quantization must be q8_0 or q4_k (or unset), got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 

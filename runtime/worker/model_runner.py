@@ -89,6 +89,21 @@ def num_kv_blocks(bytes_per_block: int, *, block_size: int, max_num_seqs: int, m
     return n
 
 
+def kv_cache_dtype(kernels: KernelTable, name: str, device: str) -> np.dtype:
+    """The KV cache arrays' dtype for ``--kv-cache-dtype name`` on a kernel table: its default
+    (``kernels.kv_cache_dtype``) for ``auto``, else ``kernels.kv_cache_dtypes[name]``.
+
+    Raises:
+        ValueError: a name the device's kernels do not run, naming the flag and the values it takes.
+    """
+    if name == "auto":
+        return np.dtype(kernels.kv_cache_dtype)
+    if name not in kernels.kv_cache_dtypes:
+        raise ValueError(f"--kv-cache-dtype {name} is not available on {device}; it takes auto, "
+                         + ", ".join(kernels.kv_cache_dtypes))
+    return np.dtype(kernels.kv_cache_dtypes[name])
+
+
 def mem_available_bytes(path: str = "/proc/meminfo") -> int:
     """``MemAvailable`` of the machine in bytes (Linux).
 
@@ -146,13 +161,15 @@ class ModelRunner:
         model, model_config, model_dir: from ``model.loader.load_model``.
         max_model_len: ``engine_config.max_model_len`` or the model's max_position_embeddings.
         num_blocks: KV blocks allocated (``kv_caches``: per layer ``(key, value)``
-            ``[num_blocks, block_size, num_kv_heads, head_dim]``).
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``kv_cache_dtype``, the
+            dtype ``engine_config.kv_cache_dtype`` names on this device).
         block_size: tokens per block.
 
     Raises:
         ValueError / FileNotFoundError / RuntimeError: from loading or sizing (bad model, no
-        memory for a single block, cuda without a GPU, a dtype the device does not run: CPU
-        runs float32 weights and activations, CUDA bfloat16 weights with float32 math).
+        memory for a single block, cuda without a GPU, a dtype or KV cache dtype the device does
+        not run: CPU runs float32 weights and activations and a float32 or bfloat16 KV cache,
+        CUDA bfloat16 weights and KV cache with float32 math).
     """
 
     def __init__(self, engine_config: EngineConfig):
@@ -164,12 +181,13 @@ class ModelRunner:
             raise ValueError(f"dtype {cfg.dtype!r} is not available on {self.device} (it runs {native}); "
                              "use --dtype auto")
         self.kernels: KernelTable = get_kernels(self.device)
+        self.kv_cache_dtype = kv_cache_dtype(self.kernels, cfg.kv_cache_dtype, self.device)
         self.xp = self.kernels.xp
         self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format,
                                                                      cfg.dtype, cfg.quantization)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         self.block_size = cfg.block_size
-        itemsize = np.dtype(self.kernels.kv_cache_dtype).itemsize
+        itemsize = self.kv_cache_dtype.itemsize   # a 16-bit cache: twice the blocks for one budget
         self.bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(itemsize)
         self.device_step = None
         if self.device == "cuda":
@@ -189,7 +207,8 @@ class ModelRunner:
             self.bytes_per_block, block_size=self.block_size, max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.max_model_len, num_blocks_override=cfg.num_kv_blocks_override,
             kv_cache_memory=cfg.kv_cache_memory, available_bytes=available)
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.kernels)
+        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.kernels,
+                                            self.kv_cache_dtype)
         if self.device == "cuda":  # setup ran on the legacy default stream, steps run on a non-blocking one
             self.kernels.device.synchronize_device()
         self._seqs: dict[int, SamplingState] = {}
@@ -214,7 +233,7 @@ class ModelRunner:
         lens = profile_step_shape(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
         nb = sum(cdiv(n, self.block_size) for n in lens)
         with dev.peak_tracker() as peak:
-            tmp = allocate_kv_caches(self.model_config, nb, self.block_size, self.kernels)
+            tmp = allocate_kv_caches(self.model_config, nb, self.block_size, self.kernels, self.kv_cache_dtype)
             plan, states = _profile_plan(lens, self.block_size, self.model_config.vocab_size, cfg.seed)
             dev.synchronize_device()  # weights and caches were made on the legacy default stream
             self.device_step.run(plan, states, tmp)

@@ -16,12 +16,18 @@ for it (``AFTER``): the layer loop (``forward._phase_item`` / ``_layers_region``
 attention, product and row kernels, compiles its own two functions after them, loading theirs,
 while the other process compiles what only the steps' Python code calls (``LANES``).
 
+The KV caches are the jobs' only 4-D arrays (``F4``): float32, or with ``--kv-cache-dtype
+bfloat16`` uint16 (``kernels/cpu/kv_dtype.py``). ``precompile`` compiles the variants of the
+configured cache dtype only (the kernels have one per dtype), so a bfloat16 server compiles no
+float32 cache variant and the default server none of the bfloat16 ones. Likewise for the weights
+(``VARIANTS``): float32 stacks, or GGUF-typed weights (a ``.gguf`` file served as stored), never both.
+
 Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
 parallel region per step) is listed; with one thread the first step compiles its own path, as
 before. ``tests/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
 A kernel whose arguments change needs its job changed with it (that test fails until it is).
 
-    python -m folio.runtime.worker.precompile [--check] [GROUP ...]   # a child's work: one line per job
+    python -m folio.runtime.worker.precompile [--variant V] [--check] [--kv-cache-dtype NAME] [GROUP ...]
 
 Sources: Numba's documentation, "Compiling Python code with @jit" (explicit signatures,
 ``Dispatcher.compile``) and "Notes on caching" (the cache is shared by processes on one machine).
@@ -57,11 +63,21 @@ class Job:
         return f"{self.module}.{self.function}"
 
 
-def _types() -> dict:
+def _kv_dtype(kv_cache_dtype: str):
+    # the Numba element type of the KV cache arrays for a --kv-cache-dtype name (auto: float32)
+    from numba import from_dtype
+    from ...kernels import get_kernels
+    cpu = get_kernels("cpu")
+    return from_dtype(cpu.kv_cache_dtype if kv_cache_dtype == "auto" else cpu.kv_cache_dtypes[kv_cache_dtype])
+
+
+def _types(kv_cache_dtype: str = "auto") -> dict:
+    # F4: a KV cache [blocks, block_size, kv_heads, head_dim], the jobs' only 4-D arrays, of the
+    # cache dtype (float32, or uint16 for bfloat16)
     from numba import types
     a = types.Array
     return {"F1": a(types.float32, 1, "C"), "F2": a(types.float32, 2, "C"), "F3": a(types.float32, 3, "C"),
-            "F4": a(types.float32, 4, "C"), "I1": a(types.int64, 1, "C"), "I2": a(types.int64, 2, "C"),
+            "F4": a(_kv_dtype(kv_cache_dtype), 4, "C"), "I1": a(types.int64, 1, "C"), "I2": a(types.int64, 2, "C"),
             "I3": a(types.int64, 3, "C"), "U2": a(types.uint8, 2, "C"),
             "U2r": a(types.uint8, 2, "C", readonly=True),   # a read-only memory-mapped GGUF tensor
             "i64": types.int64, "u64": types.uint64, "f64": types.float64, "f32": types.float32}
@@ -190,25 +206,26 @@ def weights_variant(model: str, dtype: str = "auto", quantization: str | None = 
     return "quantized" if serves_quantized(model, dtype, quantization, load_format) else "float32"
 
 
-def _dispatcher(job: Job):
-    types = _types()
+def _dispatcher(job: Job, kv_cache_dtype: str = "auto"):
+    types = _types(kv_cache_dtype)
     fn = getattr(importlib.import_module(f"...kernels.cpu.{job.module}", __package__), job.function)
     return fn, tuple(types[t] for t in job.signature.split())
 
 
-def compile_job(job: Job) -> bool:
-    """Compile (or load from the cache) ``job`` in this process; returns True if it compiled."""
-    fn, sig = _dispatcher(job)
+def compile_job(job: Job, kv_cache_dtype: str = "auto") -> bool:
+    """Compile (or load from the cache) ``job`` in this process, for KV caches of
+    ``kv_cache_dtype`` (a ``--kv-cache-dtype`` name); returns True if it compiled."""
+    fn, sig = _dispatcher(job, kv_cache_dtype)
     before = fn.stats.cache_misses.get(sig, 0)
     fn.compile(sig)
     return fn.stats.cache_misses.get(sig, 0) > before
 
 
-def in_cache(job: Job) -> bool:
+def in_cache(job: Job, kv_cache_dtype: str = "auto") -> bool:
     """Whether Numba's cache index holds ``job`` for this machine and the current sources,
     without loading it (Numba's ``Cache._index_key`` and index file; False where they differ from
     the Numba this was written against, 0.59-0.61)."""
-    fn, sig = _dispatcher(job)
+    fn, sig = _dispatcher(job, kv_cache_dtype)
     try:
         cache = fn._cache
         return cache._index_key(sig, fn.targetctx.codegen()) in cache._cache_file._load_index()
@@ -224,9 +241,13 @@ def _child_main(args: list[str]) -> int:
     if args[:1] == ["--variant"]:
         variant, args = args[1], args[2:]
     all_jobs = jobs(variant)
-    if args[:1] == ["--check"]:
-        args = args[1:]
-        missing = sum(not in_cache(j) for j in all_jobs)
+    check = args[:1] == ["--check"]
+    args = args[1:] if check else args
+    kv = "auto"
+    if args[:1] == ["--kv-cache-dtype"]:
+        kv, args = args[1], args[2:]
+    if check:
+        missing = sum(not in_cache(j, kv) for j in all_jobs)
         print(f"missing {missing}", flush=True)
         if not missing:
             return 0
@@ -234,7 +255,7 @@ def _child_main(args: list[str]) -> int:
         for job in all_jobs:
             if job.group == g:
                 t0 = time.perf_counter()
-                compiled = compile_job(job)
+                compiled = compile_job(job, kv)
                 print(f"done {job.name} {time.perf_counter() - t0:.2f} {'C' if compiled else 'L'}", flush=True)
     return 0
 
@@ -253,7 +274,7 @@ def _lanes(processes: int) -> list[list[str]]:
 
 def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], None] | None = None,
                on_start: Callable[[Job], None] | None = None, env: dict | None = None,
-               variant: str = "float32") -> dict:
+               variant: str = "float32", kv_cache_dtype: str = "auto") -> dict:
     """Fill Numba's cache with ``jobs(variant)`` using up to ``processes`` child processes (``python -m``
     this module): the first checks the cache index and, if nothing is missing, ends at once (a
     warm start spawns one process, which loads nothing); otherwise each process runs its lane of
@@ -266,6 +287,8 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
         on_start: called with each job as a child starts it.
         env: the children's environment (default this process's).
         variant: the model's weight layout (``VARIANTS``; ``weights_variant`` tells a model's).
+        kv_cache_dtype: the KV cache dtype the jobs are compiled for (``--kv-cache-dtype``; only
+            that variant).
     Returns:
         ``{"seconds": wall time, "compiled": jobs compiled, "loaded": jobs found in the cache,
         "processes": children used}``.
@@ -284,7 +307,8 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
 
     def run(lane_id: int, groups: list[str], check: bool) -> None:
         lane_jobs = [j for g in groups for j in job_list if j.group == g]
-        cmd = [sys.executable, "-m", __name__, "--variant", variant, *(["--check"] if check else []), *groups]
+        cmd = [sys.executable, "-m", __name__, "--variant", variant, *(["--check"] if check else []),
+               "--kv-cache-dtype", kv_cache_dtype, *groups]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env if env is not None else os.environ.copy())
         with lock:
@@ -378,7 +402,7 @@ def precompile(processes: int = 2, progress: Callable[[Job, float, bool, list], 
 
 
 def precompile_with_progress(say: Callable[[str], None], stream=None, processes: int = 2, env: dict | None = None,
-                             variant: str = "float32"):
+                             variant: str = "float32", kv_cache_dtype: str = "auto"):
     """``precompile`` with its progress shown: a bar (tqdm) on ``stream`` (default stderr) when it
     is a terminal: the share of the estimated work done, the kernels done out of all, the ones
     being compiled; otherwise one line per compiled kernel through ``say``. Ends with one line
@@ -416,7 +440,8 @@ def precompile_with_progress(say: Callable[[str], None], stream=None, processes:
             if compiled:
                 say(f"compiled {job.name} ({job.what}) in {seconds:.1f} s [{done[0]}/{total}]")
     try:
-        r = precompile(processes, progress=progress, on_start=on_start, env=env, variant=variant)
+        r = precompile(processes, progress=progress, on_start=on_start, env=env, variant=variant,
+                       kv_cache_dtype=kv_cache_dtype)
     finally:
         if bar is not None:
             bar.close()
@@ -436,9 +461,9 @@ def precompile_for(config, say: Callable[[str], None], stream=None) -> dict | No
     if not needed(config.device):
         return None
     variant = weights_variant(config.model, config.dtype, config.quantization, config.load_format)
-    if all(in_cache(job) for job in jobs(variant)):
+    if all(in_cache(job, config.kv_cache_dtype) for job in jobs(variant)):
         return None
-    return precompile_with_progress(say, stream, variant=variant)
+    return precompile_with_progress(say, stream, variant=variant, kv_cache_dtype=config.kv_cache_dtype)
 
 
 def _die_with_parent() -> None:
