@@ -46,16 +46,26 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
+from . import quant_int8
+from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
-           "quant_item_rows", "quant_scratch", "quant_task_rows", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
+           "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "ACTIVATIONS", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product
 QUANT_GEMV_MAX_TOKENS = 16     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
 QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each task's scratch)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
+
+INT8_ACTIVATIONS = 256        # added to a type id: that type's products take the integer path (quant_kernel_type)
+INT8_MAX_TOKENS = 1 << 30     # products of more tokens than this take the float32 path even then
+
+ACTIVATIONS = ("float32", "int8")
+"""The activation types ``quant_kernel_type`` accepts: ``"float32"`` (the default: dequantize in
+registers, float32 products) or ``"int8"`` (activations quantized per 32 values, integer dot
+products, ``quant_int8.py``)."""
 
 KERNEL_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 """GGML type ids these kernels read (every type of ``quant_reference.QUANT_TYPES``)."""
@@ -412,22 +422,62 @@ def quant_item_rows(T):
 
 @njit(cache=True)
 def quant_scratch(n_tasks, T, K):
-    """Scratch of ``quant_task_rows`` for ``n_tasks`` tasks, products of ``T`` tokens and at most ``K``
-    values per weight row (allocated once per step, before the parallel region)."""
-    return np.empty((n_tasks, QUANT_SCRATCH_ROWS * K), _F32)
+    """Scratch of ``quant_task_rows`` for ``n_tasks`` tasks, products of at most ``T`` tokens and at
+    most ``K`` values per weight row (allocated once per step, before the parallel region): float32
+    ``[n_tasks, S]``, each task's row the integer path's key and quantized activations
+    (``quant_int8``), then the float32 path's ``QUANT_SCRATCH_ROWS`` decoded rows at its end. The
+    keys are cleared here: a fresh scratch never takes another step's activations for this one's."""
+    s = np.empty((n_tasks, _scratch_size(T, K)), _F32)
+    s[:, :8] = 0
+    return s
+
+
+@njit(cache=True, inline="always")
+def _scratch_size(T, K):
+    return (int8_scratch_size(T, K) + 15) // 16 * 16 + QUANT_SCRATCH_ROWS * K
 
 
 @njit(cache=True)
 def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
-    """``quant_rows`` on task ``task``'s part of ``scratch`` (``quant_scratch``): the entry point of a
-    fused region's work item (``kernels/cpu/forward.py``)."""
-    K = x.shape[1]
-    buf = scratch[task, :QUANT_SCRATCH_ROWS * K].reshape(QUANT_SCRATCH_ROWS, K)
+    """``out[:, col0 + r] = x @ dequantize(w[r]).T`` for the weight rows ``r0 <= r < r1`` on task
+    ``task``'s row of ``scratch`` (``quant_scratch``): the entry point of a fused region's work item
+    (``kernels/cpu/forward.py``). ``qtype``: a GGML type id, or ``quant_kernel_type``'s id of the
+    integer path (which quantizes ``x`` on the task's first item of this product and reuses it for
+    its later items: ``x`` must not change while items of one product run, and within one
+    scratch's life a pair of ``x`` buffer and weight names one product)."""
+    T, K = x.shape
+    s = scratch[task]
+    if qtype >= INT8_ACTIVATIONS:
+        if T <= INT8_MAX_TOKENS:
+            int8_rows(x, w, qtype - INT8_ACTIVATIONS, out, col0, s, r0, r1)
+            return
+        qtype -= INT8_ACTIVATIONS
+    n = s.shape[0]
+    buf = s[n - QUANT_SCRATCH_ROWS * K:].reshape(QUANT_SCRATCH_ROWS, K)
     quant_rows(x, w, qtype, out, col0, buf, r0, r1)
 
 
+def quant_kernel_type(qtype, activations: str = "float32") -> int:
+    """The type id the kernels take for a weight of type ``qtype`` computed with ``activations``
+    (``ACTIVATIONS``): the GGML id for ``"float32"``; for ``"int8"`` the id plus
+    ``INT8_ACTIVATIONS`` where the type has integer dot products (``quant_int8.INT8_TYPES``) and
+    Numba compiles for AVX2 or AVX512-VNNI (``quant_int8.ISA``), else the GGML id (float32
+    activations: the other types, or a CPU without them).
+
+    Raises:
+        UnsupportedQuantType: ``qtype`` is not a supported type.
+        ValueError: ``activations`` is not one of ``ACTIVATIONS``.
+    """
+    q = quant_type(qtype)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations == "int8" and q.id in INT8_TYPES and quant_int8.ISA is not None:
+        return q.id + INT8_ACTIVATIONS
+    return q.id
+
+
 @njit(parallel=True, cache=True)
-def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
+def _quant_linear_parallel(x, w, qtype, out, scratch, n_tasks, counter):
     N = w.shape[0]
     rows = quant_item_rows(x.shape[0])
     n_items = (N + rows - 1) // rows
@@ -436,23 +486,24 @@ def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
             i = fetch_add(counter, 1)
             if i >= n_items:
                 break
-            quant_rows(x, w, qtype, out, 0, buf[task], i * rows, min(N, (i + 1) * rows))
+            quant_task_rows(x, w, qtype, out, 0, scratch, task, i * rows, min(N, (i + 1) * rows))
 
 
 @njit(cache=True, nogil=True)
-def quant_linear_into(x, w, qtype, out, buf, tasks):
+def quant_linear_into(x, w, qtype, out, scratch, tasks):
     """``out[:] = x @ dequantize(w, qtype).T`` from compiled code: C-contiguous float32 ``x [T, K]``,
-    uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``), float32 ``out [T, N]``,
-    float32 scratch ``buf [tasks, QUANT_SCRATCH_ROWS, K]``; ``tasks`` 1 (the calling thread) or the region's threads
-    (``quant_linear_tasks``). Shapes are not checked here (``quant_linear`` checks them)."""
+    uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``, or ``quant_kernel_type``'s
+    id), float32 ``out [T, N]``, ``scratch`` from ``quant_scratch(tasks, T, K)`` (fresh, or its keys
+    cleared); ``tasks`` 1 (the calling thread) or the region's threads (``quant_linear_tasks``).
+    Shapes are not checked here (``quant_linear`` checks them)."""
     if x.shape[0] == 0:
         return
     if tasks > 1:
-        _quant_linear_parallel(x, w, qtype, out, buf, tasks, np.zeros(1, np.int64))
+        _quant_linear_parallel(x, w, qtype, out, scratch, tasks, np.zeros(1, np.int64))
     else:
         rows = quant_item_rows(x.shape[0])
         for r in range(0, w.shape[0], rows):
-            quant_rows(x, w, qtype, out, 0, buf[0], r, min(w.shape[0], r + rows))
+            quant_task_rows(x, w, qtype, out, 0, scratch, 0, r, min(w.shape[0], r + rows))
 
 
 def quant_linear_tasks(N: int, K: int, threads: int) -> int:
@@ -472,7 +523,8 @@ def _check_weight(w: np.ndarray, qtype, K: int):
     return q
 
 
-def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = None) -> np.ndarray:
+def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = None,
+                 activations: str = "float32") -> np.ndarray:
     """``x [T, K]`` float32 @ ``dequantize(w, qtype) [N, K]``.T -> ``[T, N]`` float32.
 
     Args:
@@ -481,16 +533,20 @@ def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = N
             tensor's data as gguf-py reads it, memory-mapped or not).
         qtype: the weight's type (a GGML type id, a name or a ``QuantType``).
         out: optional C-contiguous float32 ``[T, N]`` to write into.
+        activations: ``"float32"`` (default) or ``"int8"`` (``quant_kernel_type``: ``x`` quantized
+            per 32 values, integer dot products, for the types that have them).
 
     Returns:
-        ``out`` (or a new array): each entry a float32 dot product of ``K`` terms with the weight's
-        exactly dequantized values (error at most ``gamma(K) sum |x_k w_k|``, any summation order).
+        ``out`` (or a new array): with float32 activations each entry a float32 dot product of
+        ``K`` terms with the weight's exactly dequantized values (error at most ``gamma(K) sum
+        |x_k w_k|``, any summation order); with int8 activations, plus the activations' rounding
+        (at most half a block's scale each: ``tests/test_quant_int8.py`` derives the bound).
 
     Raises:
         UnsupportedQuantType: ``qtype`` is not one of the supported types.
         ValueError: ``K`` is not a whole number of blocks of the type (GGUF rows are whole blocks),
-            the weight's rows are not ``row_bytes(qtype, K)`` bytes, or ``out`` has another shape or
-            dtype.
+            the weight's rows are not ``row_bytes(qtype, K)`` bytes, ``out`` has another shape or
+            dtype, or ``activations`` is not one of ``ACTIVATIONS``.
     """
     x = np.ascontiguousarray(x, dtype=_F32)
     if x.ndim != 2:
@@ -504,10 +560,11 @@ def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = N
         raise ValueError(f"out must be C-contiguous float32 {(T, N)}, got {out.dtype} {out.shape}")
     if T == 0 or N == 0:
         return out
+    kt = quant_kernel_type(q, activations)
     tasks = quant_linear_tasks(N, K, num_threads())
-    buf = np.empty((tasks, QUANT_SCRATCH_ROWS, K), _F32)
+    scratch = quant_scratch(tasks, T, K)
     with region_guard():
-        quant_linear_into(x, w, q.id, out, buf, tasks)
+        quant_linear_into(x, w, kt, out, scratch, tasks)
     return out
 
 
