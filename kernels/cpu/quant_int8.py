@@ -190,8 +190,13 @@ def _make_idot(kind: str, nt: int):
             xd0 = builder.add(_c64(_WS), builder.mul(n32, _c64(2)))
             xs0 = builder.add(xd0, builder.mul(Tv, n32))
             xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))             # byte offset
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(nt)]
-            corr = [cgutils.alloca_once_value(builder, ir.Constant(_FL, 0.0)) for _ in range(nt)]
+            # one set of accumulators per token; two for one token, blocks alternating between them
+            # (the fused multiply-add chains of 4 cycles per block would bound a single set)
+            sets = 2 if nt == 1 else 1
+            acc_sets = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(nt)]
+                        for _ in range(sets)]
+            corr_sets = [[cgutils.alloca_once_value(builder, ir.Constant(_FL, 0.0)) for _ in range(nt)]
+                         for _ in range(sets)]
 
             def load(ptr_i8, off, ty, align=1):
                 return builder.load(builder.bitcast(builder.gep(ptr_i8, [off]), ty.as_pointer()), align=align)
@@ -208,8 +213,7 @@ def _make_idot(kind: str, nt: int):
                 v = builder.lshr(v, _splat(builder, builder.trunc(shift, _I16), _V16I16))
                 return builder.and_(builder.bitcast(v, _V32I8), ir.Constant(_V32I8, [15] * 32))
 
-            with cgutils.for_range(builder, n32) as loop:
-                j = loop.index
+            def block(j, accs, corr):
                 offset = None      # the block's offset / min (times d_x sum q), or None
                 pre = None         # (function of x -> <8 x i32>) for the non-plain types
                 if kind == "q8_0":
@@ -276,11 +280,21 @@ def _make_idot(kind: str, nt: int):
                         c = builder.load(corr[i])
                         builder.store(_call(builder, "llvm.fma.f32", _FL, [offset, sf_at(builder.add(xs0, tb)), c]),
                                       corr[i])
+            with cgutils.for_range(builder, builder.udiv(n32, _c64(sets))) as loop:
+                for k in range(sets):
+                    block(builder.add(builder.mul(loop.index, _c64(sets)), _c64(k)), acc_sets[k], corr_sets[k])
+            if sets == 2:
+                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n32, _c64(2)), _c64(0))):
+                    block(builder.sub(n32, _c64(1)), acc_sets[0], corr_sets[0])
             for i in range(nt):
+                acc, c = builder.load(acc_sets[0][i]), builder.load(corr_sets[0][i])
+                for k in range(1, sets):
+                    acc = builder.fadd(acc, builder.load(acc_sets[k][i]))
+                    c = builder.fadd(c, builder.load(corr_sets[k][i]))
                 total = builder.call(cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(_FL, [_FL, _V8F]), "llvm.vector.reduce.fadd.v8f32"),
-                    [ir.Constant(_FL, 0.0), builder.load(accs[i])], fastmath=("reassoc",))
-                builder.store(builder.fadd(total, builder.load(corr[i])), builder.gep(sf, [_c64(_RES + i)]))
+                    [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
+                builder.store(builder.fadd(total, c), builder.gep(sf, [_c64(_RES + i)]))
             return context.get_dummy_value()
 
         return sig, codegen
