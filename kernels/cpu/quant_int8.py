@@ -48,7 +48,7 @@ from numba.extending import intrinsic
 
 from ..quant_reference import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
-__all__ = ["ISA", "INT8_TYPES", "INT8_BLOCK", "quantize_activations", "int8_rows", "int8_scratch_size"]
+__all__ = ["ISA", "INT8_TYPES", "INT8_BLOCK", "quantize_activations", "int8_rows", "int8_scratch_size", "load_f16"]
 
 INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
 INT8_BLOCK = 32
@@ -311,7 +311,7 @@ _idot_q6_k_1, _idot_q6_k_4 = _make_idot("q6_k", 1), _make_idot("q6_k", _NT)
 
 
 @intrinsic
-def _f16(typingctx, b, i):
+def load_f16(typingctx, b, i):
     """The binary16 at bytes ``b[i], b[i + 1]`` (uint8 array) as float32, exactly (``fpext``: one
     ``vcvtph2ps`` with F16C, which every AVX2 CPU has)."""
     if not (isinstance(b, types.Array) and b.dtype == types.uint8):
@@ -330,7 +330,7 @@ def _q4k_scales(row, n32, s):
     # (branch-free loops of 4 over the two halves of the 12 scale bytes: LLVM vectorises them)
     for b in range(n32 // 8):
         o = 144 * b
-        d, dmin = _f16(row, o), _f16(row, o + 2)
+        d, dmin = load_f16(row, o), load_f16(row, o + 2)
         ws, wm = _WS + 8 * b, _WS + n32 + 8 * b
         for sub in range(4):
             s[ws + sub] = d * _F32(np.int32(row[o + 4 + sub]) & 63)

@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 
 from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
 from . import quant_int8
-from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size
+from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size, load_f16
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
@@ -70,24 +70,7 @@ products, ``quant_int8.py``)."""
 KERNEL_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 """GGML type ids these kernels read (every type of ``quant_reference.QUANT_TYPES``)."""
 
-# 2^(e - 25) for the binary16 exponent field e = 1..30 (the significand with its leading 1 is an
-# integer < 2048, so integer x power of two is exact in float32); e = 0: 2^-24 (subnormals)
-_F16_SCALE = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
-
-
-@njit(cache=True, inline="always")
-def _f16(b, i):
-    # the binary16 at bytes b[i], b[i + 1] (little-endian) as float32, exactly
-    h = np.int32(b[i]) | (np.int32(b[i + 1]) << 8)
-    e = (h >> 10) & 31
-    m = h & 1023
-    if e == 31:
-        v = _F32(np.inf) if m == 0 else _F32(np.nan)
-    elif e == 0:
-        v = _F32(m) * _F16_SCALE[0]
-    else:
-        v = _F32(m | 1024) * _F16_SCALE[e]
-    return -v if h & 0x8000 else v
+_f16 = load_f16   # the binary16 at bytes b[i], b[i + 1] as float32, exactly (vcvtph2ps)
 
 
 @njit(cache=True, inline="always")
