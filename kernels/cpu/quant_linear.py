@@ -4,21 +4,53 @@
 of ``row_bytes(type, K)`` bytes (``kernels/quant_reference.py`` is the specification of every type:
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
-How: **dequantize in registers against float32 activations.** A task takes a block of
-``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
-scratch row of ``K`` values (per task, ``[4, K]``, in L1/L2: 32 KB at K = 2048), with exactly the
-float32 operations of the reference's ``dequantize`` (this function is compiled without
-fast-math, so its values are bit-identical to the reference's and llama.cpp's), then takes the 4
-rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
-each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
-blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
-accumulation). Decoding once per row and reading it back from L1 costs the same for any ``T``,
-so the weight bytes are read from memory once per step whatever the
-number of tokens. Per thread the decode (``decode_row``: 5-13 G values/s, see there) and the dot products
-(15-20 G multiply-adds/s) are compute-bound, so a core handles ~6 G weights/s at ``T = 1`` and
-less with more tokens; the float32 kernel streams 4-byte weights at memory speed (~2.5-3.5 G
-weights/s on the shared EPYC). The integer path (activations quantized per row to 8 bits, integer dot
-products, as llama.cpp's ``ggml_vec_dot_q4_K_q8_K``) is not here.
+Two ways of computing, chosen per weight (``quant_kernel_type``) and per product size:
+
+* **float32 activations (the default)**: dequantize in registers. A task takes a block of
+  ``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
+  scratch row of ``K`` values (per task, ``[4, K]``, in L1/L2: 32 KB at K = 2048), with exactly the
+  float32 operations of the reference's ``dequantize`` (this function is compiled without
+  fast-math, so its values are bit-identical to the reference's and llama.cpp's), then takes the 4
+  rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
+  each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
+  blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
+  accumulation). The results are float32 dot products with the exactly dequantized weights:
+  what the default model's golden outputs were computed from, so this stays the default.
+* **int8 activations** (``quant_kernel_type(q, "int8")``, ``quant_linear(...,
+  activations="int8")``; ``kernels/cpu/quant_int8.py``): the tokens quantized per 32 values to
+  8 bits (once per task and product, kept in the task's scratch), integer dot products of the
+  weight codes with them (``vpdpbusd`` with AVX512-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` with AVX2),
+  one float32 multiply-add per 32 values, as llama.cpp's ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
+  Q4_1, Q4_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
+  relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
+  so it is an option, never the default.
+
+Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0
+Q4_K Q6_K Q4_1 --rows 1 4 8 16 128 --threads 1 2 --rounds 2``; AMD EPYC Zen 4, 2 cores shared with
+other work, AVX-512 F/BW/VL/VNNI, integer products as AVX512-VNNI, float32 vectors of 16 lanes;
+per CPU second, noisy: +-30%; ratio int8 : float32-activation path, Llama-3.2-1B q projection
+K = N = 2048 / down K = 8192, N = 2048 / the default model's up projection K = 576, N = 1536):
+
+  ====  =================  =================  =================  =================
+  T     Q8_0               Q4_K               Q6_K               Q4_1
+  ====  =================  =================  =================  =================
+  1     2.6 / 2.7 / 1.6    2.2 / 2.0 / -      2.6 / 2.4 / -      2.9 / 2.8 / 2.3
+  4     2.2 / 1.1 / 1.4    2.1 / 1.1 / -      1.8 / 1.3 / -      2.1 / 2.1 / 1.7
+  8     1.6 / 1.3 / 1.3    1.4 / 1.1 / -      1.1 / 1.1 / -      1.6 / 1.5 / 1.2
+  16    1.1 / 1.3 / 1.0    1.4 / 1.2 / -      0.75 / 0.91 / -    1.4 / 1.4 / 1.0
+  128   1.1 / 1.1 / 0.91   1.0 / 0.88 / -     0.66 / 0.62 / -    1.0 / 0.99 / 0.88
+  ====  =================  =================  =================  =================
+
+(2 threads alike.) So with int8 activations asked for: the integer path up to
+``INT8_MAX_TOKENS`` = 16 tokens (``INT8_MAX_TOKENS_Q6_K`` = 8 for Q6_K, whose int16 offset
+correction costs two more instructions per token and block), and the float32 path's decoded
+tiles + sgemm above (prefill chunks: BLAS's packed float32 kernels are as fast as the integer
+products there, and exact). Against the float32 *model* (float32 weights, ``linear.py``) at
+T = 1 the integer path is 1.6-3.5x (it reads 4-7x fewer bytes); the float32-activation path
+0.9-1.4x. Where Numba compiles for neither AVX2 nor AVX512-VNNI (``quant_int8.ISA`` is
+``None``), every product keeps float32 activations. Speeds of the float32-activation path, per
+thread: the decode (``decode_row``: 5-13 G values/s, see there) and the dot products (15-20 G
+multiply-adds/s) are compute-bound, ~6 G weights/s at ``T = 1``.
 
 **More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS``): a task decodes a tile of
 ``QUANT_SCRATCH_ROWS`` weight rows into its scratch once and multiplies every token against it
@@ -51,7 +83,7 @@ from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size, load_f16
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
-           "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "ACTIVATIONS", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
+           "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "int8_max_tokens", "ACTIVATIONS", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product
@@ -60,7 +92,8 @@ QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each ta
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
 
 INT8_ACTIVATIONS = 256        # added to a type id: that type's products take the integer path (quant_kernel_type)
-INT8_MAX_TOKENS = 1 << 30     # products of more tokens than this take the float32 path even then
+INT8_MAX_TOKENS = 16          # products of more tokens take the float32 path (decoded tiles + sgemm) even then
+INT8_MAX_TOKENS_Q6_K = 8      # Q6_K's integer products: up to this many tokens (see the module docstring)
 
 ACTIVATIONS = ("float32", "int8")
 """The activation types ``quant_kernel_type`` accepts: ``"float32"`` (the default: dequantize in
@@ -431,13 +464,23 @@ def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
     T, K = x.shape
     s = scratch[task]
     if qtype >= INT8_ACTIVATIONS:
-        if T <= INT8_MAX_TOKENS:
+        if T <= (INT8_MAX_TOKENS_Q6_K if qtype == Q6_K + INT8_ACTIVATIONS else INT8_MAX_TOKENS):
             int8_rows(x, w, qtype - INT8_ACTIVATIONS, out, col0, s, r0, r1)
             return
         qtype -= INT8_ACTIVATIONS
     n = s.shape[0]
     buf = s[n - QUANT_SCRATCH_ROWS * K:].reshape(QUANT_SCRATCH_ROWS, K)
     quant_rows(x, w, qtype, out, col0, buf, r0, r1)
+
+
+def int8_max_tokens(qtype) -> int:
+    """The most tokens a product of a ``qtype`` weight takes through the integer path when asked to
+    (``quant_kernel_type(qtype, "int8")``); larger products, and 0 here (a type or CPU without
+    integer products), keep float32 activations."""
+    q = quant_type(qtype)
+    if q.id not in INT8_TYPES or quant_int8.ISA is None:
+        return 0
+    return INT8_MAX_TOKENS_Q6_K if q.id == Q6_K else INT8_MAX_TOKENS
 
 
 def quant_kernel_type(qtype, activations: str = "float32") -> int:
