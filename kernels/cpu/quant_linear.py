@@ -27,30 +27,34 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
 
 Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0
 Q4_K Q6_K Q4_1 --rows 1 4 8 16 128 --threads 1 2 --rounds 2``; AMD EPYC Zen 4, 2 cores shared with
-other work, AVX-512 F/BW/VL/VNNI, integer products as AVX512-VNNI, float32 vectors of 16 lanes;
-per CPU second, noisy: +-30%; ratio int8 : float32-activation path, Llama-3.2-1B q projection
-K = N = 2048 / down K = 8192, N = 2048 / the default model's up projection K = 576, N = 1536):
+other work (load 4-6: noisy, +-30%), AVX-512 F/BW/VL/VNNI: integer products as AVX512-VNNI, float32
+vectors of 16 lanes): the ratio of the int8 path's tokens per CPU second to the float32-activation
+path's, lowest-highest over Llama-3.2-1B's q projection (K = N = 2048), its down projection
+(K = 8192, N = 2048), the default model's up projection (K = 576, N = 1536; Q8_0 and Q4_1 only)
+and 1 and 2 threads:
 
-  ====  =================  =================  =================  =================
-  T     Q8_0               Q4_K               Q6_K               Q4_1
-  ====  =================  =================  =================  =================
-  1     2.6 / 2.7 / 1.6    2.2 / 2.0 / -      2.6 / 2.4 / -      2.9 / 2.8 / 2.3
-  4     2.2 / 1.1 / 1.4    2.1 / 1.1 / -      1.8 / 1.3 / -      2.1 / 2.1 / 1.7
-  8     1.6 / 1.3 / 1.3    1.4 / 1.1 / -      1.1 / 1.1 / -      1.6 / 1.5 / 1.2
-  16    1.1 / 1.3 / 1.0    1.4 / 1.2 / -      0.75 / 0.91 / -    1.4 / 1.4 / 1.0
-  128   1.1 / 1.1 / 0.91   1.0 / 0.88 / -     0.66 / 0.62 / -    1.0 / 0.99 / 0.88
-  ====  =================  =================  =================  =================
+  ====  ===========  ===========  ===========  ===========
+  T     Q8_0         Q4_K         Q6_K         Q4_1
+  ====  ===========  ===========  ===========  ===========
+  1     1.0-3.0      1.5-3.0      2.2-2.4      1.6-3.1
+  4     1.5-2.5      1.1-1.6      1.2-1.7      1.4-2.0
+  8     1.2-1.6      1.2-1.7      0.90-1.04    1.3-1.7
+  16    1.0-1.5      0.93-1.2     0.75-0.95    0.85-1.5
+  128   0.76-1.1     0.83-1.0     0.62-0.71    0.87-1.0
+  ====  ===========  ===========  ===========  ===========
 
-(2 threads alike.) So with int8 activations asked for: the integer path up to
-``INT8_MAX_TOKENS`` = 16 tokens (``INT8_MAX_TOKENS_Q6_K`` = 8 for Q6_K, whose int16 offset
-correction costs two more instructions per token and block), and the float32 path's decoded
-tiles + sgemm above (prefill chunks: BLAS's packed float32 kernels are as fast as the integer
-products there, and exact). Against the float32 *model* (float32 weights, ``linear.py``) at
-T = 1 the integer path is 1.6-3.5x (it reads 4-7x fewer bytes); the float32-activation path
-0.9-1.4x. Where Numba compiles for neither AVX2 nor AVX512-VNNI (``quant_int8.ISA`` is
-``None``), every product keeps float32 activations. Speeds of the float32-activation path, per
-thread: the decode (``decode_row``: 5-13 G values/s, see there) and the dot products (15-20 G
-multiply-adds/s) are compute-bound, ~6 G weights/s at ``T = 1``.
+So with int8 activations asked for: the integer path up to ``INT8_MAX_TOKENS`` = 16 tokens
+(``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K, whose int16 offset correction costs two more
+instructions per token and block), and the float32 path above (prefill chunks: the decoded tiles
+and BLAS's packed float32 sgemm are as fast as the integer products there, and exact). On AVX2
+(the same machine compiling for Haswell: ``NUMBA_CPU_NAME=haswell`` and a feature list without
+AVX-512) the integer path is ``vpmaddubsw`` + ``vpmaddwd``: see ``perf/quant_linear.py``'s figures
+in the docs. Against the float32 *model* (float32 weights, ``linear.py``) at T = 1 the integer
+path is 2.0-3.5x (it reads 4-7x fewer bytes), the float32-activation path 0.8-1.5x. Where Numba
+compiles for neither AVX2 nor AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps
+float32 activations. Speeds of the float32-activation path, per thread: the decode (``decode_row``:
+5-13 G values/s, see there) and the dot products (15-20 G multiply-adds/s) are compute-bound, ~6 G
+weights/s at ``T = 1``.
 
 **More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS``): a task decodes a tile of
 ``QUANT_SCRATCH_ROWS`` weight rows into its scratch once and multiplies every token against it
@@ -93,7 +97,7 @@ _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linea
 
 INT8_ACTIVATIONS = 256        # added to a type id: that type's products take the integer path (quant_kernel_type)
 INT8_MAX_TOKENS = 16          # products of more tokens take the float32 path (decoded tiles + sgemm) even then
-INT8_MAX_TOKENS_Q6_K = 8      # Q6_K's integer products: up to this many tokens (see the module docstring)
+INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens (see the module docstring)
 
 ACTIVATIONS = ("float32", "int8")
 """The activation types ``quant_kernel_type`` accepts: ``"float32"`` (the default: dequantize in
