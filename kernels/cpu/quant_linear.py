@@ -83,6 +83,7 @@ from numba.extending import intrinsic
 
 from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
 from . import quant_int8
+from .quant_fused import FUSED_MAX_TOKENS, fused_rows
 from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size, load_f16
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
@@ -98,6 +99,8 @@ _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linea
 INT8_ACTIVATIONS = 256        # added to a type id: that type's products take the integer path (quant_kernel_type)
 INT8_MAX_TOKENS = 16          # products of more tokens take the float32 path (decoded tiles + sgemm) even then
 INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens (see the module docstring)
+
+_FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot for 1-2 tokens (needs AVX2)
 
 ACTIVATIONS = ("float32", "int8")
 """The activation types ``quant_kernel_type`` accepts: ``"float32"`` (the default: dequantize in
@@ -472,6 +475,10 @@ def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
             int8_rows(x, w, qtype - INT8_ACTIVATIONS, out, col0, s, r0, r1)
             return
         qtype -= INT8_ACTIVATIONS
+    if _FUSED and T <= FUSED_MAX_TOKENS and (qtype == Q4_1 or qtype == Q8_0 or qtype == Q4_0 or qtype == Q4_K
+                                             or qtype == Q6_K):
+        fused_rows(x, w, qtype, out, col0, s, r0, r1)
+        return
     n = s.shape[0]
     buf = s[n - QUANT_SCRATCH_ROWS * K:].reshape(QUANT_SCRATCH_ROWS, K)
     quant_rows(x, w, qtype, out, col0, buf, r0, r1)
