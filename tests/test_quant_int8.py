@@ -100,7 +100,8 @@ def _check(x, w, q, threads, monkeypatch, parallel_always=True):
     bound = _bound(x, w_ref, _offsets(w, q, K))
     err = np.abs(got - want)
     assert got.dtype == np.float32 and got.shape == want.shape
-    assert np.all(err <= bound), f"max excess {(err - bound).max()} at {np.unravel_index((err - bound).argmax(), err.shape)}"
+    worst = np.unravel_index((err - bound).argmax(), err.shape)
+    assert np.all(err <= bound), f"max excess {(err - bound).max()} at {worst}"
     # the tighter check against the specified quantized activations
     xh = _xhat(x)
     b = _offsets(w, q, K)

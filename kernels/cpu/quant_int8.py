@@ -151,10 +151,6 @@ def _splat(builder, x, vt):
                                                                                [0] * vt.count))
 
 
-def _i64(builder, v):
-    return builder.sext(v, _I64) if v.type.width < 64 else v
-
-
 def _c64(v):
     return ir.Constant(_I64, v)
 
