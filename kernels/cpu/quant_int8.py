@@ -128,8 +128,8 @@ def quantize_activations(x, s):
                 q = np.int32(np.rint(x[t, k0 + i] * inv))
                 codes[t * K + k0 + i] = q
                 acc += q
-            s[xd + t * n32 + j] = d
-            s[xs + t * n32 + j] = d * _F32(acc)
+            s[xd + j * T + t] = d              # block-major: a block's scales of consecutive tokens adjacent
+            s[xs + j * T + t] = d * _F32(acc)
 
 
 # ---- the vector code ----------------------------------------------------------------------------
@@ -191,8 +191,8 @@ def _make_idot(kind: str, nt: int):
             sets = 2 if nt == 1 else 1
             acc_sets = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(nt)]
                         for _ in range(sets)]
-            corr_sets = [[cgutils.alloca_once_value(builder, ir.Constant(_FL, 0.0)) for _ in range(nt)]
-                         for _ in range(sets)]
+            vnt = ir.VectorType(_FL, nt)
+            corr_sets = [cgutils.alloca_once_value(builder, ir.Constant(vnt, [0.0] * nt)) for _ in range(sets)]
 
             def load(ptr_i8, off, ty, align=1):
                 return builder.load(builder.bitcast(builder.gep(ptr_i8, [off]), ty.as_pointer()), align=align)
@@ -262,31 +262,35 @@ def _make_idot(kind: str, nt: int):
                         p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
                         p = builder.sub(p, _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [c32, xv]))
                         return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, scv])
+                # the nt tokens' activation scales (and sums) of block j are adjacent: one vector each
+                sidx = builder.add(builder.mul(j, Tv), t0v)
+                scales = builder.fmul(_splat(builder, dw, vnt), load(sf, builder.add(xd0, sidx), vnt))
+                if offset is not None:
+                    builder.store(_call(builder, f"llvm.fma.v{nt}f32", vnt, [
+                        _splat(builder, offset, vnt), load(sf, builder.add(xs0, sidx), vnt), builder.load(corr)]), corr)
                 for i in range(nt):
                     t = builder.add(t0v, _c64(i))
                     tb = builder.add(builder.mul(t, n32), j)          # the token's block index
                     xv = load(sbytes, builder.add(xq0, builder.mul(tb, _c64(INT8_BLOCK))), _V32I8)
                     dot = pre(xv) if pre is not None else _udot(builder, codes, xv)
-                    scale = builder.fmul(dw, sf_at(builder.add(xd0, tb)))
+                    scale = builder.extract_element(scales, ir.Constant(_I32, i))
                     acc = builder.load(accs[i])
                     f = builder.sitofp(dot, _V8F)
                     builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [f, _splat(builder, scale, _V8F), acc]),
                                   accs[i])
-                    if offset is not None:
-                        c = builder.load(corr[i])
-                        builder.store(_call(builder, "llvm.fma.f32", _FL, [offset, sf_at(builder.add(xs0, tb)), c]),
-                                      corr[i])
             with cgutils.for_range(builder, builder.udiv(n32, _c64(sets))) as loop:
                 for k in range(sets):
                     block(builder.add(builder.mul(loop.index, _c64(sets)), _c64(k)), acc_sets[k], corr_sets[k])
             if sets == 2:
                 with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n32, _c64(2)), _c64(0))):
                     block(builder.sub(n32, _c64(1)), acc_sets[0], corr_sets[0])
+            cv = builder.load(corr_sets[0])
+            for k in range(1, sets):
+                cv = builder.fadd(cv, builder.load(corr_sets[k]))
             for i in range(nt):
-                acc, c = builder.load(acc_sets[0][i]), builder.load(corr_sets[0][i])
+                acc, c = builder.load(acc_sets[0][i]), builder.extract_element(cv, ir.Constant(_I32, i))
                 for k in range(1, sets):
                     acc = builder.fadd(acc, builder.load(acc_sets[k][i]))
-                    c = builder.fadd(c, builder.load(corr_sets[k][i]))
                 total = builder.call(cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(_FL, [_FL, _V8F]), "llvm.vector.reduce.fadd.v8f32"),
                     [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
