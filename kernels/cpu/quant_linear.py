@@ -50,18 +50,22 @@ and 1 and 2 threads:
   128   0.76-1.1     0.83-1.0     0.62-0.71    0.87-1.0
   ====  ===========  ===========  ===========  ===========
 
-So with int8 activations asked for: the integer path up to ``INT8_MAX_TOKENS`` = 16 tokens
-(``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K, whose int16 offset correction costs two more
-instructions per token and block), and the float32 path above (prefill chunks: the decoded tiles
-and BLAS's packed float32 sgemm are as fast as the integer products there, and exact). On AVX2
-(the same machine compiling for Haswell: ``NUMBA_CPU_NAME=haswell`` and a feature list without
-AVX-512) the integer path is ``vpmaddubsw`` + ``vpmaddwd``: see ``perf/quant_linear.py``'s figures
-in the docs. Against the float32 *model* (float32 weights, ``linear.py``) at T = 1 the integer
-path is 2.0-3.5x (it reads 4-7x fewer bytes), the float32-activation path 0.8-1.5x. Where Numba
-compiles for neither AVX2 nor AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps
-float32 activations. Speeds of the float32-activation path, per thread: the decode (``decode_row``:
-5-13 G values/s, see there) and the dot products (15-20 G multiply-adds/s) are compute-bound, ~6 G
-weights/s at ``T = 1``.
+(The T = 1 row was taken before the single-token float32 path below was fused; measured after it,
+the same shapes on one thread: Q8_0 1.0-2.1x, Q4_K 1.5-2.1x, Q6_K 1.5-2.0x, Q4_1 1.7-1.9x.) Compiled
+for AVX2 on the same machine (``NUMBA_CPU_NAME=haswell``, a feature list without AVX-512:
+``vpmaddubsw`` + ``vpmaddwd``, float32 vectors of 8 lanes; before the fused path; 1 thread; the q
+projection / the default model's up projection): T = 1 Q8_0 2.5 / 1.9, Q4_K 2.6, Q6_K 2.6, Q4_1 2.2
+/ 1.9; T = 4 1.8 / 1.3, 1.2, 2.0, 1.5 / 1.2; T = 16 1.0 / 0.88, 1.2, 0.99, 0.95 / 0.73. So with int8
+activations asked for: the integer path up to ``INT8_MAX_TOKENS`` tokens, 16 with AVX512-VNNI and 8
+with AVX2 (between its 4 and 16, not measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K, whose int16
+offset correction costs two more instructions per token and block), and the float32 path above that
+(prefill chunks: the decoded tiles and BLAS's packed float32 sgemm are as fast as the integer
+products there, and exact). Against the float32 *model* (float32 weights, ``linear.py``) at T = 1
+the integer path is 2.0-3.5x (it reads 4-7x fewer bytes), the float32-activation path 0.9-2.8x with
+its fused single-token pass (0.8-1.5x before it). Where Numba compiles for neither AVX2 nor
+AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds of the
+float32-activation path, per thread: the decode (``decode_row``: 5-13 G values/s, see there) and the
+dot products (15-20 G multiply-adds/s) are compute-bound, ~6 G weights/s at ``T = 1``.
 
 **More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS``): a task decodes a tile of
 ``QUANT_SCRATCH_ROWS`` weight rows into its scratch once and multiplies every token against it
@@ -70,8 +74,9 @@ of the work), as the float32 path's sgemm tiles (``linear.py``).
 
 Threads: the project's policy (``threads.py``): one Numba ``prange`` region with a task per
 thread, tasks taking row blocks from a shared atomic counter (``fetch_add``); weights under
-``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch rows are allocated by the
-caller (``[tasks, QUANT_SCRATCH_ROWS, K]``), none inside the region.
+``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch is allocated by the
+caller (``quant_scratch``: per task a key, the quantized activations of the integer path and
+``QUANT_SCRATCH_ROWS`` decoded rows), none inside the region.
 
 ``quant_embedding``: the rows of a quantized embedding table for a list of token ids, bit-identical
 to ``dequantize`` of those rows.
@@ -105,7 +110,7 @@ QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each ta
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
 
 INT8_ACTIVATIONS = 256        # added to a type id: that type's products take the integer path (quant_kernel_type)
-INT8_MAX_TOKENS = 16          # products of more tokens take the float32 path (decoded tiles + sgemm) even then
+INT8_MAX_TOKENS = 16 if quant_int8.ISA == "avx512vnni" else 8   # more tokens: the float32 path even then
 INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens (see the module docstring)
 
 _FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot for 1-2 tokens (needs AVX2)
