@@ -90,10 +90,10 @@ def test_quant_linear_one_hot_tokens_read_exact_weights(q):
 
 def test_quant_linear_default_threshold_and_larger_batches(monkeypatch):
     # the unpatched plan (one task below _PARALLEL_MIN_WEIGHTS, else all threads), and T above
-    # the decode sizes (computed right, if not at the batched tiles' speed)
+    # the decode sizes: decode-and-dot passes up to QUANT_GEMV_MAX_TOKENS, decoded tiles above
     rng = np.random.default_rng(5)
     q = qr.quant_type("Q4_K")
-    for N, K, T in [(8, 256, 2), (300, 512, 3), (40, 512, 33)]:
+    for N, K, T in [(8, 256, 2), (300, 512, 3), (40, 512, 24), (40, 512, 33), (70, 512, 40)]:
         _check(rng.standard_normal((T, K)).astype(np.float32), random_weight(q, N, K, rng), q, THREADS[-1],
                monkeypatch, parallel_always=False)
 
