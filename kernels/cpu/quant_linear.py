@@ -444,7 +444,10 @@ def quant_rows(x, w, qtype, out, col0, buf, r0, r1):
     thread: C-contiguous float32 ``x [T, K]``, uint8 ``w [N, row_bytes]``, float32 ``out [T, >= col0
     + N]``, float32 scratch ``buf [QUANT_SCRATCH_ROWS, K]`` (``r1 - r0 <= QUANT_SCRATCH_ROWS``).
     Up to ``QUANT_GEMV_MAX_TOKENS`` tokens the decode-and-dot kernel (``_rows``), more: decoded rows
-    and sgemm (``_tile``)."""
+    and sgemm (``_tile``). ``qtype`` may be ``quant_kernel_type``'s int8 id: computed here with float32
+    activations all the same (the integer path needs ``quant_task_rows``'s scratch)."""
+    if qtype >= INT8_ACTIVATIONS:
+        qtype -= INT8_ACTIVATIONS
     if x.shape[0] <= QUANT_GEMV_MAX_TOKENS:
         _rows(x, w, qtype, out, col0, buf, r0, r1)
     else:
