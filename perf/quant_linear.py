@@ -1,13 +1,16 @@
 """Decode-sized products from GGUF-quantized weights against the float32 streaming kernel.
 
     python -m perf.quant_linear [--shapes 1b-up default-up default-down] [--types Q8_0 Q4_1 Q4_K Q6_K]
-                                 [--rows 1 4 8] [--threads 1 N] [--rounds 3]
+                                 [--rows 1 4 8] [--threads 1 N] [--rounds 3] [--activations float32 int8]
 
-For each projection shape ``(K, N)`` (``1b-up``: Llama-3.2-1B's gate/up projection, K = 2048, N =
-8192; ``1b-down``: K = 8192, N = 2048; ``default-up`` / ``default-down``: the default model's,
-SmolLM2-135M, K = 576, N = 1536 and back), each weight type, ``T`` tokens and thread count:
-``quant_linear`` (``kernels/cpu/quant_linear.py``) on random weights of that type and
-``linear`` (``kernels/cpu/linear.py``) on the same values in float32. The weight is copied
+For each projection shape ``(K, N)`` (Llama-3.2-1B's: ``1b-q`` K = N = 2048, ``1b-kv`` N = 512,
+``1b-up`` N = 8192, ``1b-down`` K = 8192, N = 2048, ``1b-lm-head`` N = 128256; the default
+model's, SmolLM2-135M: ``default-q`` K = N = 576, ``default-kv`` N = 192, ``default-up`` N =
+1536, ``default-down`` K = 1536, N = 576), each weight type, ``T`` tokens, thread count and
+activation type (``float32``: dequantized in registers; ``int8``: quantized per 32 values, integer
+dot products, ``quant_linear(..., activations="int8")``): ``quant_linear``
+(``kernels/cpu/quant_linear.py``) on random weights of that type and ``linear``
+(``kernels/cpu/linear.py``) on the same values in float32. The weight is copied
 until the float32 copies pass 256 MB (the quantized copies take the same number), and each timed
 round runs every copy once, so the weights come from memory, not the last-level cache, as in a
 model's decode step. Printed per line: GB/s of weight bytes read, products per second as
@@ -31,11 +34,15 @@ import numpy as np
 
 from folio.kernels import quant_reference as qr
 from folio.kernels.cpu import linear as cpu_linear
+from folio.kernels.cpu import quant_int8 as qi
 from folio.kernels.cpu import quant_linear as ql
+from folio.kernels.cpu import simd
 from folio.kernels.cpu.threads import numba_threads
 from perf.bench.common import machine_info
 
-SHAPES = {"1b-up": (2048, 8192), "1b-down": (8192, 2048), "default-up": (576, 1536), "default-down": (1536, 576)}
+SHAPES = {"1b-q": (2048, 2048), "1b-kv": (2048, 512), "1b-up": (2048, 8192), "1b-down": (8192, 2048),
+          "1b-lm-head": (2048, 128256), "default-q": (576, 576), "default-kv": (576, 192), "default-up": (576, 1536),
+          "default-down": (1536, 576)}
 _TARGET_BYTES = 256 << 20
 
 
@@ -61,10 +68,12 @@ def main(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--threads", type=int, nargs="+", default=[1, numba.config.NUMBA_NUM_THREADS])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--activations", nargs="+", default=["float32", "int8"], choices=list(ql.ACTIVATIONS))
     a = p.parse_args(argv)
     info = machine_info()
     print("command: python -m perf.quant_linear " + " ".join(sys.argv[1:]), flush=True)
-    print(f"cpu: {info.get('cpu', '?')}, {info.get('cores')} cores, load {info.get('loadavg_1m', '?')}", flush=True)
+    print(f"cpu: {info.get('cpu', '?')}, {info.get('cores')} cores, load {info.get('loadavg_1m', '?')}; integer "
+          f"products compiled for {qi.ISA}, float32 vectors of {simd.W} lanes", flush=True)
     rng = np.random.default_rng(0)
     for shape in a.shapes:
         K, N = SHAPES[shape]
@@ -99,10 +108,14 @@ def main(argv=None):
                           f"{T / t_ref:9.0f} tok/s  (per CPU second: {T * threads / c_ref:9.0f} tok/s)", flush=True)
                     for name, ws in weights.items():
                         q = qr.quant_type(name)
-                        t, c = _time(lambda i: ql.quant_linear(x, ws[i], q.id, out), copies, a.rounds)
-                        print(f"  {threads} thread(s) T={T}: {name:7s}  {ws[0].nbytes / t / 1e9:6.2f} GB/s "
-                              f"{T / t:9.0f} tok/s  x{t_ref / t:.2f} vs float32  (per CPU second: "
-                              f"{T * threads / c:9.0f} tok/s, x{c_ref / c:.2f})", flush=True)
+                        for act in a.activations:
+                            if act != "float32" and ql.quant_kernel_type(q, act) == q.id:
+                                continue   # no integer path for this type (or this CPU)
+                            t, c = _time(lambda i: ql.quant_linear(x, ws[i], q.id, out, activations=act), copies,
+                                         a.rounds)
+                            print(f"  {threads} thread(s) T={T}: {name:7s} {act:7s}  {ws[0].nbytes / t / 1e9:6.2f} "
+                                  f"GB/s {T / t:9.0f} tok/s  x{t_ref / t:.2f} vs float32  (per CPU second: "
+                                  f"{T * threads / c:9.0f} tok/s, x{c_ref / c:.2f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,12 +69,31 @@ def test_quant_linear_random_shapes(name, threads, monkeypatch):
         _check(x, w, q, threads, monkeypatch, parallel_always=(N % 2 == 1))
 
 
+@pytest.mark.parametrize("q", KERNEL_TYPES, ids=IDS)
+def test_quant_linear_one_hot_tokens_read_exact_weights(q):
+    # x = e_k: each output is one product 1 * w[r, k] plus exact zeros, so whatever the summation
+    # order it must equal the dequantized weight bit for bit (-0.0 == 0.0): the kernels' decoded
+    # values are the reference's, for one token (the single-token decode-and-dot pass) and for
+    # several (decoded rows, then dot products)
+    rng = np.random.default_rng(4000 + q.id)
+    N, K = 19, 512
+    w = random_weight(q, N, K, rng)
+    ref = qr.dequantize(w, q.id)
+    for k in (0, 1, 31, 32, 255, 256, 300, 511):
+        for T in (1, 3):
+            x = np.zeros((T, K), np.float32)
+            x[:, k] = 1.0
+            got = ql.quant_linear(x, w, q.id)
+            for t in range(T):
+                np.testing.assert_array_equal(got[t], ref[:, k])
+
+
 def test_quant_linear_default_threshold_and_larger_batches(monkeypatch):
     # the unpatched plan (one task below _PARALLEL_MIN_WEIGHTS, else all threads), and T above
-    # the decode sizes (computed right, if not at the batched tiles' speed)
+    # the decode sizes: decode-and-dot passes up to QUANT_GEMV_MAX_TOKENS, decoded tiles above
     rng = np.random.default_rng(5)
     q = qr.quant_type("Q4_K")
-    for N, K, T in [(8, 256, 2), (300, 512, 3), (40, 512, 33)]:
+    for N, K, T in [(8, 256, 2), (300, 512, 3), (40, 512, 24), (40, 512, 33), (70, 512, 40)]:
         _check(rng.standard_normal((T, K)).astype(np.float32), random_weight(q, N, K, rng), q, THREADS[-1],
                monkeypatch, parallel_always=False)
 

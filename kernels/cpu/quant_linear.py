@@ -4,31 +4,82 @@
 of ``row_bytes(type, K)`` bytes (``kernels/quant_reference.py`` is the specification of every type:
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
-How: **dequantize in registers against float32 activations.** A task takes a block of
-``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
-scratch row of ``K`` values (per task, ``[4, K]``, in L1/L2: 32 KB at K = 2048), with exactly the
-float32 operations of the reference's ``dequantize`` (this function is compiled without
-fast-math, so its values are bit-identical to the reference's and llama.cpp's), then takes the 4
-rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
-each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
-blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
-accumulation). Decoding once per row and reading it back from L1 costs the same for any ``T``,
-so the weight bytes are read from memory once per step whatever the
-number of tokens. Per thread the decode (``decode_row``: 5-13 G values/s, see there) and the dot products
-(15-20 G multiply-adds/s) are compute-bound, so a core handles ~6 G weights/s at ``T = 1`` and
-less with more tokens; the float32 kernel streams 4-byte weights at memory speed (~2.5-3.5 G
-weights/s on the shared EPYC). The integer path (activations quantized per row to 8 bits, integer dot
-products, as llama.cpp's ``ggml_vec_dot_q4_K_q8_K``) is not here.
+Two ways of computing, chosen per weight (``quant_kernel_type``) and per product size:
 
-**More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS``): a task decodes a tile of
+* **float32 activations (the default)**: dequantize in registers. A task takes a block of
+  ``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
+  scratch row of ``K`` values (per task, ``[4, K]``, in L1/L2: 32 KB at K = 2048), with exactly the
+  float32 operations of the reference's ``dequantize`` (this function is compiled without
+  fast-math, so its values are bit-identical to the reference's and llama.cpp's), then takes the 4
+  rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
+  each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
+  blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
+  accumulation). One token (a single sequence's decode step) of Q8_0, Q4_0, Q4_1, Q4_K or
+  Q6_K: decoded and multiplied in one pass instead, in registers (``quant_fused.py``: the same
+  exact weight values, no scratch row; measured at T = 1 against the path above, each run's
+  figures scaled by the unchanged int8 path's in the same run, noisy: 1.4-2.2x on Llama-3.2-1B's q
+  and down projections for Q8_0, Q4_K, Q6_K and Q4_1, 2x for the default model's up projection in
+  Q8_0, 0.9-1.0x in Q4_1 (K = 576: 18 blocks a row, the per-row reduction weighs); at T = 2
+  either way is as fast, 0.9-1.2x, so 2 tokens and more take the path above). The
+  results are float32 dot products with the exactly dequantized weights: what the default
+  model's golden outputs were computed from, so this stays the default.
+* **int8 activations** (``quant_kernel_type(q, "int8")``, ``quant_linear(...,
+  activations="int8")``; ``kernels/cpu/quant_int8.py``): the tokens quantized per 32 values to
+  8 bits (once per task and product, kept in the task's scratch), integer dot products of the
+  weight codes with them (``vpdpbusd`` with AVX512-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` with AVX2),
+  one float32 multiply-add per 32 values, as llama.cpp's ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
+  Q4_1, Q4_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
+  relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
+  so it is an option, never the default.
+
+Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0
+Q4_K Q6_K Q4_1 --rows 1 4 8 16 128 --threads 1 2 --rounds 2``; AMD EPYC Zen 4, 2 cores shared with
+other work (load 4-6: noisy, +-30%), AVX-512 F/BW/VL/VNNI: integer products as AVX512-VNNI, float32
+vectors of 16 lanes): the ratio of the int8 path's tokens per CPU second to the float32-activation
+path's, lowest-highest over Llama-3.2-1B's q projection (K = N = 2048), its down projection
+(K = 8192, N = 2048), the default model's up projection (K = 576, N = 1536; Q8_0 and Q4_1 only)
+and 1 and 2 threads:
+
+  ====  ===========  ===========  ===========  ===========
+  T     Q8_0         Q4_K         Q6_K         Q4_1
+  ====  ===========  ===========  ===========  ===========
+  1     1.0-3.0      1.5-3.0      2.2-2.4      1.6-3.1
+  4     1.5-2.5      1.1-1.6      1.2-1.7      1.4-2.0
+  8     1.2-1.6      1.2-1.7      0.90-1.04    1.3-1.7
+  16    1.0-1.5      0.93-1.2     0.75-0.95    0.85-1.5
+  128   0.76-1.1     0.83-1.0     0.62-0.71    0.87-1.0
+  ====  ===========  ===========  ===========  ===========
+
+(The T = 1 row was taken before the single-token float32 path below was fused; measured after it,
+the same shapes on one thread: Q8_0 1.0-2.1x, Q4_K 1.5-2.1x, Q6_K 1.5-2.0x, Q4_1 1.7-1.9x.) Compiled
+for AVX2 on the same machine (``NUMBA_CPU_NAME=haswell``, a feature list without AVX-512:
+``vpmaddubsw`` + ``vpmaddwd``, float32 vectors of 8 lanes; before the fused path; 1 thread; the q
+projection / the default model's up projection): T = 1 Q8_0 2.5 / 1.9, Q4_K 2.6, Q6_K 2.6, Q4_1 2.2
+/ 1.9; T = 4 1.8 / 1.3, 1.2, 2.0, 1.5 / 1.2; T = 16 1.0 / 0.88, 1.2, 0.99, 0.95 / 0.73. So with int8
+activations asked for: the integer path up to ``INT8_MAX_TOKENS`` tokens, 16 with AVX512-VNNI and 8
+with AVX2 (between its 4 and 16, not measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K, whose int16
+offset correction costs two more instructions per token and block), and the float32 path above that
+(prefill chunks: the decoded tiles and BLAS's packed float32 sgemm are as fast as the integer
+products there, and exact). Against the float32 *model* (float32 weights, ``linear.py``) at T = 1
+the integer path is 2.0-3.5x (it reads 4-7x fewer bytes), the float32-activation path 0.9-2.8x with
+its fused single-token pass (0.8-1.5x before it). Where Numba compiles for neither AVX2 nor
+AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds of the
+float32-activation path, per thread: the decode (``decode_row``: 5-13 G values/s, see there) and the
+dot products (15-20 G multiply-adds/s) are compute-bound, ~6 G weights/s at ``T = 1``.
+
+**More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS`` = 32; measured, Llama-3.2-1B q
+projection, 1 thread, noisy: at 17 tokens the decode-and-dot passes take 6100-6500 tokens per CPU
+second and the tiles 3700, at 32 6200-6900 and 5500-5700, at 48 6650-6900 and at 64 the tiles
+7300-7700): a task decodes a tile of
 ``QUANT_SCRATCH_ROWS`` weight rows into its scratch once and multiplies every token against it
 with one single-threaded ``sgemm`` (BLAS's packed kernels; the decoding is then a ``1 / T`` share
 of the work), as the float32 path's sgemm tiles (``linear.py``).
 
 Threads: the project's policy (``threads.py``): one Numba ``prange`` region with a task per
 thread, tasks taking row blocks from a shared atomic counter (``fetch_add``); weights under
-``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch rows are allocated by the
-caller (``[tasks, QUANT_SCRATCH_ROWS, K]``), none inside the region.
+``_PARALLEL_MIN_WEIGHTS`` values run on the calling thread; the scratch is allocated by the
+caller (``quant_scratch``: per task a key, the quantized activations of the integer path and
+``QUANT_SCRATCH_ROWS`` decoded rows), none inside the region.
 
 ``quant_embedding``: the rows of a quantized embedding table for a list of token ids, bit-identical
 to ``dequantize`` of those rows.
@@ -46,38 +97,36 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
+from . import quant_int8
+from .quant_fused import FUSED_MAX_TOKENS, fused_rows
+from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size, load_f16
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
-           "quant_item_rows", "quant_scratch", "quant_task_rows", "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
+           "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "int8_max_tokens", "ACTIVATIONS",
+           "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product
-QUANT_GEMV_MAX_TOKENS = 16     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
+QUANT_GEMV_MAX_TOKENS = 32     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
 QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each task's scratch)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
+
+INT8_ACTIVATIONS = 256        # added to a type id: that type's products take the integer path (quant_kernel_type)
+INT8_MAX_TOKENS = 16 if quant_int8.ISA == "avx512vnni" else 8   # more tokens: the float32 path even then
+INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens (see the module docstring)
+
+_FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot for 1-2 tokens (needs AVX2)
+
+ACTIVATIONS = ("float32", "int8")
+"""The activation types ``quant_kernel_type`` accepts: ``"float32"`` (the default: dequantize in
+registers, float32 products) or ``"int8"`` (activations quantized per 32 values, integer dot
+products, ``quant_int8.py``)."""
 
 KERNEL_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 """GGML type ids these kernels read (every type of ``quant_reference.QUANT_TYPES``)."""
 
-# 2^(e - 25) for the binary16 exponent field e = 1..30 (the significand with its leading 1 is an
-# integer < 2048, so integer x power of two is exact in float32); e = 0: 2^-24 (subnormals)
-_F16_SCALE = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
-
-
-@njit(cache=True, inline="always")
-def _f16(b, i):
-    # the binary16 at bytes b[i], b[i + 1] (little-endian) as float32, exactly
-    h = np.int32(b[i]) | (np.int32(b[i + 1]) << 8)
-    e = (h >> 10) & 31
-    m = h & 1023
-    if e == 31:
-        v = _F32(np.inf) if m == 0 else _F32(np.nan)
-    elif e == 0:
-        v = _F32(m) * _F16_SCALE[0]
-    else:
-        v = _F32(m | 1024) * _F16_SCALE[e]
-    return -v if h & 0x8000 else v
+_f16 = load_f16   # the binary16 at bytes b[i], b[i + 1] as float32, exactly (vcvtph2ps)
 
 
 @njit(cache=True, inline="always")
@@ -395,7 +444,10 @@ def quant_rows(x, w, qtype, out, col0, buf, r0, r1):
     thread: C-contiguous float32 ``x [T, K]``, uint8 ``w [N, row_bytes]``, float32 ``out [T, >= col0
     + N]``, float32 scratch ``buf [QUANT_SCRATCH_ROWS, K]`` (``r1 - r0 <= QUANT_SCRATCH_ROWS``).
     Up to ``QUANT_GEMV_MAX_TOKENS`` tokens the decode-and-dot kernel (``_rows``), more: decoded rows
-    and sgemm (``_tile``)."""
+    and sgemm (``_tile``). ``qtype`` may be ``quant_kernel_type``'s int8 id: computed here with float32
+    activations all the same (the integer path needs ``quant_task_rows``'s scratch)."""
+    if qtype >= INT8_ACTIVATIONS:
+        qtype -= INT8_ACTIVATIONS
     if x.shape[0] <= QUANT_GEMV_MAX_TOKENS:
         _rows(x, w, qtype, out, col0, buf, r0, r1)
     else:
@@ -412,22 +464,76 @@ def quant_item_rows(T):
 
 @njit(cache=True)
 def quant_scratch(n_tasks, T, K):
-    """Scratch of ``quant_task_rows`` for ``n_tasks`` tasks, products of ``T`` tokens and at most ``K``
-    values per weight row (allocated once per step, before the parallel region)."""
-    return np.empty((n_tasks, QUANT_SCRATCH_ROWS * K), _F32)
+    """Scratch of ``quant_task_rows`` for ``n_tasks`` tasks, products of at most ``T`` tokens and at
+    most ``K`` values per weight row (allocated once per step, before the parallel region): float32
+    ``[n_tasks, S]``, each task's row the integer path's key and quantized activations
+    (``quant_int8``), then the float32 path's ``QUANT_SCRATCH_ROWS`` decoded rows at its end. The
+    keys are cleared here: a fresh scratch never takes another step's activations for this one's."""
+    s = np.empty((n_tasks, _scratch_size(T, K)), _F32)
+    s[:, :8] = 0
+    return s
+
+
+@njit(cache=True, inline="always")
+def _scratch_size(T, K):
+    return (int8_scratch_size(T, K) + 15) // 16 * 16 + QUANT_SCRATCH_ROWS * K
 
 
 @njit(cache=True)
 def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
-    """``quant_rows`` on task ``task``'s part of ``scratch`` (``quant_scratch``): the entry point of a
-    fused region's work item (``kernels/cpu/forward.py``)."""
-    K = x.shape[1]
-    buf = scratch[task, :QUANT_SCRATCH_ROWS * K].reshape(QUANT_SCRATCH_ROWS, K)
+    """``out[:, col0 + r] = x @ dequantize(w[r]).T`` for the weight rows ``r0 <= r < r1`` on task
+    ``task``'s row of ``scratch`` (``quant_scratch``): the entry point of a fused region's work item
+    (``kernels/cpu/forward.py``). ``qtype``: a GGML type id, or ``quant_kernel_type``'s id of the
+    integer path (which quantizes ``x`` on the task's first item of this product and reuses it for
+    its later items: ``x`` must not change while items of one product run, and within one
+    scratch's life a pair of ``x`` buffer and weight names one product)."""
+    T, K = x.shape
+    s = scratch[task]
+    if qtype >= INT8_ACTIVATIONS:
+        if T <= (INT8_MAX_TOKENS_Q6_K if qtype == Q6_K + INT8_ACTIVATIONS else INT8_MAX_TOKENS):
+            int8_rows(x, w, qtype - INT8_ACTIVATIONS, out, col0, s, r0, r1)
+            return
+        qtype -= INT8_ACTIVATIONS
+    if _FUSED and T <= FUSED_MAX_TOKENS and (qtype == Q4_1 or qtype == Q8_0 or qtype == Q4_0 or qtype == Q4_K
+                                             or qtype == Q6_K):
+        fused_rows(x, w, qtype, out, col0, s, r0, r1)
+        return
+    n = s.shape[0]
+    buf = s[n - QUANT_SCRATCH_ROWS * K:].reshape(QUANT_SCRATCH_ROWS, K)
     quant_rows(x, w, qtype, out, col0, buf, r0, r1)
 
 
+def int8_max_tokens(qtype) -> int:
+    """The most tokens a product of a ``qtype`` weight takes through the integer path when asked to
+    (``quant_kernel_type(qtype, "int8")``); larger products, and 0 here (a type or CPU without
+    integer products), keep float32 activations."""
+    q = quant_type(qtype)
+    if q.id not in INT8_TYPES or quant_int8.ISA is None:
+        return 0
+    return INT8_MAX_TOKENS_Q6_K if q.id == Q6_K else INT8_MAX_TOKENS
+
+
+def quant_kernel_type(qtype, activations: str = "float32") -> int:
+    """The type id the kernels take for a weight of type ``qtype`` computed with ``activations``
+    (``ACTIVATIONS``): the GGML id for ``"float32"``; for ``"int8"`` the id plus
+    ``INT8_ACTIVATIONS`` where the type has integer dot products (``quant_int8.INT8_TYPES``) and
+    Numba compiles for AVX2 or AVX512-VNNI (``quant_int8.ISA``), else the GGML id (float32
+    activations: the other types, or a CPU without them).
+
+    Raises:
+        UnsupportedQuantType: ``qtype`` is not a supported type.
+        ValueError: ``activations`` is not one of ``ACTIVATIONS``.
+    """
+    q = quant_type(qtype)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if activations == "int8" and q.id in INT8_TYPES and quant_int8.ISA is not None:
+        return q.id + INT8_ACTIVATIONS
+    return q.id
+
+
 @njit(parallel=True, cache=True)
-def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
+def _quant_linear_parallel(x, w, qtype, out, scratch, n_tasks, counter):
     N = w.shape[0]
     rows = quant_item_rows(x.shape[0])
     n_items = (N + rows - 1) // rows
@@ -436,23 +542,24 @@ def _quant_linear_parallel(x, w, qtype, out, buf, n_tasks, counter):
             i = fetch_add(counter, 1)
             if i >= n_items:
                 break
-            quant_rows(x, w, qtype, out, 0, buf[task], i * rows, min(N, (i + 1) * rows))
+            quant_task_rows(x, w, qtype, out, 0, scratch, task, i * rows, min(N, (i + 1) * rows))
 
 
 @njit(cache=True, nogil=True)
-def quant_linear_into(x, w, qtype, out, buf, tasks):
+def quant_linear_into(x, w, qtype, out, scratch, tasks):
     """``out[:] = x @ dequantize(w, qtype).T`` from compiled code: C-contiguous float32 ``x [T, K]``,
-    uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``), float32 ``out [T, N]``,
-    float32 scratch ``buf [tasks, QUANT_SCRATCH_ROWS, K]``; ``tasks`` 1 (the calling thread) or the region's threads
-    (``quant_linear_tasks``). Shapes are not checked here (``quant_linear`` checks them)."""
+    uint8 ``w [N, row_bytes]`` (rows of GGUF blocks of GGML type ``qtype``, or ``quant_kernel_type``'s
+    id), float32 ``out [T, N]``, ``scratch`` from ``quant_scratch(tasks, T, K)`` (fresh, or its keys
+    cleared); ``tasks`` 1 (the calling thread) or the region's threads (``quant_linear_tasks``).
+    Shapes are not checked here (``quant_linear`` checks them)."""
     if x.shape[0] == 0:
         return
     if tasks > 1:
-        _quant_linear_parallel(x, w, qtype, out, buf, tasks, np.zeros(1, np.int64))
+        _quant_linear_parallel(x, w, qtype, out, scratch, tasks, np.zeros(1, np.int64))
     else:
         rows = quant_item_rows(x.shape[0])
         for r in range(0, w.shape[0], rows):
-            quant_rows(x, w, qtype, out, 0, buf[0], r, min(w.shape[0], r + rows))
+            quant_task_rows(x, w, qtype, out, 0, scratch, 0, r, min(w.shape[0], r + rows))
 
 
 def quant_linear_tasks(N: int, K: int, threads: int) -> int:
@@ -472,7 +579,8 @@ def _check_weight(w: np.ndarray, qtype, K: int):
     return q
 
 
-def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = None) -> np.ndarray:
+def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = None,
+                 activations: str = "float32") -> np.ndarray:
     """``x [T, K]`` float32 @ ``dequantize(w, qtype) [N, K]``.T -> ``[T, N]`` float32.
 
     Args:
@@ -481,16 +589,20 @@ def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = N
             tensor's data as gguf-py reads it, memory-mapped or not).
         qtype: the weight's type (a GGML type id, a name or a ``QuantType``).
         out: optional C-contiguous float32 ``[T, N]`` to write into.
+        activations: ``"float32"`` (default) or ``"int8"`` (``quant_kernel_type``: ``x`` quantized
+            per 32 values, integer dot products, for the types that have them).
 
     Returns:
-        ``out`` (or a new array): each entry a float32 dot product of ``K`` terms with the weight's
-        exactly dequantized values (error at most ``gamma(K) sum |x_k w_k|``, any summation order).
+        ``out`` (or a new array): with float32 activations each entry a float32 dot product of
+        ``K`` terms with the weight's exactly dequantized values (error at most ``gamma(K) sum
+        |x_k w_k|``, any summation order); with int8 activations, plus the activations' rounding
+        (at most half a block's scale each: ``tests/test_quant_int8.py`` derives the bound).
 
     Raises:
         UnsupportedQuantType: ``qtype`` is not one of the supported types.
         ValueError: ``K`` is not a whole number of blocks of the type (GGUF rows are whole blocks),
-            the weight's rows are not ``row_bytes(qtype, K)`` bytes, or ``out`` has another shape or
-            dtype.
+            the weight's rows are not ``row_bytes(qtype, K)`` bytes, ``out`` has another shape or
+            dtype, or ``activations`` is not one of ``ACTIVATIONS``.
     """
     x = np.ascontiguousarray(x, dtype=_F32)
     if x.ndim != 2:
@@ -504,10 +616,11 @@ def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = N
         raise ValueError(f"out must be C-contiguous float32 {(T, N)}, got {out.dtype} {out.shape}")
     if T == 0 or N == 0:
         return out
+    kt = quant_kernel_type(q, activations)
     tasks = quant_linear_tasks(N, K, num_threads())
-    buf = np.empty((tasks, QUANT_SCRATCH_ROWS, K), _F32)
+    scratch = quant_scratch(tasks, T, K)
     with region_guard():
-        quant_linear_into(x, w, q.id, out, buf, tasks)
+        quant_linear_into(x, w, kt, out, scratch, tasks)
     return out
 
 

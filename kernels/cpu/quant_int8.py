@@ -1,0 +1,390 @@
+"""Integer dot products of GGUF-quantized weight rows with activations quantized to 8 bits, on the CPU.
+
+The second way ``quant_linear`` computes (``kernels/cpu/quant_linear.py`` chooses, and says when),
+as llama.cpp's ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` / ``q8_0_q8_0`` / ``q4_K_q8_K`` /
+``q6_K_q8_K``:
+
+* **Activations** (``quantize_activations``): each token's row of ``K`` float32 values in blocks
+  of 32, as ``Q8_0`` / ``Q8_1`` (``quantize_row_q8_1_ref``): ``d = max|x| / 127``, codes ``q =
+  rint(x / d)`` (via ``x * (1 / d)``) in ``[-127, 127]``, and per block ``d`` and ``d * sum(q)``
+  (the sum the weights' offsets and mins multiply). One block size for every weight type: the
+  K-types' sub-blocks are 32 values (Q4_K) or two halves of 32 (Q6_K), so a 32-value activation
+  block meets one weight scale (or two, Q6_K, applied in the integer sums), which is finer than
+  llama.cpp's 256-value ``Q8_K`` (smaller rounding error) at one float multiply-add per 32 values.
+* **Per 32 values**, one 256-bit integer dot product of the weight codes (unsigned bytes) with
+  the activation codes (signed bytes): ``vpdpbusd`` (AVX512-VNNI, 4 products into each of 8 int32
+  lanes) where Numba compiles for it, else ``vpmaddubsw`` + ``vpmaddwd`` (AVX2: pairs into int16,
+  then pairs into int32; no saturation: ``2 * 128 * 127 < 2^15``), converted to float32 and
+  multiplied-added into 8 float32 lanes per token with ``d_w * d_x``; the offset and min terms
+  (``Q4_0``'s ``-8 d``, ``Q4_1``'s ``m``, ``Q4_K``'s ``-dmin m``) as ``offset * (d_x sum q)``, one
+  scalar per block. ``Q8_0``'s signed codes: ``|w|`` and ``x`` with ``w``'s sign (``vpsignb``), as
+  llama.cpp's ``mul_sum_i8_pairs``. ``Q6_K``: codes 0..63 against ``x`` minus ``32 sum x`` in
+  int16, then ``vpmaddwd`` with the two sub-block scales (llama.cpp's AVX2 ``q6_K_q8_K``).
+* Up to 4 tokens per pass over a row (``_idot_<type>_<n>``: the codes unpacked once, 4 float
+  accumulators), the row's bytes in L1 for the next 4.
+
+The vector code is LLVM IR written here (Numba has no vector types; as ``decode_row``'s
+``_decode16_*`` and ``simd.py``), 256 bits wide on AVX2 and AVX-512 alike (Zen 4 runs 512-bit
+integer products as two 256-bit halves; one block is 32 bytes).
+
+Types: ``INT8_TYPES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: the Q4_K_M, Q8_0 and default-model files).
+``ISA``: ``"avx512vnni"``, ``"avx2"``, or ``None`` where Numba compiles for neither (the caller
+then keeps float32 activations).
+
+Sources: llama.cpp ``ggml/src/ggml-cpu/arch/x86/quants.c`` (``mul_sum_us8_pairs_float``,
+``mul_sum_i8_pairs_float``, ``ggml_vec_dot_q6_K_q8_K``), ``ggml-quants.c``
+(``quantize_row_q8_1_ref``); Intel's intrinsics guide (``vpdpbusd``, ``vpmaddubsw``,
+``vpmaddwd``, ``vpsignb``); LLVM's X86 intrinsics (``llvm.x86.avx512.vpdpbusd.256``,
+``llvm.x86.avx2.pmadd.ub.sw``, ``llvm.x86.avx2.pmadd.wd``, ``llvm.x86.avx2.psign.b``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..quant_reference import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
+
+__all__ = ["ISA", "INT8_TYPES", "INT8_BLOCK", "quantize_activations", "int8_rows", "int8_scratch_size", "load_f16"]
+
+INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+INT8_BLOCK = 32
+_F32 = np.float32
+_NT = 4   # tokens per pass over a row
+
+
+def _isa() -> str | None:
+    # the instruction set Numba's JIT compiles for (NUMBA_CPU_FEATURES, else the host's: the list
+    # Numba keys its cache on, as simd.compiles_avx512)
+    from numba.core import codegen, config
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
+    on = {}
+    for f in features.split(","):
+        f = f.strip()
+        if f[:1] in "+-":
+            on[f[1:]] = f[0] == "+"
+    if on.get("avx512vnni") and on.get("avx512vl"):
+        return "avx512vnni"
+    if on.get("avx2"):
+        return "avx2"
+    return None
+
+
+ISA = _isa()
+"""``"avx512vnni"`` (``vpdpbusd``), ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd``) or ``None`` (no
+integer path): the level Numba compiles the integer dot products for."""
+
+# per-task scratch layout (float32 slots): a key, then the results of one pass, then the K-types'
+# per-block scales, then the quantized activations
+_KEY = 0           # int64 slots 0..3 (float32 slots 0..7): x's address, w's address, T, K
+_RES = 8           # _NT results of one pass
+_WS = 16           # K / 32 weight scales (Q4_K: d * sc), then K / 32 offsets (-dmin * m)
+
+
+@njit(cache=True)
+def int8_scratch_size(T, K):
+    """float32 slots of the integer path's part of a task's scratch for ``T`` tokens of ``K`` values:
+    the key, ``_NT`` results, 2 ``K / 32`` weight scales, ``T K / 32`` activation scales and sums,
+    ``T K`` bytes of codes."""
+    n32 = -(-K // INT8_BLOCK)
+    return _WS + 2 * n32 + 2 * T * n32 + (T * n32 * INT8_BLOCK) // 4 + 16
+
+
+@njit(cache=True, inline="always")
+def _offsets(T, K):
+    n32 = K // INT8_BLOCK
+    xd = _WS + 2 * n32
+    xs = xd + T * n32
+    xq = xs + T * n32           # float32 slot where the codes start (bytes: 4 xq)
+    return n32, xd, xs, xq
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _amax32(x, t, k0):
+    m = _F32(0.0)
+    for i in range(INT8_BLOCK):
+        m = max(m, abs(x[t, k0 + i]))
+    return m
+
+
+@njit(cache=True)
+def quantize_activations(x, s):
+    """Quantize float32 ``x [T, K]`` (``K`` a multiple of 32) into the scratch row ``s`` (float32, at
+    least ``int8_scratch_size(T, K)``): per token and block of 32, ``d = max|x| / 127``, codes
+    ``rint(x * (1 / d))`` (0 where ``d == 0``), ``d`` and ``d * sum(codes)``."""
+    T, K = x.shape
+    n32, xd, xs, xq = _offsets(T, K)
+    codes = s[xq:xq + (T * K) // 4].view(np.int8)
+    for t in range(T):
+        for j in range(n32):
+            k0 = INT8_BLOCK * j
+            d = _amax32(x, t, k0) / _F32(127.0)
+            inv = _F32(1.0) / d if d != 0 else _F32(0.0)
+            acc = 0
+            for i in range(INT8_BLOCK):
+                q = np.int32(np.rint(x[t, k0 + i] * inv))
+                codes[t * K + k0 + i] = q
+                acc += q
+            s[xd + j * T + t] = d              # block-major: a block's scales of consecutive tokens adjacent
+            s[xs + j * T + t] = d * _F32(acc)
+
+
+# ---- the vector code ----------------------------------------------------------------------------
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_FL, _HALF = ir.FloatType(), ir.HalfType()
+_V32I8, _V16I16, _V8I32, _V8F = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8),
+                                 ir.VectorType(_FL, 8))
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _splat(builder, x, vt):
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, vt.count),
+                                                                               [0] * vt.count))
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _udot(builder, codes, xv):
+    # <8 x i32>: sums of 4 adjacent products codes[i] * x[i] (unsigned x signed bytes)
+    if ISA == "avx512vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32,
+                     [ir.Constant(_V8I32, [0] * 8), builder.bitcast(codes, _V8I32), builder.bitcast(xv, _V8I32)])
+    p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)])
+
+
+def _make_idot(kind: str, nt: int):
+    """An intrinsic: the dot products of one weight row with ``nt`` tokens' quantized activations.
+
+    ``(w, woff, s, t0, T, K)``: uint8 ``w`` (the row's blocks from byte ``woff``), float32 scratch
+    ``s`` (``quantize_activations``'s layout for ``T`` tokens of ``K`` values; Q4_K's per-block
+    scales at ``_WS``), tokens ``t0 .. t0 + nt - 1``; writes the ``nt`` sums to ``s[_RES + i]``."""
+
+    def impl(typingctx, w, woff, s, t0, T, K):
+        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+                and s.dtype == types.float32):
+            return None
+        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64)
+
+        def codegen(context, builder, sg, args):
+            wv, woffv, sv, t0v, Tv, Kv = args
+            wp = context.make_array(sg.args[0])(context, builder, wv).data                 # i8*
+            sf = context.make_array(sg.args[2])(context, builder, sv).data                 # float*
+            sbytes = builder.bitcast(sf, _I8.as_pointer())
+            n32 = builder.udiv(Kv, _c64(INT8_BLOCK))
+            xd0 = builder.add(_c64(_WS), builder.mul(n32, _c64(2)))
+            xs0 = builder.add(xd0, builder.mul(Tv, n32))
+            xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))             # byte offset
+            # one set of accumulators per token; two for one token, blocks alternating between them
+            # (the fused multiply-add chains of 4 cycles per block would bound a single set)
+            sets = 2 if nt == 1 else 1
+            acc_sets = [[cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(nt)]
+                        for _ in range(sets)]
+            vnt = ir.VectorType(_FL, nt)
+            corr_sets = [cgutils.alloca_once_value(builder, ir.Constant(vnt, [0.0] * nt)) for _ in range(sets)]
+
+            def load(ptr_i8, off, ty, align=1):
+                return builder.load(builder.bitcast(builder.gep(ptr_i8, [off]), ty.as_pointer()), align=align)
+
+            def half(off):
+                return builder.fpext(load(wp, off, _HALF), _FL)
+
+            def sf_at(off):
+                return builder.load(builder.gep(sf, [off]))
+
+            def nibbles16(off, shift):
+                # 32 bytes from off as 16-bit words shifted right by shift, masked to their low 4 bits
+                v = load(wp, off, _V16I16)
+                v = builder.lshr(v, _splat(builder, builder.trunc(shift, _I16), _V16I16))
+                return builder.and_(builder.bitcast(v, _V32I8), ir.Constant(_V32I8, [15] * 32))
+
+            def block(j, accs, corr):
+                offset = None      # the block's offset / min (times d_x sum q), or None
+                pre = None         # (function of x -> <8 x i32>) for the non-plain types
+                if kind == "q8_0":
+                    base = builder.add(woffv, builder.mul(j, _c64(34)))
+                    dw = half(base)
+                    wq = load(wp, builder.add(base, _c64(2)), _V32I8)
+                    codes = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wq, wq])      # |w|
+
+                    def pre(xv, wq=wq, codes=codes):
+                        return _udot(builder, codes, _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wq]))
+                elif kind in ("q4_0", "q4_1"):
+                    bb, qo = (18, 2) if kind == "q4_0" else (20, 4)
+                    base = builder.add(woffv, builder.mul(j, _c64(bb)))
+                    dw = half(base)
+                    offset = builder.fmul(dw, ir.Constant(_FL, -8.0)) if kind == "q4_0" else \
+                        half(builder.add(base, _c64(2)))
+                    b16 = load(wp, builder.add(base, _c64(qo)), ir.VectorType(_I8, 16))
+                    lo = builder.and_(b16, ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
+                    hi = builder.lshr(b16, ir.Constant(ir.VectorType(_I8, 16), [4] * 16))
+                    codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+                elif kind == "q4_k":
+                    sb, sub = builder.udiv(j, _c64(8)), builder.urem(j, _c64(8))
+                    base = builder.add(builder.add(woffv, builder.mul(sb, _c64(144))),
+                                       builder.add(_c64(16), builder.mul(builder.udiv(sub, _c64(2)), _c64(32))))
+                    codes = nibbles16(base, builder.mul(builder.urem(sub, _c64(2)), _c64(4)))
+                    dw = sf_at(builder.add(_c64(_WS), j))
+                    offset = sf_at(builder.add(builder.add(_c64(_WS), n32), j))
+                else:  # q6_k
+                    sb, sub = builder.udiv(j, _c64(8)), builder.urem(j, _c64(8))
+                    h, g = builder.udiv(sub, _c64(4)), builder.urem(sub, _c64(4))
+                    o = builder.add(woffv, builder.mul(sb, _c64(210)))
+                    ql = builder.add(builder.add(o, builder.mul(h, _c64(64))), builder.mul(builder.urem(g, _c64(2)),
+                                                                                          _c64(32)))
+                    lo = nibbles16(ql, builder.mul(builder.udiv(g, _c64(2)), _c64(4)))
+                    qh = load(wp, builder.add(builder.add(o, _c64(128)), builder.mul(h, _c64(32))), _V16I16)
+                    qh = builder.lshr(qh, _splat(builder, builder.trunc(builder.mul(g, _c64(2)), _I16), _V16I16))
+                    qh = builder.and_(builder.bitcast(qh, _V32I8), ir.Constant(_V32I8, [3] * 32))
+                    codes = builder.or_(lo, builder.shl(qh, ir.Constant(_V32I8, [4] * 32)))
+                    sc_off = builder.add(builder.add(o, _c64(192)), builder.add(builder.mul(h, _c64(8)),
+                                                                                builder.mul(g, _c64(2))))
+                    sc0 = builder.sext(load(wp, sc_off, _I8), _I16)
+                    sc1 = builder.sext(load(wp, builder.add(sc_off, _c64(1)), _I8), _I16)
+                    scv = builder.shuffle_vector(_splat(builder, sc0, ir.VectorType(_I16, 8)),
+                                                 _splat(builder, sc1, ir.VectorType(_I16, 8)),
+                                                 ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+                    dw = half(builder.add(o, _c64(208)))
+                    c32 = ir.Constant(_V32I8, [32] * 32)
+
+                    def pre(xv, codes=codes, scv=scv, c32=c32):
+                        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
+                        p = builder.sub(p, _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [c32, xv]))
+                        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, scv])
+                # the nt tokens' activation scales (and sums) of block j are adjacent: one vector each
+                sidx = builder.add(builder.mul(j, Tv), t0v)
+                scales = builder.fmul(_splat(builder, dw, vnt), load(sf, builder.add(xd0, sidx), vnt))
+                if offset is not None:
+                    builder.store(_call(builder, f"llvm.fma.v{nt}f32", vnt, [
+                        _splat(builder, offset, vnt), load(sf, builder.add(xs0, sidx), vnt), builder.load(corr)]), corr)
+                for i in range(nt):
+                    t = builder.add(t0v, _c64(i))
+                    tb = builder.add(builder.mul(t, n32), j)          # the token's block index
+                    xv = load(sbytes, builder.add(xq0, builder.mul(tb, _c64(INT8_BLOCK))), _V32I8)
+                    dot = pre(xv) if pre is not None else _udot(builder, codes, xv)
+                    scale = builder.extract_element(scales, ir.Constant(_I32, i))
+                    acc = builder.load(accs[i])
+                    f = builder.sitofp(dot, _V8F)
+                    builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [f, _splat(builder, scale, _V8F), acc]),
+                                  accs[i])
+            with cgutils.for_range(builder, builder.udiv(n32, _c64(sets))) as loop:
+                for k in range(sets):
+                    block(builder.add(builder.mul(loop.index, _c64(sets)), _c64(k)), acc_sets[k], corr_sets[k])
+            if sets == 2:
+                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n32, _c64(2)), _c64(0))):
+                    block(builder.sub(n32, _c64(1)), acc_sets[0], corr_sets[0])
+            cv = builder.load(corr_sets[0])
+            for k in range(1, sets):
+                cv = builder.fadd(cv, builder.load(corr_sets[k]))
+            for i in range(nt):
+                acc, c = builder.load(acc_sets[0][i]), builder.extract_element(cv, ir.Constant(_I32, i))
+                for k in range(1, sets):
+                    acc = builder.fadd(acc, builder.load(acc_sets[k][i]))
+                total = builder.call(cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_FL, [_FL, _V8F]), "llvm.vector.reduce.fadd.v8f32"),
+                    [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
+                builder.store(builder.fadd(total, c), builder.gep(sf, [_c64(_RES + i)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_idot_{kind}_{nt}"
+    return intrinsic(impl)
+
+
+_idot_q8_0_1, _idot_q8_0_4 = _make_idot("q8_0", 1), _make_idot("q8_0", _NT)
+_idot_q4_0_1, _idot_q4_0_4 = _make_idot("q4_0", 1), _make_idot("q4_0", _NT)
+_idot_q4_1_1, _idot_q4_1_4 = _make_idot("q4_1", 1), _make_idot("q4_1", _NT)
+_idot_q4_k_1, _idot_q4_k_4 = _make_idot("q4_k", 1), _make_idot("q4_k", _NT)
+_idot_q6_k_1, _idot_q6_k_4 = _make_idot("q6_k", 1), _make_idot("q6_k", _NT)
+
+
+@intrinsic
+def load_f16(typingctx, b, i):
+    """The binary16 at bytes ``b[i], b[i + 1]`` (uint8 array) as float32, exactly (``fpext``: one
+    ``vcvtph2ps`` with F16C, which every AVX2 CPU has)."""
+    if not (isinstance(b, types.Array) and b.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sg, args):
+        data = context.make_array(sg.args[0])(context, builder, args[0]).data
+        h = builder.load(builder.bitcast(builder.gep(data, [args[1]]), _HALF.as_pointer()), align=1)
+        return builder.fpext(h, _FL)
+    return types.float32(b, types.int64), codegen
+
+
+@njit(cache=True)
+def _q4k_scales(row, n32, s):
+    # per 32-value sub-block of a Q4_K row: s[_WS + j] = d * sc_j, s[_WS + n32 + j] = -dmin * m_j
+    # (branch-free loops of 4 over the two halves of the 12 scale bytes: LLVM vectorises them)
+    for b in range(n32 // 8):
+        o = 144 * b
+        d, dmin = load_f16(row, o), load_f16(row, o + 2)
+        ws, wm = _WS + 8 * b, _WS + n32 + 8 * b
+        for sub in range(4):
+            s[ws + sub] = d * _F32(np.int32(row[o + 4 + sub]) & 63)
+            s[wm + sub] = -(dmin * _F32(np.int32(row[o + 8 + sub]) & 63))
+        for sub in range(4):
+            lo = np.int32(row[o + 12 + sub])
+            s[ws + 4 + sub] = d * _F32((lo & 15) | ((np.int32(row[o + 4 + sub]) >> 6) << 4))
+            s[wm + 4 + sub] = -(dmin * _F32((lo >> 4) | ((np.int32(row[o + 8 + sub]) >> 6) << 4)))
+
+
+@njit(cache=True)
+def int8_rows(x, w, qtype, out, col0, s, r0, r1):
+    """``out[:, col0 + r] ~= x @ dequantize(w[r])`` for ``r0 <= r < r1`` through the integer dot
+    products, with ``x`` quantized into the scratch row ``s`` unless ``s``'s key says this task did
+    so already for this ``x`` (its address, ``T``, ``K``) and weight ``w`` (its address) since
+    ``quant_scratch`` cleared the key: one quantization per task and product. ``qtype`` one of
+    ``INT8_TYPES``; ``K`` a multiple of 32 (every such type's rows are)."""
+    T, K = x.shape
+    key = s[_KEY:_KEY + 8].view(np.int64)
+    xa, wa = x.ctypes.data, w.ctypes.data
+    if key[0] != xa or key[1] != wa or key[2] != T or key[3] != K:
+        quantize_activations(x, s)
+        key[0], key[1], key[2], key[3] = xa, wa, T, K
+    n32 = K // INT8_BLOCK
+    rb = w.shape[1]
+    for r in range(r0, r1):
+        woff = r * rb
+        if qtype == Q4_K:
+            _q4k_scales(w[r], n32, s)
+        t = 0
+        while T - t >= _NT:
+            if qtype == Q8_0:
+                _idot_q8_0_4(w, woff, s, t, T, K)
+            elif qtype == Q4_0:
+                _idot_q4_0_4(w, woff, s, t, T, K)
+            elif qtype == Q4_1:
+                _idot_q4_1_4(w, woff, s, t, T, K)
+            elif qtype == Q4_K:
+                _idot_q4_k_4(w, woff, s, t, T, K)
+            else:
+                _idot_q6_k_4(w, woff, s, t, T, K)
+            for i in range(_NT):
+                out[t + i, col0 + r] = s[_RES + i]
+            t += _NT
+        while t < T:
+            if qtype == Q8_0:
+                _idot_q8_0_1(w, woff, s, t, T, K)
+            elif qtype == Q4_0:
+                _idot_q4_0_1(w, woff, s, t, T, K)
+            elif qtype == Q4_1:
+                _idot_q4_1_1(w, woff, s, t, T, K)
+            elif qtype == Q4_K:
+                _idot_q4_k_1(w, woff, s, t, T, K)
+            else:
+                _idot_q6_k_1(w, woff, s, t, T, K)
+            out[t, col0 + r] = s[_RES]
+            t += 1

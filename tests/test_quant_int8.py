@@ -1,0 +1,191 @@
+"""The integer path of the quantized-weight products (kernels/cpu/quant_int8.py, selected with
+``quant_linear(..., activations="int8")``) against the NumPy specification of the weights
+(kernels/quant_reference.py) and float64 products of the unquantized activations.
+
+The tolerance, derived from the arithmetic (``u = 2^-24``, ``gamma`` as in ``numerics.py``):
+
+1. Activation rounding. Per token and block of 32 values the kernel takes ``d = fl(max|x| /
+   127)``, ``inv = fl(1 / d)`` and codes ``q = rint(fl(x inv))``, and computes with ``xhat = d q``.
+   ``fl(x inv) = x (1 / d)(1 + e1)(1 + e2)`` with ``|e1|, |e2| <= u`` and ``|q - fl(x inv)| <=
+   1/2``, so ``|x - xhat| <= d / 2 + 3 u |x| =: e_x`` (the brief's "half a scale per activation").
+   Its share of the dot product: ``sum_k |w_k| e_x,k``.
+2. The weights: each weight is ``a_k + b_k``, a scaled code plus the block's offset or min
+   (``b_k``: Q4_0 ``-8 d``, Q4_1 ``m``, Q4_K ``-dmin m``, Q6_K ``-32 d sc``, Q8_0 0: the
+   dequantized block with its code bits zeroed). The reference rounds ``a_k + b_k`` (and ``d sc``)
+   to float32, at most 2 roundings; the kernel sums integer codes exactly and applies the scales
+   per block instead, so the weights differ by at most ``2 u (|a_k| + |b_k|)``, and ``|a_k| + |b_k|
+   <= (|w_k| + 2 |b_k|)(1 + 2u)`` =: ``A_k``.
+3. The float32 arithmetic: per block an exact integer sum converted exactly (``|sum| < 2^24``),
+   one rounding for ``d_w d_x`` (two for Q4_K's ``d sc``), one fused multiply-add into one of 8
+   lanes (at most ``K / 32`` per lane), 3 levels of the lanes' sum, the offsets' sum likewise
+   (one rounding of ``d_x sum q``, one per fused multiply-add), one final add: every term of
+   ``sum_k A_k |xhat_k|`` passes through at most ``K / 32 + 8`` roundings:
+   ``gamma(K / 32 + 8) sum_k A_k |xhat_k|``, ``|xhat_k| <= |x_k| + e_x,k``.
+
+Bound: ``sum_k |w_k| e_x,k + (2u + gamma(K / 32 + 8)) sum_k A_k (|x_k| + e_x,k)`` (+ the float64
+reference's own rounding, below float32's by far: one more ``u`` relative, folded into the gamma).
+
+That worst case is 10-20x the errors random data shows (roundings of K / 32 blocks add up like a
+random walk), so a wrong block could hide under it; a second, tighter check takes the quantized
+activations from their NumPy specification (``_xhat``: the same float32 operations, so the same
+codes) and bounds only parts 2 and 3: ``|got - xhat . w| <= (2u + gamma(K / 32 + 8)) sum_k A_k
+|xhat_k|``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from numerics import U32, gamma
+from quant_cases import random_weight
+
+from folio.kernels import quant_reference as qr
+from folio.kernels.cpu import quant_int8 as qi
+from folio.kernels.cpu import quant_linear as ql
+from folio.kernels.cpu import threads as cpu_threads
+
+pytestmark = pytest.mark.skipif(qi.ISA is None, reason="Numba compiles for neither AVX2 nor AVX512-VNNI here")
+
+INT8_TYPES = [qr.QUANT_TYPES[t] for t in qi.INT8_TYPES]
+IDS = [q.name for q in INT8_TYPES]
+THREADS = [1, 2] if numba.config.NUMBA_NUM_THREADS >= 2 else [1]
+_CODE_FIELDS = ("qs", "ql", "qh")
+
+
+def _offsets(w: np.ndarray, q: qr.QuantType, K: int) -> np.ndarray:
+    # b_k: the dequantized weight with every code bit zeroed (the block's offset or min per value)
+    blocks = w.reshape(-1, q.block_bytes).copy()
+    for name, off, ln, _kind in q.fields:
+        if name in _CODE_FIELDS:
+            blocks[:, off:off + ln] = 0
+    return qr.dequantize(blocks.reshape(w.shape), q.id)
+
+
+def _xhat(x: np.ndarray) -> np.ndarray:
+    # the activations the kernel computes with: per token and 32 values d = fl(max|x| / 127),
+    # codes rint(fl(x * fl(1 / d))) (0 where d = 0), d * code exactly (float64)
+    T, K = x.shape
+    xb = x.reshape(T, K // 32, 32)
+    d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    assert q.dtype == np.float32 and np.abs(q).max() <= 127
+    return (d.astype(np.float64) * q).reshape(T, K)
+
+
+def _bound(x: np.ndarray, w_ref: np.ndarray, b: np.ndarray) -> np.ndarray:
+    T, K = x.shape
+    x64 = x.astype(np.float64).reshape(T, K // 32, 32)
+    d = (np.abs(x64).max(axis=2, keepdims=True) / 127) * (1 + U32)      # fl(max / 127) <= (max / 127)(1 + u)
+    ex = (d / 2 + 3 * U32 * np.abs(x64)).reshape(T, K)
+    w64, b64 = np.abs(w_ref.astype(np.float64)), np.abs(b.astype(np.float64))
+    A = (w64 + 2 * b64) * (1 + 2 * U32)
+    return ex @ w64.T + (2 * U32 + gamma(K // 32 + 8)) * ((np.abs(x.astype(np.float64)) + ex) @ A.T)
+
+
+def _check(x, w, q, threads, monkeypatch, parallel_always=True):
+    if parallel_always:
+        monkeypatch.setattr(ql, "_PARALLEL_MIN_WEIGHTS", 0)
+    T, K = x.shape
+    with cpu_threads.numba_threads(threads):
+        got = ql.quant_linear(x, w, q.id, activations="int8")
+    if T > ql.int8_max_tokens(q.id):
+        # more tokens than the integer path takes (the module's measured choice): the float32 path
+        np.testing.assert_array_equal(got, ql.quant_linear(x, w, q.id))
+        return got, None, None
+    w_ref = qr.dequantize(w, q.id)
+    want = x.astype(np.float64) @ w_ref.astype(np.float64).T
+    bound = _bound(x, w_ref, _offsets(w, q, K))
+    err = np.abs(got - want)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    worst = np.unravel_index((err - bound).argmax(), err.shape)
+    assert np.all(err <= bound), f"max excess {(err - bound).max()} at {worst}"
+    # the tighter check against the specified quantized activations
+    xh = _xhat(x)
+    b = _offsets(w, q, K)
+    A = (np.abs(w_ref.astype(np.float64)) + 2 * np.abs(b.astype(np.float64))) * (1 + 2 * U32)
+    err_h = np.abs(got - xh @ w_ref.astype(np.float64).T)
+    bound_h = (2 * U32 + gamma(K // 32 + 8)) * (np.abs(xh) @ A.T)
+    assert np.all(err_h <= bound_h), f"max excess {(err_h - bound_h).max()} against the quantized activations"
+    return got, err, bound
+
+
+def test_int8_kernel_type():
+    for q in INT8_TYPES:
+        assert ql.quant_kernel_type(q.id, "int8") == q.id + ql.INT8_ACTIVATIONS
+        assert ql.quant_kernel_type(q.name) == q.id
+    # types without integer products keep float32 activations
+    assert ql.quant_kernel_type("Q5_K", "int8") == qr.Q5_K
+    with pytest.raises(ValueError, match="activations must be one of"):
+        ql.quant_kernel_type("Q8_0", "int4")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        ql.quant_linear(np.zeros((1, 32), np.float32), np.zeros((1, 34), np.uint8), "Q8_0", activations="fp8")
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("q", INT8_TYPES, ids=IDS)
+def test_int8_decode_sizes(q, threads, monkeypatch):
+    # T = 1..9 (passes of 4 tokens and the single ones after them; Q6_K's 9 takes the float32
+    # path), N odd, two 256-value blocks
+    rng = np.random.default_rng(2000 + q.id)
+    N, K = 37, 512
+    w = random_weight(q, N, K, rng)
+    for T in range(1, 10):
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        _check(x, w, q, threads, monkeypatch)
+
+
+@pytest.mark.parametrize("q", INT8_TYPES, ids=IDS)
+def test_int8_shapes_and_activation_edges(q, monkeypatch):
+    rng = np.random.default_rng(3000 + q.id)
+    for N, K, T in [(1, 256, 1), (129, 768, 5), (64, 2304, ql.int8_max_tokens(q.id)), (16, 256, 33)]:
+        w = random_weight(q, N, K, rng)
+        x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10)).astype(np.float32)
+        x[0, :32] = 0.0                      # a block of zeros (d = 0)
+        if T > 1:
+            x[1, 32:64] = 1e-30              # tiny values (d in float32's normal range still)
+            x[1, 64] = 3e4                   # one large value beside small ones in a block
+        _check(x, w, q, THREADS[-1], monkeypatch, parallel_always=(N % 2 == 1))
+
+
+def test_int8_quantized_real_values_error_is_the_activation_rounding(monkeypatch):
+    # weights written by the quantizers: the measured error is a small fraction of the bound's
+    # activation part and far above float32's own rounding (the integer path really is taken)
+    rng = np.random.default_rng(9)
+    vals = (rng.standard_normal((45, 1024)) * 0.02).astype(np.float32)
+    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    for name in ("Q8_0", "Q4_0", "Q4_1", "Q4_K"):
+        q = qr.quant_type(name)
+        w = qr.quantize(vals, name)
+        _got, err, _bound = _check(x, w, q, THREADS[-1], monkeypatch)
+        f32 = ql.quant_linear(x, w, q.id)
+        exact = x.astype(np.float64) @ qr.dequantize(w, q.id).astype(np.float64).T
+        assert err.max() > 10 * np.abs(f32 - exact).max()
+
+
+def test_int8_scratch_reuse_across_products():
+    # one scratch, two products of the same x buffer with different weights, then the same weight
+    # with x changed: every result is recomputed from the x it was given
+    rng = np.random.default_rng(11)
+    q = qr.quant_type("Q4_K")
+    K, T = 512, 3
+    w1, w2 = random_weight(q, 20, K, rng), random_weight(q, 20, K, rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    kt = ql.quant_kernel_type(q, "int8")
+    scratch = ql.quant_scratch(1, T, K)
+    outs = []
+    for w in (w1, w2):
+        out = np.empty((T, 20), np.float32)
+        ql.quant_task_rows(x, w, kt, out, 0, scratch, 0, 0, 10)
+        ql.quant_task_rows(x, w, kt, out, 0, scratch, 0, 10, 20)
+        outs.append(out)
+    for w, out in zip((w1, w2), outs):
+        np.testing.assert_array_equal(out, ql.quant_linear(x, w, q.id, activations="int8"))
+    # a fresh scratch for a new x in the same buffer (the per-step contract)
+    x[:] = rng.standard_normal((T, K))
+    scratch = ql.quant_scratch(1, T, K)
+    out = np.empty((T, 20), np.float32)
+    ql.quant_task_rows(x, w1, kt, out, 0, scratch, 0, 0, 20)
+    np.testing.assert_array_equal(out, ql.quant_linear(x, w1, q.id, activations="int8"))
