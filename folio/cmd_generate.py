@@ -28,7 +28,7 @@ def _run(args) -> int:
                             ignore_eos=args.ignore_eos, top_p=args.top_p, top_k=args.top_k)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              activation_quantization=args.activation_quantization, kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - t0
     prompt = {"prompt_token_ids": ids_arg} if ids_arg is not None else args.prompt
     out = llm.generate(prompt, params, use_tqdm=False)[0]
@@ -72,6 +72,8 @@ def register(subparsers) -> None:
                    help="weights dtype (auto: the types the weights are stored in on CPU; see folio serve)")
     p.add_argument("--quantization", default=None, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU)")
+    p.add_argument("--activation-quantization", default=None, choices=["int8"],
+                   help="int8 activations for the products of quantized weights (see folio serve)")
     add_kv_cache_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text, finish_reason, timings")
     p.set_defaults(func=_run)

@@ -73,6 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d.quantization, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU; q4_k falls back to "
                         "q8_0 for rows that are not whole 256-value blocks)")
+    p.add_argument("--activation-quantization", default=d.activation_quantization, choices=["int8"],
+                   help="int8: products of quantized weights take activations quantized per 32 values "
+                        "(integer dot products, as llama.cpp; faster decode, outputs differ slightly)")
     add_kv_cache_dtype_arg(p)
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
 
@@ -91,7 +94,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=a.enable_prefix_caching,
                         enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory,
                         num_kv_blocks_override=a.num_kv_blocks_override, load_format=a.load_format,
-                        dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed,
+                        dtype=a.dtype, quantization=a.quantization,
+                        activation_quantization=a.activation_quantization, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed,
                         async_scheduling=a.async_scheduling)
 
 

@@ -421,14 +421,17 @@ class QuantizedWeight:
             llama.cpp lays them out (often a view of a memory-mapped GGUF file: nothing is copied).
         qtype: the GGML type id (``QUANT_TYPES``).
         shape: ``(N, K)``, the matrix's logical shape (``y = x @ W.T`` reads ``K`` values per row).
+        activations: how the kernels multiply it: ``"float32"`` activations (the default: the
+            products of the dequantized values) or ``"int8"`` (activations quantized per 32 values,
+            integer dot products, where the CPU kernels have them: ``--activation-quantization``).
     Raises:
         UnsupportedQuantType: ``qtype`` is not supported.
         ValueError: ``data`` is not C-contiguous uint8 ``[N, row_bytes(qtype, K)]``.
     """
 
-    __slots__ = ("data", "qtype", "shape")
+    __slots__ = ("data", "qtype", "shape", "activations")
 
-    def __init__(self, data: np.ndarray, qtype, shape):
+    def __init__(self, data: np.ndarray, qtype, shape, activations: str = "float32"):
         q = quant_type(qtype)
         N, K = (int(n) for n in shape)
         if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.shape == (N, row_bytes(q, K))
@@ -436,7 +439,9 @@ class QuantizedWeight:
             raise ValueError(f"a {q.name} weight of shape ({N}, {K}) must be C-contiguous uint8 "
                              f"[{N}, {row_bytes(q, K)}], got {getattr(data, 'dtype', type(data))} "
                              f"{getattr(data, 'shape', '')}")
-        self.data, self.qtype, self.shape = data, q.id, (N, K)
+        if activations not in ("float32", "int8"):
+            raise ValueError(f"activations must be float32 or int8, got {activations!r}")
+        self.data, self.qtype, self.shape, self.activations = data, q.id, (N, K), activations
 
     ndim = 2
 

@@ -9,6 +9,7 @@ import numpy as np
 from pathlib import Path
 
 from ..kernels import get_kernels
+from ..kernels.quant_reference import QuantizedWeight
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .weights import weight_shapes
@@ -32,7 +33,7 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto", dtype: str = "auto",
-               quantization: str | None = None):
+               quantization: str | None = None, activation_quantization: str | None = None):
     """Resolve, read and place a model.
 
     Which weights the kernels read (``dtype``):
@@ -53,6 +54,9 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         dtype: see above.
         quantization: ``None``, or a name of ``quantize.QUANTIZATIONS`` (``"q8_0"``, ``"q4_k"``):
             float matrices quantized as they load (CPU only; not for weights already in GGUF types).
+        activation_quantization: ``None`` or ``"int8"``: the products of weights in GGUF types
+            take activations quantized per 32 values (integer dot products; ``QuantizedWeight``'s
+            ``activations``). Needs weights in GGUF types (a ``.gguf`` file or ``quantization``).
     Returns:
         ``(model: LlamaForCausalLM, config: ModelConfig, model_dir: pathlib.Path)``.
     Raises:
@@ -97,6 +101,14 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
                                keep_16bit=stored)
     if quantization is not None:
         weights = quantize_weights(weights, quantization)
+    if activation_quantization is not None:
+        quantized = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.type_name not in
+                     ("F32", "F16", "BF16")]
+        if activation_quantization != "int8" or not quantized:
+            raise ValueError(f"--activation-quantization {activation_quantization}: int8 activations apply to "
+                             f"weights in quantized GGUF types (a .gguf file, or --quantization)")
+        for w in quantized:
+            w.activations = "int8"
     model = LlamaForCausalLM(config, weights, kernels)
     return model, config, model_dir
 

@@ -256,3 +256,27 @@ def test_marker_names_the_source(tmp_path):
     path.rename(tmp_path / "moved.gguf")
     with pytest.raises(FileNotFoundError, match="which is gone"):
         gguf_source(folder)
+
+
+def test_int8_activations_reach_the_kernels(tmp_path):
+    # --activation-quantization int8: every quantized weight's products take the integer path where
+    # the CPU has it (quant_kernel_type), in the fused layers and lm_head alike; its arithmetic is
+    # checked product by product against derived bounds in tests/test_quant_int8.py. Float-typed
+    # weights (F16 here) are not quantized weights and keep float32 activations.
+    from folio.kernels.cpu.quant_linear import INT8_ACTIVATIONS, quant_kernel_type
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tied=False)
+    f32, config, _ = loader.load_model(str(path), device="cpu")
+    int8, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="int8")
+    assert int8.lm_head.activations == "int8" and f32.lm_head.activations == "float32"
+    table = int8.layer_stacks["gate_up_proj"].table   # BF16 gate, F16 up: float types
+    assert (table[:, :, 1] < INT8_ACTIVATIONS).all()
+    down = int8.layer_stacks["down_proj"].table        # Q4_K
+    assert (down[:, 0, 1] == quant_kernel_type(qr.Q4_K, "int8")).all()
+    ids = np.random.default_rng(3).integers(0, config.vocab_size, size=12)
+    a, b = run_paged(f32, config, ids, 1), run_paged(int8, config, ids, 1)
+    assert np.isfinite(b).all()
+    if quant_kernel_type(qr.Q4_K, "int8") >= INT8_ACTIVATIONS:   # the CPU has integer dot products
+        assert not np.array_equal(a, b)
+    with pytest.raises(ValueError, match="activation-quantization"):
+        loader.load_model(str(path), device="cpu", dtype="float32", activation_quantization="int8")

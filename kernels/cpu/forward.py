@@ -56,7 +56,7 @@ from .attention import attention_item, attention_scratch, attention_into, finish
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
-from .quant_linear import quant_item_rows, quant_scratch, quant_task_rows
+from .quant_linear import INT8_ACTIVATIONS, quant_item_rows, quant_kernel_type, quant_scratch, quant_task_rows
 from ..quant_reference import QUANT_TYPES, QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
@@ -190,7 +190,9 @@ for _q in QUANT_TYPES.values():
 
 @njit(cache=True)
 def _row_bytes(qtype, K):
-    return K // _BLOCKS[qtype, 0] * _BLOCKS[qtype, 1]
+    # qtype: a kernel type id (a GGML id, plus INT8_ACTIVATIONS for the integer path)
+    t = qtype % INT8_ACTIVATIONS
+    return K // _BLOCKS[t, 0] * _BLOCKS[t, 1]
 
 
 @njit(cache=True)
@@ -323,7 +325,8 @@ class QuantizedStack:
     Attributes:
         table: int64 ``[num_layers, S, 4]``: per layer, the ``S`` weight segments written side by
             side into the product's output (q, k, v for qkv; gate, up for gate_up), each as (data
-            address, GGML type id, rows, first output column).
+            address, kernel type id: ``quant_kernel_type(qtype, activations)``, rows, first output
+            column).
         shape: ``(N, K)``: the product's output columns (the segments' rows together) and inputs.
         weights: the ``QuantizedWeight`` segments per layer, kept alive (the table holds only
             their addresses).
@@ -340,7 +343,7 @@ class QuantizedStack:
                                  f"{[w.shape for w in layers[0]]}")
             column = 0
             for s, w in enumerate(segments):
-                table[li, s] = w.data.ctypes.data, w.qtype, w.shape[0], column
+                table[li, s] = w.data.ctypes.data, quant_kernel_type(w.qtype, w.activations), w.shape[0], column
                 column += w.shape[0]
         self.table, self.shape, self.weights = table, (sum(rows), K), layers
 

@@ -34,7 +34,7 @@ def linear(x, weight, out=None):
     """``x [T, K]`` float32 @ ``weight``.T -> ``[T, N]`` float32: ``weight`` a float32 ``[N, K]`` array
     (``linear.linear``) or a ``QuantizedWeight`` (``quant_linear``: its GGUF blocks read as stored)."""
     if isinstance(weight, QuantizedWeight):
-        return quant_linear(x, weight.data, weight.qtype, out)
+        return quant_linear(x, weight.data, weight.qtype, out, activations=weight.activations)
     return _float_linear(x, weight, out)
 
 

@@ -184,7 +184,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype(self.kernels, cfg.kv_cache_dtype, self.device)
         self.xp = self.kernels.xp
         self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format,
-                                                                     cfg.dtype, cfg.quantization)
+                                                                     cfg.dtype, cfg.quantization,
+                                                                     cfg.activation_quantization)
         self.max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         self.block_size = cfg.block_size
         itemsize = self.kv_cache_dtype.itemsize   # a 16-bit cache: twice the blocks for one budget

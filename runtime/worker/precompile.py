@@ -136,7 +136,7 @@ _VARIANT_JOBS = {
             "decoder layers: one work item of a phase"),
         Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS), "layers", 30,
             "decoder layers: one parallel region per step"),
-        Job("quant_linear", "quant_linear_into", "F2 U2r i64 F2 F3 i64", "rest", 10,
+        Job("quant_linear", "quant_linear_into", "F2 U2r i64 F2 F2 i64", "rest", 10,
             "matrix products from GGUF blocks, parallel region (lm_head)"),
         Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 3, "embedding rows from GGUF blocks"),
     ),
