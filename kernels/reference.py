@@ -64,12 +64,13 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 
 def kv_cache_values(cache: np.ndarray) -> np.ndarray:
-    """A KV cache array's values as float32: itself for float32, widened for bfloat16 bits (uint16).
+    """A KV cache array's values as float32: itself for float32 (and float64, a test's exact cache),
+    widened for bfloat16 bits (uint16).
 
     Raises:
         ValueError: another dtype.
     """
-    if cache.dtype == np.float32:
+    if cache.dtype in (np.float32, np.float64):   # float64: the reference's own exact caches
         return cache
     if cache.dtype == np.uint16:
         return bf16_bits_to_float32(cache)
@@ -79,7 +80,9 @@ def kv_cache_values(cache: np.ndarray) -> np.ndarray:
 def _to_cache(x: np.ndarray, cache: np.ndarray) -> np.ndarray:
     # values as stored in cache: float32, or rounded to bfloat16 bits for a uint16 cache
     kv_cache_values(cache[:0])  # the dtype check
-    return float32_to_bf16_bits(x) if cache.dtype == np.uint16 else np.asarray(x, dtype=np.float32)
+    if cache.dtype == np.uint16:
+        return float32_to_bf16_bits(x)
+    return np.asarray(x, dtype=cache.dtype)
 
 
 def paged_attention(
