@@ -19,6 +19,7 @@ import sys
 _BENCH_MODULES = [
     "perf.bench.serve",
     "perf.bench.cmd_throughput",
+    "perf.bench.cmd_latency",
     "perf.bench.cmd_kernels",
     "perf.bench.cmd_report",
 ]

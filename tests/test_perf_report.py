@@ -342,3 +342,75 @@ def test_attention_in_one_region_computes_paged_attention(seqs):
         run()
         want = paged_attention(q, *caches[1], bt, sl, qsl, q.shape[2] ** -0.5)
     np.testing.assert_array_equal(out, want)
+
+
+def test_peak_rss_counts_pages_a_process_touched():
+    # VmHWM is the high-water mark of resident pages: touching 256 MiB more than ever before must
+    # raise it by at least that much (the pages are written, so they are resident at once).
+    before = llama_server.peak_rss_bytes()
+    import numpy as np
+    a = np.ones(256 * 2**20 + before, dtype=np.uint8)  # more than the peak so far, so it is a new peak
+    after = llama_server.peak_rss_bytes()
+    assert after >= a.nbytes
+    assert llama_server.peak_rss_bytes(2**31) is None  # no such process
+
+
+def test_peer_runs_a_gguf_file_as_is(tmp_path):
+    f = tmp_path / "model-shape.Q4_K_M.gguf"
+    f.write_bytes(b"GGUF")
+    assert llama_server.peer_files(str(f)) == [("Q4_K_M", f)]
+    assert llama_server.gguf_file(str(tmp_path / "missing.gguf")) is None
+    assert llama_server.gguf_file("smollm2-135m-instruct") is None
+
+
+def test_latency_figures_are_the_step_times(default_model_dir, tmp_path):
+    out = tmp_path / "lat.json"
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "latency", "--input-len", "16", "--output-len",
+                        "4", "--num-iters", "2", "--threads", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "command: folio bench latency --input-len 16" in r.stdout and "prefill tok/s" in r.stdout
+    f = json.loads(out.read_text())["folio"]
+    assert len(f["iters"]) == 2 and len(f["token_ids"]) == 4
+    for it in f["iters"]:
+        assert it["output_tokens"] == 4
+        assert it["prefill_tok_s"] == pytest.approx(16 / it["ttft_s"])
+        assert it["decode_tok_s"] == pytest.approx(3 / it["decode_s"])
+    cfg = json.loads((default_model_dir / "config.json").read_text())
+    assert f["peak_rss_bytes"] > 4 * cfg["vocab_size"] * cfg["hidden_size"]  # the float32 embedding alone
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "latency", "--output-len", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "output-len must be >= 2" in r.stderr
+
+
+def _needs_llama_server():
+    ok, why = llama_server.available()
+    if not ok or not llama_server.built():
+        pytest.skip(f"llama-server not built (make -C perf/llama.cpp, or FOLIO_LLAMA_CPP_BIN): {why}")
+
+
+def test_throughput_on_a_gguf_file_runs_both_engines_on_that_file(default_model_dir, tmp_path):
+    _needs_llama_server()
+    from folio.model.registry import find_packaged_gguf
+    gguf = find_packaged_gguf("smollm2-135m-instruct")
+    out = tmp_path / "tp.json"
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "throughput", "--model", str(gguf),
+                        "--peer", "llama-cpp-server", "--num-prompts", "3", "--input-len", "8", "16",
+                        "--output-len", "2", "4", "--threads", "1", "--no-progress", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert list(got["peers"]) == ["llama-cpp-server-q4_1"]  # the file as is: no F32 copy
+    p = got["peers"]["llama-cpp-server-q4_1"]
+    assert p["gguf"] == str(gguf) and f"-m {gguf}" in p["command"]
+    assert p["output_tokens"] == got["workload"]["output_tokens"] == got["folio"]["output_tokens"]
+    assert p["peak_rss_bytes"] > 0 and got["folio"]["peak_rss_bytes"] > 0
+    r = subprocess.run([sys.executable, "-m", "folio.cli", "bench", "latency", "--model", str(gguf), "--peer",
+                        "llama-cpp-server", "--no-folio", "--input-len", "16", "--output-len", "4", "--num-iters",
+                        "1", "--threads", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["folio"] == {"skipped": "not run (--no-folio)"}
+    p = got["peers"]["llama-cpp-server-q4_1"]
+    assert p["prompt_tokens"] == 16 and len(p["token_ids"]) == 4 and "agreement" not in p
+    assert p["iters"][0]["decode_tok_s"] == pytest.approx(3 / p["iters"][0]["decode_s"])

@@ -13,7 +13,7 @@ def positive(v: str) -> int:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="folio model name or HF folder")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="folio model name, HF folder or GGUF file")
     from .common import all_cores
     p.add_argument("--threads", type=positive, default=all_cores(),
                    help="threads for folio (Numba), torch and llama.cpp alike (default: every core this process "

@@ -29,8 +29,10 @@ def add_parser(bench_subparsers) -> None:
     p.add_argument("--peer", action="append", default=[], choices=["transformers", "llama-cpp", "llama-cpp-server"],
                    help="also run the workload through this peer in the same run (repeatable): transformers "
                         "(static batches), llama-cpp (llama-cpp-python, one request at a time), llama-cpp-server "
-                        "(llama.cpp's server with one slot per request, on the model's GGUF as F32 and as shipped; "
-                        "built by perf/llama.cpp/Makefile on first use, ~15 min)")
+                        "(llama.cpp's server with one slot per request: on --model FILE.gguf that file as is, else the "
+                        "model's GGUF as F32 and as shipped; built by perf/llama.cpp/Makefile on first use, ~15 min)")
+    p.add_argument("--no-folio", action="store_true",
+                   help="run only the peers (e.g. a peer's figures on a file folio cannot serve yet)")
     p.add_argument("--tf-batch-size", type=positive, default=16, help="transformers static batch size")
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="run N processes spinning on a core each during every engine's run (a loaded machine)")
@@ -49,7 +51,7 @@ def run(args) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                          peers=tuple(dict.fromkeys(args.peer)), threads=args.threads,
                          tf_batch_size=args.tf_batch_size, progress=not args.no_progress, busy=args.busy,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         run_folio=not args.no_folio, kv_cache_dtype=args.kv_cache_dtype)
     print(format_throughput(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -167,6 +167,106 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """The peak resident set size of process ``pid`` so far (``VmHWM`` of ``/proc/<pid>/status``:
+    every page it has had resident at once, file-backed pages of a memory-mapped model included),
+    in bytes; None where ``/proc`` cannot tell (not Linux, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class LlamaServer:
+    """A ``llama-server`` on ``gguf`` for the life of a ``with`` block, on a free loopback port.
+
+    Args:
+        threads: generation and prompt-processing threads (``-t``, ``-tb``).
+        parallel: slots (``-np``). n_ctx: the context of all slots together (``-c``; each slot
+            gets ``n_ctx / parallel``).
+    Attributes (after entering): base (the URL), load_s (start to healthy), command (the command
+    line, with ``llama-server`` for the binary's path).
+    Raises (on entering):
+        RuntimeError: the server exited or did not become healthy within 300 s (its log's last lines).
+    """
+
+    def __init__(self, gguf, threads: int, parallel: int, n_ctx: int):
+        port = _free_port()
+        self.cmd = [str(tools_dir() / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                    "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(n_ctx), "-b", "2048",
+                    "-ub", "512", "--no-webui"]
+        self.threads, self.base = threads, f"http://127.0.0.1:{port}"
+        self.command = shlex.join(["llama-server", *self.cmd[1:]])
+        self.proc = None
+        self.log = None
+        self.load_s = None
+
+    def fail(self, why: str) -> RuntimeError:
+        self.log.flush()
+        self.log.seek(0)
+        tail = " ".join(self.log.read().strip().splitlines()[-3:])[-400:]
+        return RuntimeError(f"llama-server {why}: {tail}")
+
+    def __enter__(self):
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="llama-server-")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=peer_env(self.threads))
+        try:
+            deadline = time.monotonic() + 300
+            while True:  # /health answers 503 while the model loads
+                if self.proc.poll() is not None:
+                    raise self.fail(f"exited with {self.proc.returncode}")
+                try:
+                    with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise self.fail("did not become healthy within 300 s")
+                time.sleep(0.2)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.load_s = time.perf_counter() - t0
+        return self
+
+    def completion(self, body: dict, timeout: float) -> dict:
+        """``POST /completion`` with ``body``; the answer (its ``timings`` hold the server's own
+        prompt and generation times)."""
+        return _post(self.base + "/completion", body, timeout)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def peak_rss_bytes(self) -> int | None:
+        """The server's peak RSS so far (``peak_rss_bytes``)."""
+        return peak_rss_bytes(self.proc.pid) if self.alive() else None
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log is not None:
+            self.log.close()
+
+
+def greedy_body(prompt_token_ids: list[int], n_predict: int, return_tokens: bool = False) -> dict:
+    """A ``/completion`` request for exactly ``n_predict`` greedy tokens after ``prompt_token_ids``
+    (no prompt cache, so every request computes its whole prompt; ``return_tokens``: the answer
+    carries the generated token ids in ``tokens``)."""
+    return {"prompt": prompt_token_ids, "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
+            "top_k": 1, "cache_prompt": False, "return_tokens": return_tokens}
+
+
 def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel: int | None = None,
                      progress=None, timeout: float = 3600.0) -> dict:
     """Serve ``requests`` (all sent at once) with ``llama-server`` on ``gguf``.
@@ -175,53 +275,21 @@ def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel:
         parallel: server slots (default: one per request, as folio runs them all at once).
     Returns:
         dict: wall_s, requests, output_tokens, prompt_tokens, load_s, threads, parallel, n_ctx,
-        gguf, isa (the build level, or ``"$FOLIO_LLAMA_CPP_BIN"``), command (the server's
-        command line).
+        peak_rss_bytes (the server's, at the end of the run), gguf, isa (the build level, or
+        ``"$FOLIO_LLAMA_CPP_BIN"``), command (the server's command line).
     Raises:
         RuntimeError: the server exited or did not become healthy (its log's last lines).
     """
-    server = tools_dir() / "llama-server"
     parallel = parallel or len(requests)
     # One KV stream per slot (llama.cpp's default): each sequence's attention reads only its own
     # cache. ``--kv-unified`` (one buffer shared by every slot) made every decode attend over the
     # whole shared buffer under a mask: 1.6x slower on this workload (perf/RESULTS.md, issue 9).
     n_ctx_slot = max(len(r.prompt_token_ids) + r.output_len for r in requests) + 16
     n_ctx = n_ctx_slot * parallel
-    port = _free_port()
-    cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-tb", str(threads), "-np", str(parallel), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
-           "--no-webui"]
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="llama-server-")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(threads))
-    base = f"http://127.0.0.1:{port}"
-
-    def fail(why: str):
-        log.flush()
-        log.seek(0)
-        tail = " ".join(log.read().strip().splitlines()[-3:])[-400:]
-        return RuntimeError(f"llama-server {why}: {tail}")
-
-    try:
-        deadline = time.monotonic() + 300
-        while True:  # /health answers 503 while the model loads
-            if proc.poll() is not None:
-                raise fail(f"exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise fail("did not become healthy within 300 s")
-            time.sleep(0.2)
-        load_s = time.perf_counter() - t0
+    with LlamaServer(gguf, threads, parallel, n_ctx) as server:
 
         def one(r: BenchRequest) -> int:
-            out = _post(base + "/completion", {"prompt": r.prompt_token_ids, "n_predict": r.output_len,
-                                               "ignore_eos": True, "temperature": 0.0, "top_k": 1,
-                                               "cache_prompt": False}, timeout)
+            out = server.completion(greedy_body(r.prompt_token_ids, r.output_len), timeout)
             if progress is not None:
                 progress.update(1)
             return int(out.get("tokens_predicted", 0))
@@ -230,20 +298,58 @@ def run_llama_server(gguf, requests: list[BenchRequest], threads: int, parallel:
         with ThreadPoolExecutor(len(requests)) as pool:
             produced = list(pool.map(one, requests))
         wall = time.perf_counter() - start
-        if proc.poll() is not None:
-            raise fail(f"exited with {proc.returncode} during the run")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        if not server.alive():
+            raise server.fail(f"exited with {server.proc.returncode} during the run")
+        rss = server.peak_rss_bytes()
     return {"wall_s": wall, "requests": len(requests), "output_tokens": sum(produced),
-            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "load_s": load_s, "threads": threads,
-            "parallel": parallel, "n_ctx": n_ctx, "gguf": str(gguf),
-            "isa": "$FOLIO_LLAMA_CPP_BIN" if custom_bin() else isa(), "command": shlex.join(["llama-server", *cmd[1:]])}
+            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "load_s": server.load_s,
+            "threads": threads, "parallel": parallel, "n_ctx": n_ctx, "peak_rss_bytes": rss, "gguf": str(gguf),
+            "isa": "$FOLIO_LLAMA_CPP_BIN" if custom_bin() else isa(), "command": server.command}
+
+
+def run_llama_server_latency(gguf, prompt_token_ids: list[int], output_len: int, threads: int, num_iters: int = 3,
+                             num_iters_warmup: int = 1, timeout: float = 3600.0) -> dict:
+    """One request at a time on a one-slot ``llama-server``: prefill and decode rates.
+
+    Each iteration sends the same prompt (no prompt cache) for exactly ``output_len`` greedy
+    tokens and reads the server's own ``timings``: ``prompt_ms`` runs from the request's start to
+    its first sampled token (the whole prompt's forward pass), ``predicted_ms`` from there to the
+    last token (``output_len - 1`` forward passes of one token; llama.cpp
+    ``tools/server/server-common.h``, ``server_slot_stats``). ``num_iters_warmup`` untimed
+    iterations come first (the first one faults the memory-mapped weights in).
+
+    Returns:
+        dict: prompt_tokens, output_tokens, iters (per iteration: ttft_s, decode_s, prefill_tok_s,
+        decode_tok_s, output_tokens), token_ids (the last iteration's output), load_s, threads, peak_rss_bytes, gguf, isa, command.
+    Raises:
+        RuntimeError: the server failed, or produced other token counts than asked.
+    """
+    if output_len < 2:
+        raise ValueError("output_len must be >= 2 (decode is timed from the first token to the last)")
+    n_ctx = len(prompt_token_ids) + output_len + 16
+    iters = []
+    with LlamaServer(gguf, threads, 1, n_ctx) as server:
+        for i in range(num_iters_warmup + num_iters):
+            out = server.completion(greedy_body(prompt_token_ids, output_len, return_tokens=True), timeout)
+            t = out.get("timings") or {}
+            n_prompt, n_out = int(t.get("prompt_n", -1)), int(out.get("tokens_predicted", -1))
+            if n_prompt != len(prompt_token_ids) or n_out != output_len:
+                raise RuntimeError(f"llama-server computed {n_prompt} prompt tokens and {n_out} output tokens, "
+                                   f"asked {len(prompt_token_ids)} and {output_len}")
+            if i >= num_iters_warmup:
+                ttft, dec = t["prompt_ms"] / 1e3, t["predicted_ms"] / 1e3
+                iters.append({"ttft_s": ttft, "decode_s": dec, "output_tokens": n_out,
+                              "prefill_tok_s": n_prompt / ttft, "decode_tok_s": (n_out - 1) / dec})
+        rss = server.peak_rss_bytes()
+    return {"prompt_tokens": len(prompt_token_ids), "output_tokens": output_len, "iters": iters,
+            "token_ids": [int(x) for x in out.get("tokens") or []] or None, "load_s": server.load_s, "threads": threads, "peak_rss_bytes": rss, "gguf": str(gguf),
+            "isa": "$FOLIO_LLAMA_CPP_BIN" if custom_bin() else isa(), "command": server.command}
+
+
+def gguf_file(model) -> Path | None:
+    """``model`` as a GGUF file path when it names one (``--model FILE.gguf``), else None."""
+    path = Path(str(model)).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def quant_name(gguf) -> str:
@@ -252,22 +358,48 @@ def quant_name(gguf) -> str:
     return stem.rsplit(".", 1)[1] if "." in stem else "as shipped"
 
 
-def run_peer(model: str, requests: list[BenchRequest], threads: int, parallel: int, progress: bool = True,
-             build: bool = True) -> dict:
-    """Both runs of the peer on ``model``'s packaged GGUF: ``{key: figures or {"skipped": reason}}``,
-    keys ``llama-cpp-server-f32`` and ``llama-cpp-server-<quant>``, each with a ``label``."""
-    from tqdm.auto import tqdm
+def peer_files(model) -> list[tuple[str, Path]]:
+    """The ``(weight type, GGUF file)`` runs of the peer for ``model``: a GGUF file as is (``--model
+    FILE.gguf``: both engines on that one file); a known model name's packaged GGUF as F32
+    (``f32_gguf``, folio's float32 precision) and as shipped.
 
+    Raises:
+        ValueError / FileNotFoundError: ``find_packaged_gguf``'s. RuntimeError: ``f32_gguf``'s.
+    """
+    own = gguf_file(model)
+    if own is not None:
+        return [(quant_name(own), own)]
     from folio.model.registry import find_packaged_gguf
+    shipped = find_packaged_gguf(model)
+    return [("F32", f32_gguf(shipped)), (quant_name(shipped), shipped)]
+
+
+def peer_ready(build: bool = True) -> str | None:
+    """None when the peer can run now (building it first when ``build``), else why not."""
     ok, why = available()
     if ok and not build and not built():
         ok, why = False, f"not built (make -C {BENCHMARK_DIR} ISA={isa()})"
     if not ok:
-        return {"llama-cpp-server": {"skipped": why}}
+        return why
     try:
         ensure_built()
-        shipped = find_packaged_gguf(model)
-        runs = [("F32", f32_gguf(shipped)), (quant_name(shipped), shipped)]
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def run_peer(model: str, requests: list[BenchRequest], threads: int, parallel: int, progress: bool = True,
+             build: bool = True) -> dict:
+    """The peer's runs on ``model`` (``peer_files``): ``{key: figures or {"skipped": reason}}``,
+    keys ``llama-cpp-server-<type>`` (``-f32`` and ``-q4_1`` for the default model; one key for a
+    GGUF file), each with a ``label``."""
+    from tqdm.auto import tqdm
+
+    why = peer_ready(build)
+    if why is not None:
+        return {"llama-cpp-server": {"skipped": why}}
+    try:
+        runs = peer_files(model)
     except (RuntimeError, ValueError, OSError) as e:
         return {"llama-cpp-server": {"skipped": str(e)}}
     out = {}
