@@ -418,7 +418,8 @@ class QuantizedWeight:
 
     Attributes:
         data: uint8 ``[N, row_bytes(qtype, K)]``, C-contiguous: ``N`` rows of blocks, laid out as
-            llama.cpp lays them out (often a view of a memory-mapped GGUF file: nothing is copied).
+            llama.cpp lays them out (often a view of a memory-mapped GGUF file: nothing is copied);
+            held as a read-only view.
         qtype: the GGML type id (``QUANT_TYPES``).
         shape: ``(N, K)``, the matrix's logical shape (``y = x @ W.T`` reads ``K`` values per row).
         activations: how the kernels multiply it: ``"float32"`` activations (the default: the
@@ -441,6 +442,8 @@ class QuantizedWeight:
                              f"{getattr(data, 'shape', '')}")
         if activations not in ("float32", "int8"):
             raise ValueError(f"activations must be float32 or int8, got {activations!r}")
+        data = data.view()
+        data.flags.writeable = False   # one array type for the kernels (mapped files are read-only)
         self.data, self.qtype, self.shape, self.activations = data, q.id, (N, K), activations
 
     ndim = 2

@@ -91,9 +91,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         else:
             weights = dummy_weights(config, seed=0)
     elif source is not None and stored:
-        if quantization is not None:
-            raise ValueError(f"--quantization applies to float weights; {source.name} is already stored in GGUF "
-                             f"types (serve it as it is, or re-quantize it with llama.cpp's llama-quantize)")
+        # (--quantization of a file of quantized types is refused by quantize_weights, naming a tensor)
         weights = load_gguf_weights(source, config)
     else:
         folder = float32_import(model_dir) if source is not None else model_dir

@@ -60,7 +60,8 @@ def quantize_weights(weights: dict, name: str) -> dict:
         if len(w.shape) != 2:
             continue
         if isinstance(w, QuantizedWeight) and QUANT_TYPES[w.qtype].block_values > 1:
-            raise ValueError(f"{key} is already quantized ({w.type_name}); --quantization applies to float weights")
+            raise ValueError(f"{key} is already quantized ({w.type_name}); --quantization applies to float weights "
+                             f"(serve the file as it is, or re-quantize it with llama.cpp's llama-quantize)")
         K = w.shape[1]
         qtype = want if K % QUANT_TYPES[want].block_values == 0 else Q8_0
         if K % QUANT_TYPES[qtype].block_values:

@@ -136,8 +136,9 @@ def test_tiny_gguf_served_in_place(tmp_path):
             np.testing.assert_array_equal(got, want, err_msg=name)
             continue
         np.testing.assert_array_equal(got.dequantize(), want, err_msg=name)
-        # q and k: copies in Hugging Face row order; the rest read-only views of the mapping
-        assert got.data.flags.writeable == name.endswith(("q_proj.weight", "k_proj.weight")), name
+        # q and k: copies in Hugging Face row order; the rest views of the mapping
+        assert not got.data.flags.writeable
+        assert got.data.base.flags.owndata == name.endswith(("q_proj.weight", "k_proj.weight")), name
     types = {n: w[n].type_name for n in w if w[n].ndim == 2}
     assert types["model.layers.0.mlp.down_proj.weight"] == "Q4_K" and types["lm_head.weight"] == "Q8_0"
 

@@ -178,8 +178,9 @@ class ModelRunner:
         self.device = resolve_device(cfg.device)
         native = {"cpu": "float32", "cuda": "bfloat16"}[self.device]
         if cfg.dtype not in ("auto", native):
-            raise ValueError(f"dtype {cfg.dtype!r} is not available on {self.device} (it runs {native}); "
-                             "use --dtype auto")
+            raise ValueError(f"--dtype {cfg.dtype} is not available on {self.device}: it takes auto or {native} "
+                             "(on the CPU, auto serves weights in their stored types: bf16 safetensors stay bf16, "
+                             "a .gguf file's tensors are read as stored)")
         self.kernels: KernelTable = get_kernels(self.device)
         self.kv_cache_dtype = kv_cache_dtype(self.kernels, cfg.kv_cache_dtype, self.device)
         self.xp = self.kernels.xp
