@@ -28,6 +28,9 @@ def add_parser(bench_subparsers) -> None:
                         "use, ~15 min)")
     p.add_argument("--no-folio", action="store_true",
                    help="run only the peers (e.g. a peer's figures on a file folio cannot serve yet)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32"], help="folio's weights (see folio serve)")
+    p.add_argument("--activation-quantization", default=None, choices=["int8"],
+                   help="folio: int8 activations for quantized weights' products (see folio serve)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=with_threads(run))
 
@@ -36,7 +39,8 @@ def run(args) -> int:
     from .latency import format_latency, run_latency
     out = run_latency(args.model, input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
                       num_iters_warmup=args.num_iters_warmup, seed=args.seed, peers=tuple(dict.fromkeys(args.peer)),
-                      threads=args.threads, run_folio=not args.no_folio)
+                      threads=args.threads, run_folio=not args.no_folio, dtype=args.dtype,
+                      activation_quantization=args.activation_quantization)
     print(format_latency(out))
     if args.json:
         with open(args.json, "w") as f:

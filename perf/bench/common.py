@@ -218,15 +218,17 @@ class ModelHost:
     Args:
         model: folio model name or folder. max_model_len: tokens. num_blocks: KV blocks.
         block_size: tokens per block. device: "cpu" / "cuda" / "auto". kv_cache_dtype: as
-        ``--kv-cache-dtype``.
+        ``--kv-cache-dtype``. engine_args: any other ``EngineConfig`` field (``dtype``,
+        ``activation_quantization``, ...).
     """
 
     def __init__(self, model: str, max_model_len: int, num_blocks: int, block_size: int = 16,
-                 device: str = "cpu", load_format: str = "auto", kv_cache_dtype: str = "auto"):
+                 device: str = "cpu", load_format: str = "auto", kv_cache_dtype: str = "auto", **engine_args):
         from folio.runtime.common.config import EngineConfig
         from folio.runtime.worker.model_runner import ModelRunner
         self.base = dict(model=model, device=device, block_size=block_size, max_model_len=max_model_len,
-                         num_kv_blocks_override=num_blocks, load_format=load_format, kv_cache_dtype=kv_cache_dtype)
+                         num_kv_blocks_override=num_blocks, load_format=load_format, kv_cache_dtype=kv_cache_dtype,
+                         **engine_args)
         t0 = time.perf_counter()
         self.runner = ModelRunner(EngineConfig(**self.base, max_num_batched_tokens=max(2048, max_model_len)))
         self.load_s = time.perf_counter() - t0

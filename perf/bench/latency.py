@@ -39,7 +39,7 @@ def _median(iters: list[dict]) -> dict:
 
 
 def run_folio_latency(model: str, prompt_token_ids: list[int], output_len: int, threads: int, num_iters: int,
-                      num_iters_warmup: int) -> dict:
+                      num_iters_warmup: int, **engine_args) -> dict:
     """folio's single-stream figures (see the module docstring).
 
     Returns:
@@ -54,7 +54,7 @@ def run_folio_latency(model: str, prompt_token_ids: list[int], output_len: int, 
     from .common import BenchRequest
     from .llama_server import peak_rss_bytes
     n = len(prompt_token_ids) + output_len
-    host = ModelHost(model, max_model_len=max(n, 2048), num_blocks=cdiv(n, 16) + 16)
+    host = ModelHost(model, max_model_len=max(n, 2048), num_blocks=cdiv(n, 16) + 16, **engine_args)
     with numba_threads(threads):
         host.warm_up()
     req = BenchRequest(prompt_token_ids, output_len)
@@ -88,7 +88,7 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 def run_latency(model: str = "smollm2-135m-instruct", *, input_len: int = 512, output_len: int = 128,
                 num_iters: int = 3, num_iters_warmup: int = 1, seed: int = 0, peers=(), threads: int | None = None,
-                build_llama_server: bool = True, run_folio: bool = True) -> dict:
+                build_llama_server: bool = True, run_folio: bool = True, **engine_args) -> dict:
     """folio's, then each peer's single-stream figures on ``model``.
 
     Args:
@@ -98,6 +98,7 @@ def run_latency(model: str = "smollm2-135m-instruct", *, input_len: int = 512, o
         peers: ``("llama-cpp-server",)`` or none.
         run_folio: False runs only the peers; folio is also skipped, with the loader's message,
             when it refuses ``model``.
+        engine_args: folio's other ``EngineConfig`` fields (``dtype``, ``activation_quantization``).
     Returns:
         dict: command, model, workload, folio (figures: median and iters; or ``{"skipped": why}``),
         peers (key -> figures, with ``agreement``: leading greedy tokens equal to folio's), machine.
@@ -118,7 +119,7 @@ def run_latency(model: str = "smollm2-135m-instruct", *, input_len: int = 512, o
     folio = {"skipped": "not run (--no-folio)"}
     if run_folio:
         try:
-            folio = run_folio_latency(model, prompt, output_len, threads, num_iters, num_iters_warmup)
+            folio = run_folio_latency(model, prompt, output_len, threads, num_iters, num_iters_warmup, **engine_args)
             folio["median"] = _median(folio["iters"])
         except LOAD_ERRORS as e:
             folio = {"skipped": f"folio cannot serve {model}: {e}"}
