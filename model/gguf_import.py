@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .gguf_header import read_tensor_infos, tensor_bytes
+
 # GGUF tensor name (per layer after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.")
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -80,9 +82,8 @@ def open_gguf(path):
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic at its start)")
-    from .gguf_weights import read_tensor_infos   # (imports this module)
     _, infos = read_tensor_infos(path)
-    need = max((t.offset + _tensor_bytes(t) for t in infos.values()), default=0)
+    need = max((t.offset + tensor_bytes(t) for t in infos.values()), default=0)
     size = path.stat().st_size
     if need > size:
         raise ValueError(f"{path} is truncated: {size:,} bytes, its tensors need {need:,}")
@@ -95,17 +96,6 @@ def open_gguf(path):
         raise ValueError(f"{path} is truncated or corrupt: {e}") from None
     except (IndexError, OSError, struct.error) as e:
         raise ValueError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
-
-
-def _tensor_bytes(info) -> int:
-    # bytes of a tensor of any GGML type gguf knows (its block sizes); 0 for an unknown type id
-    import gguf
-    try:
-        values, nbytes = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.type_id)]
-    except (ValueError, KeyError):
-        return 0
-    n = int(np.prod(info.shape, dtype=np.int64)) if info.shape else 1
-    return n // values * nbytes
 
 
 def _field(reader, key, default=None):

@@ -237,7 +237,7 @@ def test_cli_reports_a_bad_file_and_exits(tmp_path, capsys):
 def test_tensor_infos_agree_with_gguf_py(tmp_path):
     # the header walk that serving uses, against gguf-py's reader, on the default model's file and
     # a mixed-type one
-    from folio.model.gguf_weights import read_tensor_infos
+    from folio.model.gguf_header import read_tensor_infos
     from folio.model.registry import find_packaged_gguf
     write_tiny_gguf(tmp_path / "tiny.gguf", tied=False)
     for path in (find_packaged_gguf("smollm2-135m-instruct"), tmp_path / "tiny.gguf"):
