@@ -46,6 +46,29 @@ def exp2_rel_bound() -> float:
     return remainder + 8 * 1.42 * U32 + 2 * U32
 
 
+def _query_rows(case: dict):
+    """Per query row ``t`` and head ``h`` of a paged-attention case: ``(t, h, n, qk, vmax)``, with
+    ``n`` the keys it attends to, ``qk = max_j sum_d |q_d k_jd|`` over them and ``vmax = max_j
+    max_d |v_jd|`` (float64)."""
+    q, kc, vc = case["q"], case["key_cache"], case["value_cache"]
+    bt, sl, qsl = case["block_tables"], case["seq_lens"], case["query_start_loc"]
+    H = q.shape[1]
+    bs, Hkv = kc.shape[1], kc.shape[2]
+    group = H // Hkv
+    for s in range(len(sl)):
+        start, end, ctx = int(qsl[s]), int(qsl[s + 1]), int(sl[s])
+        if end == start:
+            continue
+        idx = np.arange(ctx)
+        k = np.abs(kc[bt[s, idx // bs], idx % bs].astype(np.float64))  # [ctx, Hkv, D]
+        v = np.abs(vc[bt[s, idx // bs], idx % bs].astype(np.float64))
+        for i in range(end - start):
+            n = ctx - (end - start) + i + 1
+            for h in range(H):
+                qk = float(np.max(k[:n, h // group] @ np.abs(q[start + i, h].astype(np.float64))))
+                yield start + i, h, n, qk, float(np.max(v[:n, h // group]))
+
+
 def attention_bound(case: dict) -> np.ndarray:
     """``[T, H, 1]`` bound on the error of one output row of paged attention against the exact
     result (``reference.paged_attention`` is float64, rounded once to float32), for any order
@@ -59,26 +82,13 @@ def attention_bound(case: dict) -> np.ndarray:
     combination of value rows, so a relative error ``e`` of the weights moves it by at most
     ``2 e max_j |v_j|``.
     """
-    q, kc, vc = case["q"], case["key_cache"], case["value_cache"]
-    bt, sl, qsl, scale = case["block_tables"], case["seq_lens"], case["query_start_loc"], case["scale"]
-    T, H, D = q.shape
-    bs, Hkv = kc.shape[1], kc.shape[2]
-    group = H // Hkv
-    out = np.zeros((T, H, 1))
-    for s in range(len(sl)):
-        start, end, ctx = int(qsl[s]), int(qsl[s + 1]), int(sl[s])
-        if end == start:
-            continue
-        idx = np.arange(ctx)
-        k = np.abs(kc[bt[s, idx // bs], idx % bs].astype(np.float64))  # [ctx, Hkv, D]
-        v = np.abs(vc[bt[s, idx // bs], idx % bs].astype(np.float64))
-        for i in range(end - start):
-            n = ctx - (end - start) + i + 1
-            for h in range(H):
-                ds = gamma(D + 3) * scale * np.max(k[:n, h // group] @ np.abs(q[start + i, h].astype(np.float64)))
-                weights = math.expm1(2 * ds) + exp2_rel_bound()
-                rel = 2 * weights + 2 * gamma(n) + gamma(n) + 2 * U32
-                out[start + i, h, 0] = rel * np.max(v[:n, h // group])
+    D = case["q"].shape[2]
+    out = np.zeros(case["q"].shape[:2] + (1,))
+    for t, h, n, qk, vmax in _query_rows(case):
+        ds = gamma(D + 3) * case["scale"] * qk
+        weights = math.expm1(2 * ds) + exp2_rel_bound()
+        rel = 2 * weights + 2 * gamma(n) + gamma(n) + 2 * U32
+        out[t, h, 0] = rel * vmax
     return out
 
 
@@ -118,23 +128,10 @@ def bf16_attention_bound(case: dict) -> np.ndarray:
     rows, then moves by ``(e^(2 Delta) - 1) max_j |v'_j|``, and the rounded values by ``U_BF16
     max_j |v_j|`` more (``v'_j`` the rounded rows, at most ``(1 + U_BF16) |v_j|``).
     """
-    q, kc, vc = case["q"], case["key_cache"], case["value_cache"]
-    bt, sl, qsl, scale = case["block_tables"], case["seq_lens"], case["query_start_loc"], case["scale"]
-    T, H, D = q.shape
-    bs, Hkv = kc.shape[1], kc.shape[2]
-    group = H // Hkv
-    out = np.zeros((T, H, 1))
-    for s in range(len(sl)):
-        start, end, ctx = int(qsl[s]), int(qsl[s + 1]), int(sl[s])
-        idx = np.arange(ctx)
-        k = np.abs(kc[bt[s, idx // bs], idx % bs].astype(np.float64))
-        v = np.abs(vc[bt[s, idx // bs], idx % bs].astype(np.float64))
-        for i in range(end - start):
-            n = ctx - (end - start) + i + 1
-            for h in range(H):
-                delta = U_BF16 * scale * np.max(k[:n, h // group] @ np.abs(q[start + i, h].astype(np.float64)))
-                vmax = np.max(v[:n, h // group])
-                out[start + i, h, 0] = math.expm1(2 * delta) * (1 + U_BF16) * vmax + U_BF16 * vmax
+    out = np.zeros(case["q"].shape[:2] + (1,))
+    for t, h, n, qk, vmax in _query_rows(case):
+        delta = U_BF16 * case["scale"] * qk
+        out[t, h, 0] = math.expm1(2 * delta) * (1 + U_BF16) * vmax + U_BF16 * vmax
     return out
 
 

@@ -353,8 +353,12 @@ class ToolCallParser:
         self._state = "block_open"
         return True
 
-    def _s_between_json(self, final):
-        j = self._skip(_WS + ";")
+    def _s_between_json(self, final):    # Llama 3 JSON: calls separated by ";"
+        return self._next_object(_WS + ";")
+
+    def _next_object(self, separators: str) -> bool:
+        # past the separators, the next call object opens ("{"), else the rest is ignored
+        j = self._skip(separators)
         if j == len(self.buf):
             self.pos = j
             return False
@@ -374,17 +378,8 @@ class ToolCallParser:
         self._state = "array_item" if self.buf[j] == "[" else "ignore"
         return True
 
-    def _s_array_item(self, final):
-        j = self._skip(_WS + ",")
-        if j == len(self.buf):
-            self.pos = j
-            return False
-        if self.buf[j] != "{":
-            self._state = "ignore"
-            return True
-        self._block, self.pos = j, j
-        self._state = "block_open"
-        return True
+    def _s_array_item(self, final):      # required: call objects separated by ","
+        return self._next_object(_WS + ",")
 
     def _fail(self) -> None:
         """The tentative call is not one: before any call (auto) its opening becomes content and
