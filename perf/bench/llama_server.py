@@ -214,8 +214,9 @@ class LlamaServer:
     def __enter__(self):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="llama-server-")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=peer_env(self.threads))
         try:
+            self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                         env=peer_env(self.threads))
             deadline = time.monotonic() + 300
             while True:  # /health answers 503 while the model loads
                 if self.proc.poll() is not None:
