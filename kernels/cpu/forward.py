@@ -347,10 +347,6 @@ class QuantizedStack:
                 column += w.shape[0]
         self.table, self.shape, self.weights = table, (sum(rows), K), layers
 
-    @property
-    def nbytes(self) -> int:
-        return sum(w.nbytes for segments in self.weights for w in segments)
-
 
 def stack_quantized(layers) -> QuantizedStack:
     """The ``QuantizedStack`` of one kind of layer product: ``layers[i]`` is layer ``i``'s tuple of
