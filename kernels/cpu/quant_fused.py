@@ -154,8 +154,131 @@ def _make_fdot(kind: str, nt: int):
     return intrinsic(impl)
 
 
+def _k_scales_v8(builder, b16):
+    """Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins as two ``<8 x i32>`` from the
+    ``<16 x i8>`` ``b16`` whose first 12 bytes are the block's packed scales (``get_scale_min_k4``:
+    sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7; 4..7 in the nibbles of bytes 8..11 with
+    their top 2 bits in the top bits of bytes 0..3 / 4..7)."""
+    v8 = ir.VectorType(_I8, 8)
+
+    def pick(idx):
+        return builder.shuffle_vector(b16, b16, ir.Constant(ir.VectorType(_I32, 8), idx))
+
+    def c8(v):
+        return ir.Constant(v8, [v] * 8)
+    low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 4 + [0] * 4)
+    a = pick([0, 1, 2, 3, 8, 9, 10, 11])
+    top_sc = builder.shl(builder.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), c8(6)), c8(4))
+    sc = builder.select(low, builder.and_(a, c8(63)), builder.or_(builder.and_(a, c8(15)), top_sc))
+    m = pick([4, 5, 6, 7, 8, 9, 10, 11])
+    top_m = builder.shl(builder.lshr(pick([4, 5, 6, 7, 4, 5, 6, 7]), c8(6)), c8(4))
+    mn = builder.select(low, builder.and_(m, c8(63)), builder.or_(builder.lshr(m, c8(4)), top_m))
+    v8i32 = ir.VectorType(_I32, 8)
+    return builder.zext(sc, v8i32), builder.zext(mn, v8i32)
+
+
+def _lane_splat(builder, v, lane, n):
+    # <n x T>: every lane lane ``lane`` of vector ``v``
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [lane] * n))
+
+
+def _make_fdot_superblock(kind: str):
+    """An intrinsic ``(w, woff, x, t0, s)`` as ``_make_fdot``'s, for Q4_K or Q6_K one 256-value
+    superblock per loop trip: every byte offset inside the block a constant, the block's scales
+    decoded as vectors in registers (no scratch), the 8 (Q4_K) or 16 (Q6_K) sub-blocks unrolled.
+    Each weight value is the reference's: Q4_K ``(d * sc) * q + (-(dmin * m))``, Q6_K ``(d * sc) * q``
+    (float32 operations in that order, no contraction)."""
+
+    def impl(typingctx, w, woff, x, t0, s):
+        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(x, types.Array)
+                and x.dtype == types.float32 and x.ndim == 2 and isinstance(s, types.Array)
+                and s.dtype == types.float32):
+            return None
+        sig = types.void(w, types.int64, x, types.int64, s)
+
+        def codegen(context, builder, sg, args):
+            wv, woffv, xv_, t0v, sv = args
+            wp = context.make_array(sg.args[0])(context, builder, wv).data
+            xarr = context.make_array(sg.args[2])(context, builder, xv_)
+            K = builder.extract_value(xarr.shape, 1)
+            xstride = builder.udiv(builder.extract_value(xarr.strides, 0), _c64(4))
+            xrow = builder.gep(xarr.data, [builder.mul(t0v, xstride)])
+            sf = context.make_array(sg.args[4])(context, builder, sv).data
+            nb = builder.udiv(K, _c64(256))
+            bb = 144 if kind == "q4_k" else 210
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V32F, [0.0] * 32)) for _ in range(2)]
+            v32i8 = _V32I8
+
+            def load(ptr, off, ty):
+                return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
+
+            def fma_into(acc, wvals, xb, k):
+                xv = load(xb, _c64(k), _V32F)
+                builder.store(_call(builder, "llvm.fma.v32f32", _V32F, [wvals, xv, builder.load(acc)]), acc)
+
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(bb)))])
+                xb = builder.gep(xrow, [builder.mul(b, _c64(256))])
+                if kind == "q4_k":
+                    d = builder.fpext(load(ob, _c64(0), _HALF), _FL)
+                    dmin = builder.fpext(load(ob, _c64(2), _HALF), _FL)
+                    sc, mn = _k_scales_v8(builder, load(ob, _c64(4), ir.VectorType(_I8, 16)))
+                    v8f = ir.VectorType(_FL, 8)
+                    d1 = builder.fmul(_splat(builder, d, v8f), builder.sitofp(sc, v8f))
+                    negm = builder.fneg(builder.fmul(_splat(builder, dmin, v8f), builder.sitofp(mn, v8f)))
+                    for c in range(4):
+                        q = load(ob, _c64(16 + 32 * c), _V16I16)
+                        lo = builder.and_(builder.bitcast(q, v32i8), ir.Constant(v32i8, [15] * 32))
+                        hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), v32i8),
+                                          ir.Constant(v32i8, [15] * 32))
+                        for nib, codes in enumerate((lo, hi)):
+                            sb = 2 * c + nib
+                            f = builder.sitofp(builder.zext(codes, _V32I32), _V32F)
+                            # d1 * q is exact (11-bit d x 6-bit sc x 4-bit q < 24 bits), so the
+                            # one rounding of the fused multiply-add is the reference's subtraction
+                            wvals = _call(builder, "llvm.fma.v32f32", _V32F, [
+                                _lane_splat(builder, d1, sb, 32), f, _lane_splat(builder, negm, sb, 32)])
+                            fma_into(accs[sb & 1], wvals, xb, 32 * sb)
+                else:  # q6_k
+                    d = builder.fpext(load(ob, _c64(208), _HALF), _FL)
+                    v16f = ir.VectorType(_FL, 16)
+                    scv = builder.sitofp(builder.sext(load(ob, _c64(192), ir.VectorType(_I8, 16)),
+                                                      ir.VectorType(_I32, 16)), v16f)
+                    ds = builder.fmul(_splat(builder, d, v16f), scv)
+                    for h in range(2):
+                        a = load(ob, _c64(64 * h), v32i8)
+                        bq = load(ob, _c64(64 * h + 32), v32i8)
+                        qh = load(ob, _c64(128 + 32 * h), v32i8)
+                        for g in range(4):
+                            src = a if g % 2 == 0 else bq
+                            lo = builder.and_(src, ir.Constant(v32i8, [15] * 32)) if g < 2 else \
+                                builder.lshr(src, ir.Constant(v32i8, [4] * 32))
+                            hb = builder.and_(builder.lshr(qh, ir.Constant(v32i8, [2 * g] * 32)),
+                                              ir.Constant(v32i8, [3] * 32))
+                            codes = builder.or_(lo, builder.shl(hb, ir.Constant(v32i8, [4] * 32)))
+                            # q - 32 in bytes (-32..31), then widened with its sign
+                            codes = builder.sext(builder.sub(codes, ir.Constant(v32i8, [32] * 32)), _V32I32)
+                            s0 = 8 * h + 2 * g
+                            scale = builder.shuffle_vector(ds, ds, ir.Constant(ir.VectorType(_I32, 32),
+                                                                               [s0] * 16 + [s0 + 1] * 16))
+                            wvals = builder.fmul(scale, builder.sitofp(codes, _V32F))
+                            fma_into(accs[g & 1], wvals, xb, 128 * h + 32 * g)
+            acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+            total = builder.call(cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_FL, [_FL, _V32F]), "llvm.vector.reduce.fadd.v32f32"),
+                [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
+            builder.store(total, builder.gep(sf, [_c64(_RES)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_fdot_sb_{kind}"
+    return intrinsic(impl)
+
+
 _fdot_q8_0, _fdot_q4_0, _fdot_q4_1 = _make_fdot("q8_0", 1), _make_fdot("q4_0", 1), _make_fdot("q4_1", 1)
-_fdot_q4_k, _fdot_q6_k = _make_fdot("q4_k", 1), _make_fdot("q6_k", 1)
+_fdot_q4_k, _fdot_q6_k = _make_fdot_superblock("q4_k"), _make_fdot_superblock("q6_k")
 
 
 @njit(cache=True)
@@ -175,7 +298,6 @@ def fused_rows(x, w, qtype, out, col0, s, r0, r1):
         elif qtype == Q4_1:
             _fdot_q4_1(w, woff, x, 0, s)
         elif qtype == Q4_K:
-            _q4k_scales(w[r], n32, s)
             _fdot_q4_k(w, woff, x, 0, s)
         else:
             _fdot_q6_k(w, woff, x, 0, s)
