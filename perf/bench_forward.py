@@ -41,16 +41,9 @@ def memory_bandwidth_gbs(n_bytes: int = 512 << 20, repeat: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of distinct weight arrays a decode step reads (the tied lm_head counted once)."""
-    seen, total = set(), 0
-    arrays = [model.embed_tokens, model.lm_head, model.norm]
-    for layer in model.layers:
-        arrays += list(vars(layer).values())
-    for a in arrays:
-        if id(a) not in seen:
-            seen.add(id(a))
-            total += a.nbytes
-    return total
+    """Bytes of distinct weight arrays a decode step reads (the tied lm_head counted once; quantized
+    weights at their stored size): ``LlamaForCausalLM.weight_bytes``."""
+    return model.weight_bytes()
 
 
 def main(argv=None) -> int:

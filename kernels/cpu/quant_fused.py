@@ -25,7 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant_reference import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
-from .quant_int8 import _RES, _WS, _c64, _call, _q4k_scales, _splat
+from .quant_int8 import _RES, _c64, _call, _k_scales_v8, _lane_splat, _splat
 
 __all__ = ["FUSED_TYPES", "FUSED_MAX_TOKENS", "fused_rows"]
 
@@ -43,7 +43,7 @@ _V32I8, _V16I16, _V32I32, _V32F = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 1
 def _make_fdot(kind: str, nt: int):
     """An intrinsic: ``(w, woff, x, t0, s)``: the float32 dot products of the weight row at byte
     ``woff`` of uint8 ``w`` with rows ``t0 .. t0 + nt - 1`` of float32 ``x [T, K]`` (rows of contiguous values),
-    into ``s[_RES + i]`` (float32 scratch; Q4_K's per-block scales at ``_WS``, ``_q4k_scales``)."""
+    into ``s[_RES + i]`` (float32 scratch). Types with 32-value blocks (Q8_0, Q4_0, Q4_1)."""
 
     def impl(typingctx, w, woff, x, t0, s):
         if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(x, types.Array)
@@ -71,10 +71,6 @@ def _make_fdot(kind: str, nt: int):
             def half(off):
                 return builder.fpext(load(wp, off, _HALF), _FL)
 
-            def nibbles(off, shift):
-                v = builder.lshr(load(wp, off, _V16I16), _splat(builder, builder.trunc(shift, _I16), _V16I16))
-                return builder.and_(builder.bitcast(v, _V32I8), ir.Constant(_V32I8, [15] * 32))
-
             def fsplat(v):
                 return _splat(builder, v, _V32F)
 
@@ -94,38 +90,12 @@ def _make_fdot(kind: str, nt: int):
                                                                                      list(range(32)))), _V32I32)
                     if kind == "q4_0":
                         codes = builder.sub(codes, ir.Constant(_V32I32, [8] * 32))
-                    wvals = builder.fmul(fsplat(half(base)), builder.sitofp(codes, _V32F))
-                    if kind == "q4_1":
-                        wvals = builder.fadd(wvals, fsplat(half(builder.add(base, _c64(2)))))
-                elif kind == "q4_k":
-                    sb, sub = builder.udiv(j, _c64(8)), builder.urem(j, _c64(8))
-                    base = builder.add(builder.add(woffv, builder.mul(sb, _c64(144))),
-                                       builder.add(_c64(16), builder.mul(builder.udiv(sub, _c64(2)), _c64(32))))
-                    codes = builder.zext(nibbles(base, builder.mul(builder.urem(sub, _c64(2)), _c64(4))), _V32I32)
-                    d1 = builder.load(builder.gep(sf, [builder.add(_c64(_WS), j)]))
-                    m1 = builder.load(builder.gep(sf, [builder.add(builder.add(_c64(_WS), n32), j)]))
-                    wvals = builder.fadd(builder.fmul(fsplat(d1), builder.sitofp(codes, _V32F)), fsplat(m1))
-                else:  # q6_k
-                    sb, sub = builder.udiv(j, _c64(8)), builder.urem(j, _c64(8))
-                    h, g = builder.udiv(sub, _c64(4)), builder.urem(sub, _c64(4))
-                    o = builder.add(woffv, builder.mul(sb, _c64(210)))
-                    ql = builder.add(builder.add(o, builder.mul(h, _c64(64))),
-                                     builder.mul(builder.urem(g, _c64(2)), _c64(32)))
-                    lo = nibbles(ql, builder.mul(builder.udiv(g, _c64(2)), _c64(4)))
-                    qh = load(wp, builder.add(builder.add(o, _c64(128)), builder.mul(h, _c64(32))), _V16I16)
-                    qh = builder.lshr(qh, _splat(builder, builder.trunc(builder.mul(g, _c64(2)), _I16), _V16I16))
-                    qh = builder.and_(builder.bitcast(qh, _V32I8), ir.Constant(_V32I8, [3] * 32))
-                    codes = builder.zext(builder.or_(lo, builder.shl(qh, ir.Constant(_V32I8, [4] * 32))), _V32I32)
-                    codes = builder.sub(codes, ir.Constant(_V32I32, [32] * 32))
-                    sc_off = builder.add(builder.add(o, _c64(192)),
-                                         builder.add(builder.mul(h, _c64(8)), builder.mul(g, _c64(2))))
-                    d = half(builder.add(o, _c64(208)))
-                    ds0 = builder.fmul(d, builder.sitofp(load(wp, sc_off, _I8), _FL))
-                    ds1 = builder.fmul(d, builder.sitofp(load(wp, builder.add(sc_off, _c64(1)), _I8), _FL))
-                    half_t = ir.VectorType(_FL, 16)
-                    scv = builder.shuffle_vector(_splat(builder, ds0, half_t), _splat(builder, ds1, half_t),
-                                                 ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-                    wvals = builder.fmul(scv, builder.sitofp(codes, _V32F))
+                        wvals = builder.fmul(fsplat(half(base)), builder.sitofp(codes, _V32F))
+                    else:
+                        # d * q + m as one fused multiply-add: d * q is exact (11-bit d x 4-bit q),
+                        # so its one rounding is the reference's addition
+                        wvals = _call(builder, "llvm.fma.v32f32", _V32F, [
+                            fsplat(half(base)), builder.sitofp(codes, _V32F), fsplat(half(builder.add(base, _c64(2))))])
                 for i in range(nt):
                     row = builder.mul(builder.add(t0v, _c64(i)), xstride)
                     xv = load(xp, builder.add(row, builder.mul(j, _c64(32))), _V32F)
@@ -152,34 +122,6 @@ def _make_fdot(kind: str, nt: int):
 
     impl.__name__ = f"_fdot_{kind}_{nt}"
     return intrinsic(impl)
-
-
-def _k_scales_v8(builder, b16):
-    """Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins as two ``<8 x i32>`` from the
-    ``<16 x i8>`` ``b16`` whose first 12 bytes are the block's packed scales (``get_scale_min_k4``:
-    sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7; 4..7 in the nibbles of bytes 8..11 with
-    their top 2 bits in the top bits of bytes 0..3 / 4..7)."""
-    v8 = ir.VectorType(_I8, 8)
-
-    def pick(idx):
-        return builder.shuffle_vector(b16, b16, ir.Constant(ir.VectorType(_I32, 8), idx))
-
-    def c8(v):
-        return ir.Constant(v8, [v] * 8)
-    low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 4 + [0] * 4)
-    a = pick([0, 1, 2, 3, 8, 9, 10, 11])
-    top_sc = builder.shl(builder.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), c8(6)), c8(4))
-    sc = builder.select(low, builder.and_(a, c8(63)), builder.or_(builder.and_(a, c8(15)), top_sc))
-    m = pick([4, 5, 6, 7, 8, 9, 10, 11])
-    top_m = builder.shl(builder.lshr(pick([4, 5, 6, 7, 4, 5, 6, 7]), c8(6)), c8(4))
-    mn = builder.select(low, builder.and_(m, c8(63)), builder.or_(builder.lshr(m, c8(4)), top_m))
-    v8i32 = ir.VectorType(_I32, 8)
-    return builder.zext(sc, v8i32), builder.zext(mn, v8i32)
-
-
-def _lane_splat(builder, v, lane, n):
-    # <n x T>: every lane lane ``lane`` of vector ``v``
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [lane] * n))
 
 
 def _make_fdot_superblock(kind: str):

@@ -81,22 +81,22 @@ integer path): the level Numba compiles the integer dot products for."""
 # per-block scales, then the quantized activations
 _KEY = 0           # int64 slots 0..3 (float32 slots 0..7): x's address, w's address, T, K
 _RES = 8           # _NT results of one pass
-_WS = 16           # K / 32 weight scales (Q4_K: d * sc), then K / 32 offsets (-dmin * m)
+_XD = 16           # the activations' block scales, then their block sums, then their codes
 
 
 @njit(cache=True)
 def int8_scratch_size(T, K):
     """float32 slots of the integer path's part of a task's scratch for ``T`` tokens of ``K`` values:
-    the key, ``_NT`` results, 2 ``K / 32`` weight scales, ``T K / 32`` activation scales and sums,
+    the key, ``_NT`` results, ``T K / 32`` activation scales and sums,
     ``T K`` bytes of codes."""
     n32 = -(-K // INT8_BLOCK)
-    return _WS + 2 * n32 + 2 * T * n32 + (T * n32 * INT8_BLOCK) // 4 + 16
+    return _XD + 2 * T * n32 + (T * n32 * INT8_BLOCK) // 4 + 16
 
 
 @njit(cache=True, inline="always")
 def _offsets(T, K):
     n32 = K // INT8_BLOCK
-    xd = _WS + 2 * n32
+    xd = _XD
     xs = xd + T * n32
     xq = xs + T * n32           # float32 slot where the codes start (bytes: 4 xq)
     return n32, xd, xs, xq
@@ -128,8 +128,8 @@ def quantize_activations(x, s):
                 q = np.int32(np.rint(x[t, k0 + i] * inv))
                 codes[t * K + k0 + i] = q
                 acc += q
-            s[xd + j * T + t] = d              # block-major: a block's scales of consecutive tokens adjacent
-            s[xs + j * T + t] = d * _F32(acc)
+            s[xd + t * n32 + j] = d            # token-major: a superblock's 8 scales adjacent
+            s[xs + t * n32 + j] = d * _F32(acc)
 
 
 # ---- the vector code ----------------------------------------------------------------------------
@@ -168,8 +168,7 @@ def _make_idot(kind: str, nt: int):
     """An intrinsic: the dot products of one weight row with ``nt`` tokens' quantized activations.
 
     ``(w, woff, s, t0, T, K)``: uint8 ``w`` (the row's blocks from byte ``woff``), float32 scratch
-    ``s`` (``quantize_activations``'s layout for ``T`` tokens of ``K`` values; Q4_K's per-block
-    scales at ``_WS``), tokens ``t0 .. t0 + nt - 1``; writes the ``nt`` sums to ``s[_RES + i]``."""
+    ``s`` (``quantize_activations``'s layout for ``T`` tokens of ``K`` values), tokens ``t0 .. t0 + nt - 1``; writes the ``nt`` sums to ``s[_RES + i]``."""
 
     def impl(typingctx, w, woff, s, t0, T, K):
         if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
@@ -183,7 +182,7 @@ def _make_idot(kind: str, nt: int):
             sf = context.make_array(sg.args[2])(context, builder, sv).data                 # float*
             sbytes = builder.bitcast(sf, _I8.as_pointer())
             n32 = builder.udiv(Kv, _c64(INT8_BLOCK))
-            xd0 = builder.add(_c64(_WS), builder.mul(n32, _c64(2)))
+            xd0 = _c64(_XD)
             xs0 = builder.add(xd0, builder.mul(Tv, n32))
             xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))             # byte offset
             # one set of accumulators per token; two for one token, blocks alternating between them
@@ -203,12 +202,6 @@ def _make_idot(kind: str, nt: int):
             def sf_at(off):
                 return builder.load(builder.gep(sf, [off]))
 
-            def nibbles16(off, shift):
-                # 32 bytes from off as 16-bit words shifted right by shift, masked to their low 4 bits
-                v = load(wp, off, _V16I16)
-                v = builder.lshr(v, _splat(builder, builder.trunc(shift, _I16), _V16I16))
-                return builder.and_(builder.bitcast(v, _V32I8), ir.Constant(_V32I8, [15] * 32))
-
             def block(j, accs, corr):
                 offset = None      # the block's offset / min (times d_x sum q), or None
                 pre = None         # (function of x -> <8 x i32>) for the non-plain types
@@ -220,7 +213,7 @@ def _make_idot(kind: str, nt: int):
 
                     def pre(xv, wq=wq, codes=codes):
                         return _udot(builder, codes, _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, wq]))
-                elif kind in ("q4_0", "q4_1"):
+                else:  # q4_0, q4_1
                     bb, qo = (18, 2) if kind == "q4_0" else (20, 4)
                     base = builder.add(woffv, builder.mul(j, _c64(bb)))
                     dw = half(base)
@@ -230,44 +223,16 @@ def _make_idot(kind: str, nt: int):
                     lo = builder.and_(b16, ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
                     hi = builder.lshr(b16, ir.Constant(ir.VectorType(_I8, 16), [4] * 16))
                     codes = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-                elif kind == "q4_k":
-                    sb, sub = builder.udiv(j, _c64(8)), builder.urem(j, _c64(8))
-                    base = builder.add(builder.add(woffv, builder.mul(sb, _c64(144))),
-                                       builder.add(_c64(16), builder.mul(builder.udiv(sub, _c64(2)), _c64(32))))
-                    codes = nibbles16(base, builder.mul(builder.urem(sub, _c64(2)), _c64(4)))
-                    dw = sf_at(builder.add(_c64(_WS), j))
-                    offset = sf_at(builder.add(builder.add(_c64(_WS), n32), j))
-                else:  # q6_k
-                    sb, sub = builder.udiv(j, _c64(8)), builder.urem(j, _c64(8))
-                    h, g = builder.udiv(sub, _c64(4)), builder.urem(sub, _c64(4))
-                    o = builder.add(woffv, builder.mul(sb, _c64(210)))
-                    ql = builder.add(builder.add(o, builder.mul(h, _c64(64))), builder.mul(builder.urem(g, _c64(2)),
-                                                                                          _c64(32)))
-                    lo = nibbles16(ql, builder.mul(builder.udiv(g, _c64(2)), _c64(4)))
-                    qh = load(wp, builder.add(builder.add(o, _c64(128)), builder.mul(h, _c64(32))), _V16I16)
-                    qh = builder.lshr(qh, _splat(builder, builder.trunc(builder.mul(g, _c64(2)), _I16), _V16I16))
-                    qh = builder.and_(builder.bitcast(qh, _V32I8), ir.Constant(_V32I8, [3] * 32))
-                    codes = builder.or_(lo, builder.shl(qh, ir.Constant(_V32I8, [4] * 32)))
-                    sc_off = builder.add(builder.add(o, _c64(192)), builder.add(builder.mul(h, _c64(8)),
-                                                                                builder.mul(g, _c64(2))))
-                    sc0 = builder.sext(load(wp, sc_off, _I8), _I16)
-                    sc1 = builder.sext(load(wp, builder.add(sc_off, _c64(1)), _I8), _I16)
-                    scv = builder.shuffle_vector(_splat(builder, sc0, ir.VectorType(_I16, 8)),
-                                                 _splat(builder, sc1, ir.VectorType(_I16, 8)),
-                                                 ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
-                    dw = half(builder.add(o, _c64(208)))
-                    c32 = ir.Constant(_V32I8, [32] * 32)
-
-                    def pre(xv, codes=codes, scv=scv, c32=c32):
-                        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
-                        p = builder.sub(p, _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [c32, xv]))
-                        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, scv])
-                # the nt tokens' activation scales (and sums) of block j are adjacent: one vector each
-                sidx = builder.add(builder.mul(j, Tv), t0v)
-                scales = builder.fmul(_splat(builder, dw, vnt), load(sf, builder.add(xd0, sidx), vnt))
+                # the nt tokens' activation scales (and sums) of block j, one vector each
+                xdv, xsv = ir.Constant(vnt, ir.Undefined), ir.Constant(vnt, ir.Undefined)
+                for i in range(nt):
+                    sidx = builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), j)
+                    xdv = builder.insert_element(xdv, sf_at(builder.add(xd0, sidx)), ir.Constant(_I32, i))
+                    xsv = builder.insert_element(xsv, sf_at(builder.add(xs0, sidx)), ir.Constant(_I32, i))
+                scales = builder.fmul(_splat(builder, dw, vnt), xdv)
                 if offset is not None:
                     builder.store(_call(builder, f"llvm.fma.v{nt}f32", vnt, [
-                        _splat(builder, offset, vnt), load(sf, builder.add(xs0, sidx), vnt), builder.load(corr)]), corr)
+                        _splat(builder, offset, vnt), xsv, builder.load(corr)]), corr)
                 for i in range(nt):
                     t = builder.add(t0v, _c64(i))
                     tb = builder.add(builder.mul(t, n32), j)          # the token's block index
@@ -303,11 +268,161 @@ def _make_idot(kind: str, nt: int):
     return intrinsic(impl)
 
 
+def _k_scales_v8(builder, b16):
+    """Q4_K / Q5_K: the 8 sub-blocks' 6-bit scales and mins as two ``<8 x i32>`` from the
+    ``<16 x i8>`` ``b16`` whose first 12 bytes are the block's packed scales (``get_scale_min_k4``:
+    sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7; 4..7 in the nibbles of bytes 8..11 with
+    their top 2 bits in the top bits of bytes 0..3 / 4..7)."""
+    v8 = ir.VectorType(_I8, 8)
+
+    def pick(idx):
+        return builder.shuffle_vector(b16, b16, ir.Constant(ir.VectorType(_I32, 8), idx))
+
+    def c8(v):
+        return ir.Constant(v8, [v] * 8)
+    low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 4 + [0] * 4)
+    a = pick([0, 1, 2, 3, 8, 9, 10, 11])
+    top_sc = builder.shl(builder.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), c8(6)), c8(4))
+    sc = builder.select(low, builder.and_(a, c8(63)), builder.or_(builder.and_(a, c8(15)), top_sc))
+    m = pick([4, 5, 6, 7, 8, 9, 10, 11])
+    top_m = builder.shl(builder.lshr(pick([4, 5, 6, 7, 4, 5, 6, 7]), c8(6)), c8(4))
+    mn = builder.select(low, builder.and_(m, c8(63)), builder.or_(builder.lshr(m, c8(4)), top_m))
+    v8i32 = ir.VectorType(_I32, 8)
+    return builder.zext(sc, v8i32), builder.zext(mn, v8i32)
+
+
+def _lane_splat(builder, v, lane, n):
+    # <n x T>: every lane lane ``lane`` of vector ``v``
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [lane] * n))
+
+
+
+def _hsum8(builder, dots):
+    """``<8 x i32>`` whose lane ``j`` is the sum of the 8 lanes of ``dots[j]`` (8 ``<8 x i32>``): a
+    tree of ``vphaddd`` (pairs within 128-bit halves), then the two halves added."""
+    def hadd(a, b):
+        return _call(builder, "llvm.x86.avx2.phadd.d", _V8I32, [a, b])
+    p = [hadd(dots[2 * i], dots[2 * i + 1]) for i in range(4)]
+    q0, q1 = hadd(p[0], p[1]), hadd(p[2], p[3])
+    lo = builder.shuffle_vector(q0, q1, ir.Constant(ir.VectorType(_I32, 8), [0, 1, 2, 3, 8, 9, 10, 11]))
+    hi = builder.shuffle_vector(q0, q1, ir.Constant(ir.VectorType(_I32, 8), [4, 5, 6, 7, 12, 13, 14, 15]))
+    return builder.add(lo, hi)
+
+
+def _make_idot_superblock(kind: str, nt: int):
+    """``_make_idot``'s intrinsic for Q4_K or Q6_K, one 256-value superblock per loop trip: byte
+    offsets inside the block constant, the block's scales decoded as vectors in registers, and the
+    8 integer dot products of a token (one per 32-value activation block) summed across their lanes
+    together (``_hsum8``), converted once and multiplied-added with the 8 products of weight and
+    activation scales in one ``<8 x float>`` per token: per superblock and token one conversion and
+    one multiply-add instead of eight. Q4_K's mins: ``dmin * m`` times the activations' block sums,
+    one ``<8 x float>`` multiply-add per superblock and token."""
+
+    def impl(typingctx, w, woff, s, t0, T, K):
+        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+                and s.dtype == types.float32):
+            return None
+        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64)
+
+        def codegen(context, builder, sg, args):
+            wv, woffv, sv, t0v, Tv, Kv = args
+            wp = context.make_array(sg.args[0])(context, builder, wv).data
+            sf = context.make_array(sg.args[2])(context, builder, sv).data
+            sbytes = builder.bitcast(sf, _I8.as_pointer())
+            n32 = builder.udiv(Kv, _c64(INT8_BLOCK))
+            xd0 = _c64(_XD)
+            xs0 = builder.add(xd0, builder.mul(Tv, n32))
+            xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))
+            v8f = ir.VectorType(_FL, 8)
+            zero8 = ir.Constant(v8f, [0.0] * 8)
+            accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
+            corrs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)] if kind == "q4_k" else []
+            bb = 144 if kind == "q4_k" else 210
+
+            def load(ptr, off, ty):
+                return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
+
+            with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
+                b = loop.index
+                ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(bb)))])
+                if kind == "q4_k":
+                    d = builder.fpext(load(ob, _c64(0), _HALF), _FL)
+                    dmin = builder.fpext(load(ob, _c64(2), _HALF), _FL)
+                    sc, mn = _k_scales_v8(builder, load(ob, _c64(4), ir.VectorType(_I8, 16)))
+                    wscale = builder.fmul(_splat(builder, d, v8f), builder.sitofp(sc, v8f))
+                    wmin = builder.fmul(_splat(builder, dmin, v8f), builder.sitofp(mn, v8f))
+                    codes = []
+                    for c in range(4):
+                        q = load(ob, _c64(16 + 32 * c), _V16I16)
+                        codes.append(builder.and_(builder.bitcast(q, _V32I8), ir.Constant(_V32I8, [15] * 32)))
+                        codes.append(builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)),
+                                                                  _V32I8), ir.Constant(_V32I8, [15] * 32)))
+
+                    def dots_of(xb):
+                        return [_udot(builder, codes[j], load(xb, _c64(32 * j), _V32I8)) for j in range(8)]
+                else:  # q6_k
+                    d = builder.fpext(load(ob, _c64(208), _HALF), _FL)
+                    wscale = _splat(builder, d, v8f)
+                    sc16 = builder.sext(load(ob, _c64(192), ir.VectorType(_I8, 16)), _V16I16)
+                    codes, scv = [], []
+                    for h in range(2):
+                        a = load(ob, _c64(64 * h), _V32I8)
+                        bq = load(ob, _c64(64 * h + 32), _V32I8)
+                        qh = load(ob, _c64(128 + 32 * h), _V32I8)
+                        for g in range(4):
+                            src = a if g % 2 == 0 else bq
+                            lo = builder.and_(src, ir.Constant(_V32I8, [15] * 32)) if g < 2 else \
+                                builder.lshr(src, ir.Constant(_V32I8, [4] * 32))
+                            hb = builder.and_(builder.lshr(qh, ir.Constant(_V32I8, [2 * g] * 32)),
+                                              ir.Constant(_V32I8, [3] * 32))
+                            codes.append(builder.or_(lo, builder.shl(hb, ir.Constant(_V32I8, [4] * 32))))
+                            s0 = 8 * h + 2 * g
+                            scv.append(builder.shuffle_vector(sc16, sc16, ir.Constant(
+                                ir.VectorType(_I32, 16), [s0] * 8 + [s0 + 1] * 8)))
+                    c32 = ir.Constant(_V32I8, [32] * 32)
+
+                    def dots_of(xb):
+                        out = []
+                        for j in range(8):
+                            xv = load(xb, _c64(32 * j), _V32I8)
+                            # (q - 32) x in int16 pairs (|sums| < 2^15), then times the two 16-value
+                            # sub-blocks' scales into int32 pairs (llama.cpp's AVX2 q6_K_q8_K)
+                            p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes[j], xv])
+                            p = builder.sub(p, _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [c32, xv]))
+                            out.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, scv[j]]))
+                        return out
+                for i in range(nt):
+                    blk = builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), builder.mul(b, _c64(8)))
+                    xb = builder.gep(sbytes, [builder.add(xq0, builder.mul(blk, _c64(INT8_BLOCK)))])
+                    sums = builder.sitofp(_hsum8(builder, dots_of(xb)), v8f)
+                    dx = load(sf, builder.add(xd0, blk), v8f)
+                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                        sums, builder.fmul(wscale, dx), builder.load(accs[i])]), accs[i])
+                    if kind == "q4_k":
+                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                            wmin, load(sf, builder.add(xs0, blk), v8f), builder.load(corrs[i])]), corrs[i])
+            for i in range(nt):
+                acc = builder.load(accs[i])
+                if kind == "q4_k":
+                    acc = builder.fsub(acc, builder.load(corrs[i]))
+                total = builder.call(cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_FL, [_FL, v8f]), "llvm.vector.reduce.fadd.v8f32"),
+                    [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
+                builder.store(total, builder.gep(sf, [_c64(_RES + i)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_idot_sb_{kind}_{nt}"
+    return intrinsic(impl)
+
+
+
 _idot_q8_0_1, _idot_q8_0_4 = _make_idot("q8_0", 1), _make_idot("q8_0", _NT)
 _idot_q4_0_1, _idot_q4_0_4 = _make_idot("q4_0", 1), _make_idot("q4_0", _NT)
 _idot_q4_1_1, _idot_q4_1_4 = _make_idot("q4_1", 1), _make_idot("q4_1", _NT)
-_idot_q4_k_1, _idot_q4_k_4 = _make_idot("q4_k", 1), _make_idot("q4_k", _NT)
-_idot_q6_k_1, _idot_q6_k_4 = _make_idot("q6_k", 1), _make_idot("q6_k", _NT)
+_idot_q4_k_1, _idot_q4_k_4 = _make_idot_superblock("q4_k", 1), _make_idot_superblock("q4_k", _NT)
+_idot_q6_k_1, _idot_q6_k_4 = _make_idot_superblock("q6_k", 1), _make_idot_superblock("q6_k", _NT)
 
 
 @intrinsic
@@ -322,23 +437,6 @@ def load_f16(typingctx, b, i):
         h = builder.load(builder.bitcast(builder.gep(data, [args[1]]), _HALF.as_pointer()), align=1)
         return builder.fpext(h, _FL)
     return types.float32(b, types.int64), codegen
-
-
-@njit(cache=True)
-def _q4k_scales(row, n32, s):
-    # per 32-value sub-block of a Q4_K row: s[_WS + j] = d * sc_j, s[_WS + n32 + j] = -dmin * m_j
-    # (branch-free loops of 4 over the two halves of the 12 scale bytes: LLVM vectorises them)
-    for b in range(n32 // 8):
-        o = 144 * b
-        d, dmin = load_f16(row, o), load_f16(row, o + 2)
-        ws, wm = _WS + 8 * b, _WS + n32 + 8 * b
-        for sub in range(4):
-            s[ws + sub] = d * _F32(np.int32(row[o + 4 + sub]) & 63)
-            s[wm + sub] = -(dmin * _F32(np.int32(row[o + 8 + sub]) & 63))
-        for sub in range(4):
-            lo = np.int32(row[o + 12 + sub])
-            s[ws + 4 + sub] = d * _F32((lo & 15) | ((np.int32(row[o + 4 + sub]) >> 6) << 4))
-            s[wm + 4 + sub] = -(dmin * _F32((lo >> 4) | ((np.int32(row[o + 8 + sub]) >> 6) << 4)))
 
 
 @njit(cache=True)
@@ -358,8 +456,6 @@ def int8_rows(x, w, qtype, out, col0, s, r0, r1):
     rb = w.shape[1]
     for r in range(r0, r1):
         woff = r * rb
-        if qtype == Q4_K:
-            _q4k_scales(w[r], n32, s)
         t = 0
         while T - t >= _NT:
             if qtype == Q8_0:
