@@ -87,10 +87,10 @@ _XD = 16           # the activations' block scales, then their block sums, then 
 @njit(cache=True)
 def int8_scratch_size(T, K):
     """float32 slots of the integer path's part of a task's scratch for ``T`` tokens of ``K`` values:
-    the key, ``_NT`` results, ``T K / 32`` activation scales and sums,
-    ``T K`` bytes of codes."""
+    the key, ``_NT`` results, ``T K / 32`` activation scales and sums, ``T K`` bytes of codes,
+    ``T K / 16`` int16 sums of 16 codes."""
     n32 = -(-K // INT8_BLOCK)
-    return _XD + 2 * T * n32 + (T * n32 * INT8_BLOCK) // 4 + 16
+    return _XD + 3 * T * n32 + (T * n32 * INT8_BLOCK) // 4 + 16
 
 
 @njit(cache=True, inline="always")
@@ -99,7 +99,8 @@ def _offsets(T, K):
     xd = _XD
     xs = xd + T * n32
     xq = xs + T * n32           # float32 slot where the codes start (bytes: 4 xq)
-    return n32, xd, xs, xq
+    xb = xq + (T * K) // 4      # float32 slot where the int16 sums of 16 codes start (Q6_K's offsets)
+    return n32, xd, xs, xq, xb
 
 
 @njit(cache=True, fastmath=True, inline="always")
@@ -114,10 +115,12 @@ def _amax32(x, t, k0):
 def quantize_activations(x, s):
     """Quantize float32 ``x [T, K]`` (``K`` a multiple of 32) into the scratch row ``s`` (float32, at
     least ``int8_scratch_size(T, K)``): per token and block of 32, ``d = max|x| / 127``, codes
-    ``rint(x * (1 / d))`` (0 where ``d == 0``), ``d`` and ``d * sum(codes)``."""
+    ``rint(x * (1 / d))`` (0 where ``d == 0``), ``d``, ``d * sum(codes)`` and the sums of the codes
+    of each half (int16, ``|sum| <= 16 * 127``)."""
     T, K = x.shape
-    n32, xd, xs, xq = _offsets(T, K)
+    n32, xd, xs, xq, xb = _offsets(T, K)
     codes = s[xq:xq + (T * K) // 4].view(np.int8)
+    halves = s[xb:xb + T * n32].view(np.int16)
     for t in range(T):
         for j in range(n32):
             k0 = INT8_BLOCK * j
@@ -128,6 +131,9 @@ def quantize_activations(x, s):
                 q = np.int32(np.rint(x[t, k0 + i] * inv))
                 codes[t * K + k0 + i] = q
                 acc += q
+                if i == INT8_BLOCK // 2 - 1:
+                    halves[2 * (t * n32 + j)] = acc
+            halves[2 * (t * n32 + j) + 1] = acc - np.int32(halves[2 * (t * n32 + j)])
             s[xd + t * n32 + j] = d            # token-major: a superblock's 8 scales adjacent
             s[xs + t * n32 + j] = d * _F32(acc)
 
@@ -333,6 +339,7 @@ def _make_idot_superblock(kind: str, nt: int):
             xd0 = _c64(_XD)
             xs0 = builder.add(xd0, builder.mul(Tv, n32))
             xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))
+            xb0 = builder.add(xq0, builder.mul(builder.mul(Tv, n32), _c64(INT8_BLOCK)))   # byte offset
             v8f = ir.VectorType(_FL, 8)
             zero8 = ir.Constant(v8f, [0.0] * 8)
             accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
@@ -379,22 +386,24 @@ def _make_idot_superblock(kind: str, nt: int):
                             s0 = 8 * h + 2 * g
                             scv.append(builder.shuffle_vector(sc16, sc16, ir.Constant(
                                 ir.VectorType(_I32, 16), [s0] * 8 + [s0 + 1] * 8)))
-                    c32 = ir.Constant(_V32I8, [32] * 32)
 
                     def dots_of(xb):
-                        out = []
-                        for j in range(8):
-                            xv = load(xb, _c64(32 * j), _V32I8)
-                            # (q - 32) x in int16 pairs (|sums| < 2^15), then times the two 16-value
-                            # sub-blocks' scales into int32 pairs (llama.cpp's AVX2 q6_K_q8_K)
-                            p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes[j], xv])
-                            p = builder.sub(p, _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [c32, xv]))
-                            out.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, scv[j]]))
-                        return out
+                        # q x in int16 pairs (codes 0..63: |sums| <= 2 * 63 * 127 < 2^15), then
+                        # times the two 16-value sub-blocks' scales into int32 pairs
+                        return [_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [
+                            _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16,
+                                  [codes[j], load(xb, _c64(32 * j), _V32I8)]), scv[j]]) for j in range(8)]
                 for i in range(nt):
                     blk = builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), builder.mul(b, _c64(8)))
                     xb = builder.gep(sbytes, [builder.add(xq0, builder.mul(blk, _c64(INT8_BLOCK)))])
-                    sums = builder.sitofp(_hsum8(builder, dots_of(xb)), v8f)
+                    isum = _hsum8(builder, dots_of(xb))
+                    if kind == "q6_k":
+                        # minus 32 sc x: the 16 sub-blocks' scales times the sums of their 16
+                        # activation codes, pairwise into the 8 blocks' lanes (one vpmaddwd)
+                        half_sums = load(sbytes, builder.add(xb0, builder.mul(blk, _c64(4))), _V16I16)
+                        off = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [sc16, half_sums])
+                        isum = builder.sub(isum, builder.shl(off, ir.Constant(_V8I32, [5] * 8)))
+                    sums = builder.sitofp(isum, v8f)
                     dx = load(sf, builder.add(xd0, blk), v8f)
                     builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
                         sums, builder.fmul(wscale, dx), builder.load(accs[i])]), accs[i])
