@@ -226,10 +226,8 @@ _fdot_q4_k, _fdot_q6_k = _make_fdot_superblock("q4_k"), _make_fdot_superblock("q
 @njit(cache=True)
 def fused_rows(x, w, qtype, out, col0, s, r0, r1):
     """``out[0, col0 + r] = x[0] @ dequantize(w[r])`` for ``r0 <= r < r1``: one token (``x [1, K]``
-    float32), ``qtype`` one of ``FUSED_TYPES``, ``s`` a task's scratch row (``quant_scratch``: Q4_K's
-    per-block scales and the result)."""
-    K = x.shape[1]
-    n32 = K // 32
+    float32), ``qtype`` one of ``FUSED_TYPES``, ``s`` a task's scratch row (``quant_scratch``; the
+    result is passed through it)."""
     rb = w.shape[1]
     for r in range(r0, r1):
         woff = r * rb
