@@ -6,20 +6,29 @@ as llama.cpp's ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` / ``q8_0_q8_0`` / ``q4
 
 * **Activations** (``quantize_activations``): each token's row of ``K`` float32 values in blocks
   of 32, as ``Q8_0`` / ``Q8_1`` (``quantize_row_q8_1_ref``): ``d = max|x| / 127``, codes ``q =
-  rint(x / d)`` (via ``x * (1 / d)``) in ``[-127, 127]``, and per block ``d`` and ``d * sum(q)``
-  (the sum the weights' offsets and mins multiply). One block size for every weight type: the
-  K-types' sub-blocks are 32 values (Q4_K) or two halves of 32 (Q6_K), so a 32-value activation
-  block meets one weight scale (or two, Q6_K, applied in the integer sums), which is finer than
-  llama.cpp's 256-value ``Q8_K`` (smaller rounding error) at one float multiply-add per 32 values.
-* **Per 32 values**, one 256-bit integer dot product of the weight codes (unsigned bytes) with
-  the activation codes (signed bytes): ``vpdpbusd`` (AVX512-VNNI, 4 products into each of 8 int32
-  lanes) where Numba compiles for it, else ``vpmaddubsw`` + ``vpmaddwd`` (AVX2: pairs into int16,
-  then pairs into int32; no saturation: ``2 * 128 * 127 < 2^15``), converted to float32 and
-  multiplied-added into 8 float32 lanes per token with ``d_w * d_x``; the offset and min terms
-  (``Q4_0``'s ``-8 d``, ``Q4_1``'s ``m``, ``Q4_K``'s ``-dmin m``) as ``offset * (d_x sum q)``, one
-  scalar per block. ``Q8_0``'s signed codes: ``|w|`` and ``x`` with ``w``'s sign (``vpsignb``), as
-  llama.cpp's ``mul_sum_i8_pairs``. ``Q6_K``: codes 0..63 against ``x`` minus ``32 sum x`` in
-  int16, then ``vpmaddwd`` with the two sub-block scales (llama.cpp's AVX2 ``q6_K_q8_K``).
+  rint(x / d)`` (via ``x * (1 / d)``) in ``[-127, 127]``, and per block ``d``, ``d * sum(q)`` (the
+  sum the weights' offsets and mins multiply) and the int16 sums of each half's codes (Q6_K's
+  ``-32``). One block size for every weight type: the K-types' sub-blocks are 32 values (Q4_K) or
+  two halves of 32 (Q6_K), so a 32-value activation block meets one weight scale (or two, Q6_K,
+  applied in the integer sums), finer than llama.cpp's 256-value ``Q8_K`` (smaller rounding error).
+* **Types of 32-value blocks** (Q8_0, Q4_0, Q4_1; ``_make_idot``), per block: one 256-bit integer
+  dot product of the weight codes (unsigned bytes) with the activation codes (signed bytes):
+  ``vpdpbusd`` (AVX512-VNNI, 4 products into each of 8 int32 lanes) where Numba compiles for it,
+  else ``vpmaddubsw`` + ``vpmaddwd`` (AVX2: pairs into int16, then pairs into int32; no
+  saturation: ``2 * 128 * 127 < 2^15``), converted to float32 and multiplied-added into 8 float32
+  lanes per token with ``d_w * d_x``; the offset (``Q4_0``'s ``-8 d``, ``Q4_1``'s ``m``) as
+  ``offset * (d_x sum q)``, one scalar per block. ``Q8_0``'s signed codes: ``|w|`` and ``x`` with
+  ``w``'s sign (``vpsignb``), as llama.cpp's ``mul_sum_i8_pairs``.
+* **K-quants** (Q4_K, Q6_K; ``_make_idot_superblock``), one 256-value superblock per loop trip,
+  every byte offset in it a constant: the 8 or 16 scales (and Q4_K's mins) decoded as vectors,
+  then per token the 8 blocks' integer dot products (Q4_K: ``vpdpbusd``; Q6_K: codes 0..63 by
+  ``vpmaddubsw``, then ``vpmaddwd`` with the two 16-value sub-blocks' scales, as llama.cpp's AVX2
+  ``q6_K_q8_K``) summed across their lanes together (``_hsum8``: a ``vphaddd`` tree), Q6_K's ``-32
+  sc sum x`` from the activations' half sums (one ``vpmaddwd`` with the 16 scales, as llama.cpp's
+  ``bsums``), one conversion and one ``<8 x float>`` multiply-add with ``d_w sc * d_x`` per
+  superblock; Q4_K's mins as one ``<8 x float>`` multiply-add of ``dmin m`` with ``d_x sum q``.
+  Measured on Zen 4, one thread, one token, Llama-3.2-1B's shapes: Q4_K 6 -> 18-28 G weights/s
+  and Q6_K 6 -> 13-24 (the machine shared: noisy) against the per-block form this replaced.
 * Up to 4 tokens per pass over a row (``_idot_<type>_<n>``: the codes unpacked once, 4 float
   accumulators), the row's bytes in L1 for the next 4.
 
