@@ -258,11 +258,58 @@ def _make_idot(kind: str, nt: int):
                     f = builder.sitofp(dot, _V8F)
                     builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [f, _splat(builder, scale, _V8F), acc]),
                                   accs[i])
-            with cgutils.for_range(builder, builder.udiv(n32, _c64(sets))) as loop:
+            # groups of 8 blocks: the 8 integer dot products of a token summed across their lanes
+            # together (_hsum8), one conversion and one <8 x float> multiply-add per group
+            bb = 34 if kind == "q8_0" else 18 if kind == "q4_0" else 20
+            g_accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(nt)]
+            g_corrs = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(nt)]
+            n_groups = builder.udiv(n32, _c64(8))
+            with cgutils.for_range(builder, n_groups) as loop:
+                g = loop.index
+                gp = builder.gep(wp, [builder.add(woffv, builder.mul(g, _c64(8 * bb)))])
+                dws, offs, codes, signs = ir.Constant(_V8F, ir.Undefined), ir.Constant(_V8F, ir.Undefined), [], []
+                for i in range(8):
+                    dw = builder.fpext(load(gp, _c64(bb * i), _HALF), _FL)
+                    dws = builder.insert_element(dws, dw, ir.Constant(_I32, i))
+                    if kind == "q8_0":
+                        wq = load(gp, _c64(bb * i + 2), _V32I8)
+                        signs.append(wq)
+                        codes.append(_call(builder, "llvm.x86.avx2.psign.b", _V32I8, [wq, wq]))    # |w|
+                    else:
+                        qo = 2 if kind == "q4_0" else 4
+                        off = builder.fmul(dw, ir.Constant(_FL, -8.0)) if kind == "q4_0" else \
+                            builder.fpext(load(gp, _c64(bb * i + 2), _HALF), _FL)
+                        offs = builder.insert_element(offs, off, ir.Constant(_I32, i))
+                        b16 = load(gp, _c64(bb * i + qo), ir.VectorType(_I8, 16))
+                        lo = builder.and_(b16, ir.Constant(ir.VectorType(_I8, 16), [15] * 16))
+                        hi = builder.lshr(b16, ir.Constant(ir.VectorType(_I8, 16), [4] * 16))
+                        codes.append(builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32),
+                                                                                 list(range(32)))))
+                for i in range(nt):
+                    blk = builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), builder.mul(g, _c64(8)))
+                    xb = builder.gep(sbytes, [builder.add(xq0, builder.mul(blk, _c64(INT8_BLOCK)))])
+                    dots = []
+                    for j in range(8):
+                        xv = load(xb, _c64(INT8_BLOCK * j), _V32I8)
+                        if kind == "q8_0":
+                            xv = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, signs[j]])
+                        dots.append(_udot(builder, codes[j], xv))
+                    sums = builder.sitofp(_hsum8(builder, dots), _V8F)
+                    dx = load(sf, builder.add(xd0, blk), _V8F)
+                    builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [
+                        sums, builder.fmul(dws, dx), builder.load(g_accs[i])]), g_accs[i])
+                    if kind != "q8_0":
+                        builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [
+                            offs, load(sf, builder.add(xs0, blk), _V8F), builder.load(g_corrs[i])]), g_corrs[i])
+            # the blocks after the last whole group, one at a time
+            first = builder.mul(n_groups, _c64(8))
+            rest = builder.sub(n32, first)
+            with cgutils.for_range(builder, builder.udiv(rest, _c64(sets))) as loop:
                 for k in range(sets):
-                    block(builder.add(builder.mul(loop.index, _c64(sets)), _c64(k)), acc_sets[k], corr_sets[k])
+                    block(builder.add(first, builder.add(builder.mul(loop.index, _c64(sets)), _c64(k))),
+                          acc_sets[k], corr_sets[k])
             if sets == 2:
-                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n32, _c64(2)), _c64(0))):
+                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(rest, _c64(2)), _c64(0))):
                     block(builder.sub(n32, _c64(1)), acc_sets[0], corr_sets[0])
             cv = builder.load(corr_sets[0])
             for k in range(1, sets):
@@ -271,6 +318,7 @@ def _make_idot(kind: str, nt: int):
                 acc, c = builder.load(acc_sets[0][i]), builder.extract_element(cv, ir.Constant(_I32, i))
                 for k in range(1, sets):
                     acc = builder.fadd(acc, builder.load(acc_sets[k][i]))
+                acc = builder.fadd(acc, builder.fadd(builder.load(g_accs[i]), builder.load(g_corrs[i])))
                 total = builder.call(cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(_FL, [_FL, _V8F]), "llvm.vector.reduce.fadd.v8f32"),
                     [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
