@@ -140,7 +140,11 @@ def test_int8_decode_sizes(q, threads, monkeypatch):
 @pytest.mark.parametrize("q", INT8_TYPES, ids=IDS)
 def test_int8_shapes_and_activation_edges(q, monkeypatch):
     rng = np.random.default_rng(3000 + q.id)
-    for N, K, T in [(1, 256, 1), (129, 768, 5), (64, 2304, ql.int8_max_tokens(q.id)), (16, 256, 33)]:
+    shapes = [(1, 256, 1), (129, 768, 5), (64, 2304, ql.int8_max_tokens(q.id)), (16, 256, 33)]
+    if q.block_values == 32:
+        # 18 and 47 blocks: whole groups of 8 blocks, then the tail taken block by block
+        shapes += [(33, 576, 1), (9, 576, 6), (5, 1504, 2)]
+    for N, K, T in shapes:
         w = random_weight(q, N, K, rng)
         x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10)).astype(np.float32)
         x[0, :32] = 0.0                      # a block of zeros (d = 0)
