@@ -14,20 +14,18 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
   each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
   blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
-  accumulation). One token (a single sequence's decode step) of Q8_0, Q4_0, Q4_1, Q4_K or
-  Q6_K: decoded and multiplied in one pass instead, in registers (``quant_fused.py``: the same
-  exact weight values, no scratch row; measured at T = 1 against the path above, each run's
-  figures scaled by the unchanged int8 path's in the same run, noisy: 1.4-2.2x on Llama-3.2-1B's q
-  and down projections for Q8_0, Q4_K, Q6_K and Q4_1, 2x for the default model's up projection in
-  Q8_0, 0.9-1.0x in Q4_1 (K = 576: 18 blocks a row, the per-row reduction weighs); at T = 2
-  either way is as fast, 0.9-1.2x, so 2 tokens and more take the path above). The
-  results are float32 dot products with the exactly dequantized weights: what the default
-  model's golden outputs were computed from, so this stays the default.
+  accumulation). Up to ``FUSED_MAX_TOKENS`` (8) tokens of Q8_0, Q4_0, Q4_1, Q4_K or Q6_K
+  (decode steps): decoded and multiplied in one pass instead, in registers, 4 tokens per pass
+  over a row (``quant_fused.py``: the same exact weight values, no scratch row; measured there
+  against the path above: 1.2-1.8x at 4 tokens, 1.05-1.25x at 8, 0.9x at 16). The results are
+  float32 dot products with the exactly dequantized weights: what the default model's golden
+  outputs were computed from, so this stays the default.
 * **int8 activations** (``quant_kernel_type(q, "int8")``, ``quant_linear(...,
   activations="int8")``; ``kernels/cpu/quant_int8.py``): the tokens quantized per 32 values to
   8 bits (once per task and product, kept in the task's scratch), integer dot products of the
   weight codes with them (``vpdpbusd`` with AVX512-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` with AVX2),
-  one float32 multiply-add per 32 values, as llama.cpp's ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
+  converted and multiplied-added by the scales once per 8 blocks (256 values), as llama.cpp's
+  ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
   Q4_1, Q4_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
   relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
   so it is an option, never the default.
