@@ -117,7 +117,7 @@ def test_int8_kernel_type():
         assert ql.quant_kernel_type(q.id, "int8") == q.id + ql.INT8_ACTIVATIONS
         assert ql.quant_kernel_type(q.name) == q.id
     # types without integer products keep float32 activations
-    assert ql.quant_kernel_type("Q5_K", "int8") == qr.Q5_K
+    assert ql.quant_kernel_type("Q5_0", "int8") == qr.Q5_0
     with pytest.raises(ValueError, match="activations must be one of"):
         ql.quant_kernel_type("Q8_0", "int4")
     with pytest.raises(ValueError, match="activations must be one of"):

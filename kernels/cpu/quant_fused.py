@@ -11,14 +11,14 @@ AVX2, 2 of 16 on AVX-512, as LLVM splits them), alternating blocks between two s
 of ``K`` terms with the exactly dequantized weights in another order than ``_rows``': within the
 same bound (``gamma(K) sum |x_k w_k|``).
 
-Q4_K and Q6_K (``_make_fdot_superblock``) take one 256-value superblock per loop trip, every byte
+Q4_K, Q5_K and Q6_K (``_make_fdot_superblock``) take one 256-value superblock per loop trip, every byte
 offset in it a constant and the block's scales decoded as vectors in registers (the per-block form
 spent most of its instructions on index arithmetic: 5 G weights/s on one Zen 4 thread, now 10-12).
 Where the reference's weight is ``a * q + b`` with ``a * q`` exact (Q4_1: an 11-bit ``d`` times a
-4-bit code; Q4_K: ``d * sc``, 17 bits, times a 4-bit code; both under float32's 24), it is computed
+4-bit code; Q4_K / Q5_K: ``d * sc``, 17 bits, times a 4- or 5-bit code; all under float32's 24), it is computed
 as one fused multiply-add: its one rounding is the reference's addition, so the value is the same.
 
-Types: ``FUSED_TYPES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K). Needs AVX2 (``quant_int8.ISA`` not
+Types: ``FUSED_TYPES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K). Needs AVX2 (``quant_int8.ISA`` not
 ``None``: the 16-bit shifts and F16C conversions); elsewhere ``_rows`` serves.
 
 Sources: llama.cpp ``ggml-quants.c`` ``dequantize_row_*`` (each value's float operations).
@@ -31,12 +31,12 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant_reference import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
-from .quant_int8 import _NT, _RES, _c64, _call, _k_scales_v8, _lane_splat, _splat
+from ..quant_reference import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from .quant_int8 import _NT, _RES, _c64, _call, _k_scales_v8, _lane_splat, _q5k_high_bits, _splat
 
 __all__ = ["FUSED_TYPES", "FUSED_MAX_TOKENS", "fused_rows"]
 
-FUSED_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+FUSED_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
 FUSED_MAX_TOKENS = 8
 """Products of at most this many tokens take ``fused_rows``; more, ``quant_linear``'s decoded rows
 and dot products (``_rows``). Measured (Zen 4, 1 thread, CPU time; Llama-3.2-1B's q projection,
@@ -134,10 +134,10 @@ def _make_fdot(kind: str, nt: int):
 
 
 def _make_fdot_superblock(kind: str, nt: int):
-    """An intrinsic ``(w, woff, x, t0, s)`` as ``_make_fdot``'s, for Q4_K or Q6_K one 256-value
+    """An intrinsic ``(w, woff, x, t0, s)`` as ``_make_fdot``'s, for Q4_K, Q5_K or Q6_K one 256-value
     superblock per loop trip: every byte offset inside the block a constant, the block's scales
-    decoded as vectors in registers (no scratch), the 8 (Q4_K) or 16 (Q6_K) sub-blocks unrolled.
-    Each weight value is the reference's: Q4_K ``(d * sc) * q + (-(dmin * m))``, Q6_K ``(d * sc) * q``
+    decoded as vectors in registers (no scratch), the 8 (Q4_K, Q5_K) or 16 (Q6_K) sub-blocks unrolled.
+    Each weight value is the reference's: Q4_K / Q5_K ``(d * sc) * q + (-(dmin * m))``, Q6_K ``(d * sc) * q``
     (float32 operations in that order, no contraction)."""
 
     def impl(typingctx, w, woff, x, t0, s):
@@ -156,7 +156,7 @@ def _make_fdot_superblock(kind: str, nt: int):
             xrows = [builder.gep(xarr.data, [builder.mul(builder.add(t0v, _c64(i)), xstride)]) for i in range(nt)]
             sf = context.make_array(sg.args[4])(context, builder, sv).data
             nb = builder.udiv(K, _c64(256))
-            bb = 144 if kind == "q4_k" else 210
+            bb = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[kind]
             # one token: two sets of accumulators, sub-blocks alternating between them (the chains
             # of fused multiply-adds); more tokens: one per token
             sets = 2 if nt == 1 else 1
@@ -178,22 +178,27 @@ def _make_fdot_superblock(kind: str, nt: int):
                 b = loop.index
                 ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(bb)))])
                 xb = [builder.gep(xrows[i], [builder.mul(b, _c64(256))]) for i in range(nt)]
-                if kind == "q4_k":
+                if kind in ("q4_k", "q5_k"):
                     d = builder.fpext(load(ob, _c64(0), _HALF), _FL)
                     dmin = builder.fpext(load(ob, _c64(2), _HALF), _FL)
                     sc, mn = _k_scales_v8(builder, load(ob, _c64(4), ir.VectorType(_I8, 16)))
                     v8f = ir.VectorType(_FL, 8)
                     d1 = builder.fmul(_splat(builder, d, v8f), builder.sitofp(sc, v8f))
                     negm = builder.fneg(builder.fmul(_splat(builder, dmin, v8f), builder.sitofp(mn, v8f)))
+                    qs0 = 16 if kind == "q4_k" else 48
+                    qh = load(ob, _c64(16), v32i8) if kind == "q5_k" else None
                     for c in range(4):
-                        q = load(ob, _c64(16 + 32 * c), _V16I16)
+                        q = load(ob, _c64(qs0 + 32 * c), _V16I16)
                         lo = builder.and_(builder.bitcast(q, v32i8), ir.Constant(v32i8, [15] * 32))
                         hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), v32i8),
                                           ir.Constant(v32i8, [15] * 32))
                         for nib, codes in enumerate((lo, hi)):
                             sb = 2 * c + nib
+                            if qh is not None:
+                                # Q5_K: bit 4 of value l of sub-block sb is bit sb of qh[l]
+                                codes = builder.or_(codes, _q5k_high_bits(builder, qh, sb))
                             f = builder.sitofp(builder.zext(codes, _V32I32), _V32F)
-                            # d1 * q is exact (11-bit d x 6-bit sc x 4-bit q < 24 bits), so the
+                            # d1 * q is exact (11-bit d x 6-bit sc x 4- or 5-bit q < 24 bits), so the
                             # one rounding of the fused multiply-add is the reference's subtraction
                             wvals = _call(builder, "llvm.fma.v32f32", _V32F, [
                                 _lane_splat(builder, d1, sb, 32), f, _lane_splat(builder, negm, sb, 32)])
@@ -240,6 +245,7 @@ def _make_fdot_superblock(kind: str, nt: int):
 
 _fdot_q8_0, _fdot_q4_0, _fdot_q4_1 = _make_fdot("q8_0", 1), _make_fdot("q4_0", 1), _make_fdot("q4_1", 1)
 _fdot_q4_k, _fdot_q6_k = _make_fdot_superblock("q4_k", 1), _make_fdot_superblock("q6_k", 1)
+_fdot_q5_k, _fdot_q5_k_4 = _make_fdot_superblock("q5_k", 1), _make_fdot_superblock("q5_k", _NT)
 _fdot_q8_0_4, _fdot_q4_0_4, _fdot_q4_1_4 = (_make_fdot("q8_0", _NT), _make_fdot("q4_0", _NT),
                                             _make_fdot("q4_1", _NT))
 _fdot_q4_k_4, _fdot_q6_k_4 = _make_fdot_superblock("q4_k", _NT), _make_fdot_superblock("q6_k", _NT)
@@ -265,6 +271,8 @@ def fused_rows(x, w, qtype, out, col0, s, r0, r1):
                 _fdot_q4_1_4(w, woff, x, t, s)
             elif qtype == Q4_K:
                 _fdot_q4_k_4(w, woff, x, t, s)
+            elif qtype == Q5_K:
+                _fdot_q5_k_4(w, woff, x, t, s)
             else:
                 _fdot_q6_k_4(w, woff, x, t, s)
             for i in range(_NT):
@@ -279,6 +287,8 @@ def fused_rows(x, w, qtype, out, col0, s, r0, r1):
                 _fdot_q4_1(w, woff, x, t, s)
             elif qtype == Q4_K:
                 _fdot_q4_k(w, woff, x, t, s)
+            elif qtype == Q5_K:
+                _fdot_q5_k(w, woff, x, t, s)
             else:
                 _fdot_q6_k(w, woff, x, t, s)
             out[t, col0 + r] = s[_RES]

@@ -19,14 +19,15 @@ as llama.cpp's ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` / ``q8_0_q8_0`` / ``q4
   lanes per token with ``d_w * d_x``; the offset (``Q4_0``'s ``-8 d``, ``Q4_1``'s ``m``) as
   ``offset * (d_x sum q)``, one scalar per block. ``Q8_0``'s signed codes: ``|w|`` and ``x`` with
   ``w``'s sign (``vpsignb``), as llama.cpp's ``mul_sum_i8_pairs``.
-* **K-quants** (Q4_K, Q6_K; ``_make_idot_superblock``), one 256-value superblock per loop trip,
+* **K-quants** (Q4_K, Q5_K, Q6_K; ``_make_idot_superblock``), one 256-value superblock per loop trip,
   every byte offset in it a constant: the 8 or 16 scales (and Q4_K's mins) decoded as vectors,
-  then per token the 8 blocks' integer dot products (Q4_K: ``vpdpbusd``; Q6_K: codes 0..63 by
+  then per token the 8 blocks' integer dot products (Q4_K, Q5_K: ``vpdpbusd``, Q5_K's fifth bits
+  or-ed into the codes; Q6_K: codes 0..63 by
   ``vpmaddubsw``, then ``vpmaddwd`` with the two 16-value sub-blocks' scales, as llama.cpp's AVX2
   ``q6_K_q8_K``) summed across their lanes together (``_hsum8``: a ``vphaddd`` tree), Q6_K's ``-32
   sc sum x`` from the activations' half sums (one ``vpmaddwd`` with the 16 scales, as llama.cpp's
   ``bsums``), one conversion and one ``<8 x float>`` multiply-add with ``d_w sc * d_x`` per
-  superblock; Q4_K's mins as one ``<8 x float>`` multiply-add of ``dmin m`` with ``d_x sum q``.
+  superblock; Q4_K's and Q5_K's mins as one ``<8 x float>`` multiply-add of ``dmin m`` with ``d_x sum q``.
   Measured on Zen 4, one thread, one token, Llama-3.2-1B's shapes: Q4_K 6 -> 18-28 G weights/s
   and Q6_K 6 -> 13-24 (the machine shared: noisy) against the per-block form this replaced.
 * Up to 4 tokens per pass over a row (``_idot_<type>_<n>``: the codes unpacked once, 4 float
@@ -36,7 +37,8 @@ The vector code is LLVM IR written here (Numba has no vector types; as ``decode_
 ``_decode16_*`` and ``simd.py``), 256 bits wide on AVX2 and AVX-512 alike (Zen 4 runs 512-bit
 integer products as two 256-bit halves; one block is 32 bytes).
 
-Types: ``INT8_TYPES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: the Q4_K_M, Q8_0 and default-model files).
+Types: ``INT8_TYPES`` (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: the Q4_K_M, Q5_K_M, Q6_K, Q8_0 and
+default-model files).
 ``ISA``: ``"avx512vnni"``, ``"avx2"``, or ``None`` where Numba compiles for neither (the caller
 then keeps float32 activations).
 
@@ -55,11 +57,11 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant_reference import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
+from ..quant_reference import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
 
 __all__ = ["ISA", "INT8_TYPES", "INT8_BLOCK", "quantize_activations", "int8_rows", "int8_scratch_size", "load_f16"]
 
-INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)
+INT8_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
 INT8_BLOCK = 32
 _F32 = np.float32
 _NT = 4   # tokens per pass over a row
@@ -354,6 +356,15 @@ def _k_scales_v8(builder, b16):
     return builder.zext(sc, v8i32), builder.zext(mn, v8i32)
 
 
+def _q5k_high_bits(builder, qh, sb):
+    """Q5_K: ``<32 x i8>`` of bit 4 of the 32 codes of sub-block ``sb`` (bit ``sb`` of ``qh[l]`` for
+    value ``l``, ``qh`` the block's 32 high-bit bytes), in place (``16`` or ``0``)."""
+    v32i8 = ir.VectorType(_I8, 32)
+    bit = builder.and_(qh, ir.Constant(v32i8, [1 << sb] * 32))
+    return builder.shl(bit, ir.Constant(v32i8, [4 - sb] * 32)) if sb <= 4 else \
+        builder.lshr(bit, ir.Constant(v32i8, [sb - 4] * 32))
+
+
 def _lane_splat(builder, v, lane, n):
     # <n x T>: every lane lane ``lane`` of vector ``v``
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), [lane] * n))
@@ -373,7 +384,7 @@ def _hsum8(builder, dots):
 
 
 def _make_idot_superblock(kind: str, nt: int):
-    """``_make_idot``'s intrinsic for Q4_K or Q6_K, one 256-value superblock per loop trip: byte
+    """``_make_idot``'s intrinsic for Q4_K, Q5_K or Q6_K, one 256-value superblock per loop trip: byte
     offsets inside the block constant, the block's scales decoded as vectors in registers, and the
     8 integer dot products of a token (one per 32-value activation block) summed across their lanes
     together (``_hsum8``), converted once and multiplied-added with the 8 products of weight and
@@ -400,8 +411,9 @@ def _make_idot_superblock(kind: str, nt: int):
             v8f = ir.VectorType(_FL, 8)
             zero8 = ir.Constant(v8f, [0.0] * 8)
             accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
-            corrs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)] if kind == "q4_k" else []
-            bb = 144 if kind == "q4_k" else 210
+            kq = kind in ("q4_k", "q5_k")     # scales and mins (get_scale_min_k4)
+            corrs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)] if kq else []
+            bb = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[kind]
 
             def load(ptr, off, ty):
                 return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
@@ -409,18 +421,22 @@ def _make_idot_superblock(kind: str, nt: int):
             with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
                 b = loop.index
                 ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(bb)))])
-                if kind == "q4_k":
+                if kq:
                     d = builder.fpext(load(ob, _c64(0), _HALF), _FL)
                     dmin = builder.fpext(load(ob, _c64(2), _HALF), _FL)
                     sc, mn = _k_scales_v8(builder, load(ob, _c64(4), ir.VectorType(_I8, 16)))
                     wscale = builder.fmul(_splat(builder, d, v8f), builder.sitofp(sc, v8f))
                     wmin = builder.fmul(_splat(builder, dmin, v8f), builder.sitofp(mn, v8f))
                     codes = []
+                    qs0 = 16 if kind == "q4_k" else 48
                     for c in range(4):
-                        q = load(ob, _c64(16 + 32 * c), _V16I16)
+                        q = load(ob, _c64(qs0 + 32 * c), _V16I16)
                         codes.append(builder.and_(builder.bitcast(q, _V32I8), ir.Constant(_V32I8, [15] * 32)))
                         codes.append(builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)),
                                                                   _V32I8), ir.Constant(_V32I8, [15] * 32)))
+                    if kind == "q5_k":
+                        qh = load(ob, _c64(16), _V32I8)
+                        codes = [builder.or_(codes[j], _q5k_high_bits(builder, qh, j)) for j in range(8)]
 
                     def dots_of(xb):
                         return [_udot(builder, codes[j], load(xb, _c64(32 * j), _V32I8)) for j in range(8)]
@@ -464,12 +480,12 @@ def _make_idot_superblock(kind: str, nt: int):
                     dx = load(sf, builder.add(xd0, blk), v8f)
                     builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
                         sums, builder.fmul(wscale, dx), builder.load(accs[i])]), accs[i])
-                    if kind == "q4_k":
+                    if kq:
                         builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
                             wmin, load(sf, builder.add(xs0, blk), v8f), builder.load(corrs[i])]), corrs[i])
             for i in range(nt):
                 acc = builder.load(accs[i])
-                if kind == "q4_k":
+                if kq:
                     acc = builder.fsub(acc, builder.load(corrs[i]))
                 total = builder.call(cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(_FL, [_FL, v8f]), "llvm.vector.reduce.fadd.v8f32"),
@@ -488,6 +504,7 @@ _idot_q8_0_1, _idot_q8_0_4 = _make_idot("q8_0", 1), _make_idot("q8_0", _NT)
 _idot_q4_0_1, _idot_q4_0_4 = _make_idot("q4_0", 1), _make_idot("q4_0", _NT)
 _idot_q4_1_1, _idot_q4_1_4 = _make_idot("q4_1", 1), _make_idot("q4_1", _NT)
 _idot_q4_k_1, _idot_q4_k_4 = _make_idot_superblock("q4_k", 1), _make_idot_superblock("q4_k", _NT)
+_idot_q5_k_1, _idot_q5_k_4 = _make_idot_superblock("q5_k", 1), _make_idot_superblock("q5_k", _NT)
 _idot_q6_k_1, _idot_q6_k_4 = _make_idot_superblock("q6_k", 1), _make_idot_superblock("q6_k", _NT)
 
 
@@ -532,6 +549,8 @@ def int8_rows(x, w, qtype, out, col0, s, r0, r1):
                 _idot_q4_1_4(w, woff, s, t, T, K)
             elif qtype == Q4_K:
                 _idot_q4_k_4(w, woff, s, t, T, K)
+            elif qtype == Q5_K:
+                _idot_q5_k_4(w, woff, s, t, T, K)
             else:
                 _idot_q6_k_4(w, woff, s, t, T, K)
             for i in range(_NT):
@@ -546,6 +565,8 @@ def int8_rows(x, w, qtype, out, col0, s, r0, r1):
                 _idot_q4_1_1(w, woff, s, t, T, K)
             elif qtype == Q4_K:
                 _idot_q4_k_1(w, woff, s, t, T, K)
+            elif qtype == Q5_K:
+                _idot_q5_k_1(w, woff, s, t, T, K)
             else:
                 _idot_q6_k_1(w, woff, s, t, T, K)
             out[t, col0 + r] = s[_RES]

@@ -14,7 +14,7 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   rows' dot products with the tokens, 2 tokens x 4 rows per pass over the scratch rows (8 sums:
   each loaded weight value feeds 2 of them, each token value 4, as the float32 kernel's register
   blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
-  accumulation). Up to ``FUSED_MAX_TOKENS`` (8) tokens of Q8_0, Q4_0, Q4_1, Q4_K or Q6_K
+  accumulation). Up to ``FUSED_MAX_TOKENS`` (8) tokens of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K
   (decode steps): decoded and multiplied in one pass instead, in registers, 4 tokens per pass
   over a row (``quant_fused.py``: the same exact weight values, no scratch row; measured there
   against the path above: 1.2-1.8x at 4 tokens, 1.05-1.25x at 8, 0.9x at 16). The results are
@@ -26,7 +26,7 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   weight codes with them (``vpdpbusd`` with AVX512-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` with AVX2),
   converted and multiplied-added by the scales once per 8 blocks (256 values), as llama.cpp's
   ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
-  Q4_1, Q4_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
+  Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
   relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
   so it is an option, never the default.
 
@@ -493,7 +493,7 @@ def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
             return
         qtype -= INT8_ACTIVATIONS
     if _FUSED and T <= FUSED_MAX_TOKENS and (qtype == Q4_1 or qtype == Q8_0 or qtype == Q4_0 or qtype == Q4_K
-                                             or qtype == Q6_K):
+                                             or qtype == Q5_K or qtype == Q6_K):
         fused_rows(x, w, qtype, out, col0, s, r0, r1)
         return
     n = s.shape[0]
