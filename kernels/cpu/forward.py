@@ -144,7 +144,7 @@ def _quantized(w):
 def _product_items(T, w, plan):
     if _quantized(w):
         def impl(T, w, plan):
-            rows = quant_item_rows(T)
+            rows = quant_item_rows(T, plan[0])    # plan[0]: the product's K
             n = 0
             for s in range(w.shape[1]):
                 n += (w[0, s, _S_ROWS] + rows - 1) // rows
@@ -157,8 +157,8 @@ def _product_items(T, w, plan):
 def _product_item(x, w, layer, out, plan, i, qscratch, task):
     if _quantized(w):
         def impl(x, w, layer, out, plan, i, qscratch, task):
-            rows = quant_item_rows(x.shape[0])
             K = x.shape[1]
+            rows = quant_item_rows(x.shape[0], K)
             for s in range(w.shape[1]):
                 N = w[layer, s, _S_ROWS]
                 n = (N + rows - 1) // rows
@@ -406,8 +406,9 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     seq_lens, query_start_loc = _int64(md.seq_lens), _int64(md.query_start_loc)
     products = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     quantized = isinstance(weights["qkv_proj"], QuantizedStack)
-    if quantized:   # every product's plan is its segments' row blocks (product_items)
+    if quantized:   # every product's plan is its segments' row blocks (product_items) of rows of K values
         lin = np.zeros((4, 3), np.int64)
+        lin[:, 0] = hid, b["attn"].shape[1] * b["attn"].shape[2], hid, b["act"].shape[1]
     else:
         lin = np.array([linear_plan(T, weights[name].shape[1:], threads) for name in products], dtype=np.int64)
     key_cache = kv_caches[0][0]

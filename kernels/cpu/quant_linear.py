@@ -105,7 +105,8 @@ __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_emb
            "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
 
 _F32 = np.float32
-QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product
+QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
+_ITEM_WEIGHTS = 1 << 15        # and about this many weights per item (quant_item_rows)
 QUANT_GEMV_MAX_TOKENS = 32     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
 QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each task's scratch)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
@@ -453,11 +454,16 @@ def quant_rows(x, w, qtype, out, col0, buf, r0, r1):
 
 
 @njit(cache=True)
-def quant_item_rows(T):
-    """Weight rows per work item of a product of ``T`` tokens: ``QUANT_BLOCK_ROWS`` for decode-sized
-    steps, ``QUANT_SCRATCH_ROWS`` for the sgemm tiles (a larger tile amortises the call and its
-    packing of ``x``)."""
-    return QUANT_BLOCK_ROWS if T <= QUANT_GEMV_MAX_TOKENS else QUANT_SCRATCH_ROWS
+def quant_item_rows(T, K):
+    """Weight rows per work item of a product of ``T`` tokens and rows of ``K`` values: for
+    decode-sized steps about ``_ITEM_WEIGHTS`` weights (``QUANT_BLOCK_ROWS`` to
+    ``QUANT_SCRATCH_ROWS`` rows, a multiple of 4: each item's claim and call cost ~0.1-0.2 us, a
+    tenth of a 16-row item of the default model's 576-value rows; measured there on one thread,
+    16 -> 48 rows: 16-17 -> 14 ms per decode step), ``QUANT_SCRATCH_ROWS`` for the sgemm tiles
+    (a larger tile amortises the call and its packing of ``x``)."""
+    if T > QUANT_GEMV_MAX_TOKENS:
+        return QUANT_SCRATCH_ROWS
+    return min(QUANT_SCRATCH_ROWS, max(QUANT_BLOCK_ROWS, _ITEM_WEIGHTS // max(K, 1) // 4 * 4))
 
 
 @njit(cache=True)
@@ -533,7 +539,7 @@ def quant_kernel_type(qtype, activations: str = "float32") -> int:
 @njit(parallel=True, cache=True)
 def _quant_linear_parallel(x, w, qtype, out, scratch, n_tasks, counter):
     N = w.shape[0]
-    rows = quant_item_rows(x.shape[0])
+    rows = quant_item_rows(x.shape[0], x.shape[1])
     n_items = (N + rows - 1) // rows
     for task in prange(n_tasks):
         while True:
@@ -555,7 +561,7 @@ def quant_linear_into(x, w, qtype, out, scratch, tasks):
     if tasks > 1:
         _quant_linear_parallel(x, w, qtype, out, scratch, tasks, np.zeros(1, np.int64))
     else:
-        rows = quant_item_rows(x.shape[0])
+        rows = quant_item_rows(x.shape[0], x.shape[1])
         for r in range(0, w.shape[0], rows):
             quant_task_rows(x, w, qtype, out, 0, scratch, 0, r, min(w.shape[0], r + rows))
 

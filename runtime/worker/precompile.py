@@ -129,7 +129,7 @@ _VARIANT_JOBS = {
     "quantized": (
         Job("quant_linear", "quant_task_rows", "F2 U2 i64 F2 i64 F2 u64 i64 i64", "linear", 14,
             "matrix products from GGUF blocks"),
-        Job("quant_linear", "quant_item_rows", "i64", "linear", 0.2, "matrix products: rows per item"),
+        Job("quant_linear", "quant_item_rows", "i64 i64", "linear", 0.2, "matrix products: rows per item"),
         Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.3, "matrix products: scratch"),
         Job("forward", "_row_bytes", "i64 i64", "linear", 0.1, "GGUF row sizes"),
         Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS), "layers", 8,
