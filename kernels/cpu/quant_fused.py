@@ -111,12 +111,14 @@ def _make_fdot(kind: str, nt: int):
                     builder.store(_call(builder, "llvm.fma.v32f32", _V32F, [wvals, xv, builder.load(accs[i])]),
                                   accs[i])
 
-            with cgutils.for_range(builder, builder.udiv(n32, _c64(sets))) as loop:
-                for k in range(sets):
-                    block(builder.add(builder.mul(loop.index, _c64(sets)), _c64(k)), acc_sets[k])
-            if sets == 2:
-                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n32, _c64(2)), _c64(0))):
-                    block(builder.sub(n32, _c64(1)), acc_sets[0])
+            # 8 blocks per loop trip (their offsets constants from the group's), then the rest
+            n8 = builder.udiv(n32, _c64(8))
+            with cgutils.for_range(builder, n8) as loop:
+                g0 = builder.mul(loop.index, _c64(8))
+                for k in range(8):
+                    block(builder.add(g0, _c64(k)), acc_sets[k % sets])
+            with cgutils.for_range(builder, builder.sub(n32, builder.mul(n8, _c64(8)))) as loop:
+                block(builder.add(builder.mul(n8, _c64(8)), loop.index), acc_sets[0])
             for i in range(nt):
                 acc = builder.load(acc_sets[0][i])
                 for k in range(1, sets):
