@@ -69,6 +69,19 @@ def test_quant_linear_random_shapes(name, threads, monkeypatch):
         _check(x, w, q, threads, monkeypatch, parallel_always=(N % 2 == 1))
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quant_linear_rows_ending_in_a_partial_group(name, monkeypatch):
+    # 32-value blocks: the single-pass kernels take 8 blocks per loop trip, then the rest one by
+    # one; 18, 23 and 47 blocks per row (the default model's K = 576 among them), the decode sizes
+    # and one above them
+    q = qr.quant_type(name)
+    rng = np.random.default_rng(7000 + q.id)
+    for K in (576, 736, 1504):
+        w = random_weight(q, 21, K, rng)
+        for T in (1, 3, 4, 6, 9):
+            _check(rng.standard_normal((T, K)).astype(np.float32), w, q, THREADS[-1], monkeypatch)
+
+
 @pytest.mark.parametrize("q", KERNEL_TYPES, ids=IDS)
 def test_quant_linear_one_hot_tokens_read_exact_weights(q):
     # x = e_k: each output is one product 1 * w[r, k] plus exact zeros, so whatever the summation
