@@ -38,6 +38,9 @@ def add_parser(bench_subparsers) -> None:
                    help="run N processes spinning on a core each during every engine's run (a loaded machine)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="folio's KV cache storage (auto: float32 on CPU)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32"], help="folio's weights (see folio serve)")
+    p.add_argument("--activation-quantization", default=None, choices=["int8"],
+                   help="folio: int8 activations for quantized weights' products (see folio serve)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=with_threads(run))
 
@@ -51,7 +54,8 @@ def run(args) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                          peers=tuple(dict.fromkeys(args.peer)), threads=args.threads,
                          tf_batch_size=args.tf_batch_size, progress=not args.no_progress, busy=args.busy,
-                         run_folio=not args.no_folio, kv_cache_dtype=args.kv_cache_dtype)
+                         run_folio=not args.no_folio, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                         activation_quantization=args.activation_quantization)
     print(format_throughput(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -44,13 +44,16 @@ def peer_figures(r: dict) -> dict:
             "total_tokens_per_s": (r["prompt_tokens"] + r["output_tokens"]) / wall}
 
 
-def load_host(model: str, requests, num_blocks: int | None = None, kv_cache_dtype: str = "auto") -> ModelHost:
+def load_host(model: str, requests, num_blocks: int | None = None, kv_cache_dtype: str = "auto",
+              **engine_args) -> ModelHost:
     """A ``ModelHost`` of ``model`` with a KV cache for every request of ``requests`` at once
-    (``num_blocks`` overrides) and a context for the longest (at least 2048)."""
+    (``num_blocks`` overrides) and a context for the longest (at least 2048); ``engine_args``:
+    folio's other ``EngineConfig`` fields (``dtype``, ``activation_quantization``)."""
     from folio.runtime.scheduler.kv_cache_manager import cdiv
     need = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     nb = num_blocks or sum(cdiv(len(r.prompt_token_ids) + r.output_len, 16) for r in requests) + 16
-    return ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb, kv_cache_dtype=kv_cache_dtype)
+    return ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb, kv_cache_dtype=kv_cache_dtype,
+                     **engine_args)
 
 
 # What loading a model folio cannot serve raises (an unsupported file or tensor type, a missing
@@ -63,7 +66,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, num_blocks: int | None = None,
                    peers=(), threads: int | None = None, tf_batch_size: int = 16, progress: bool = True,
                    keep_trace: bool = False, build_llama_server: bool = True, busy: int = 0,
-                   run_folio: bool = True, kv_cache_dtype: str = "auto") -> dict:
+                   run_folio: bool = True, kv_cache_dtype: str = "auto", **engine_args) -> dict:
     """Run the workload through folio, then through each peer in ``peers``.
 
     Args:
@@ -79,6 +82,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
             with the loader's message, when it refuses ``model`` (``LOAD_ERRORS``).
         busy: processes spinning on a core each during every engine's run (a loaded machine).
         kv_cache_dtype: folio's ``--kv-cache-dtype`` (a host given is used as loaded).
+        engine_args: folio's other ``EngineConfig`` fields (``dtype``, ``activation_quantization``;
+            a host given is used as loaded).
         threads: the thread count every engine gets (folio's is the calling thread's Numba
             setting; None: that setting, by default every core this process may use).
     Returns:
@@ -97,7 +102,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
     if run_folio:
         try:
             if host is None:
-                host = load_host(model, requests, num_blocks, kv_cache_dtype)
+                host = load_host(model, requests, num_blocks, kv_cache_dtype, **engine_args)
         except LOAD_ERRORS as e:
             folio = {"skipped": f"folio cannot serve {model}: {e}"}
     if run_folio and host is not None:
@@ -118,7 +123,7 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         "model": str(model),
         "engine": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                    "block_size": 16, "num_blocks": host.num_blocks if res is not None else None, "threads": threads,
-                   "kv_cache_dtype": kv_cache_dtype},
+                   "kv_cache_dtype": kv_cache_dtype, **engine_args},
         "busy_processes": busy,
         "warm_up_s": host.warm_up_s if res is not None else None,
         "folio": folio,
