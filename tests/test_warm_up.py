@@ -123,34 +123,47 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
 
 PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dedent("""
     from folio.runtime.worker.precompile import compile_job, jobs, weights_variant
-    kv = sys.argv[1]
-    for job in jobs(weights_variant(EngineConfig().model)):   # the default model's layout (its GGUF types)
+    kv, act = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    # the default model's layout (its GGUF types), with float32 or int8 activations
+    for job in jobs(weights_variant(EngineConfig().model, activation_quantization=act)):
         compile_job(job, kv)
     before = signatures()
-    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512, kv_cache_dtype=kv), ModelRunner(cfg))
+    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512, kv_cache_dtype=kv,
+                                           activation_quantization=act), ModelRunner(cfg))
     engine.warm_up()
     after = signatures()
     engine.shutdown()
     new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
+    # which integer kernels of --activation-quantization int8 were compiled by then
+    int8 = [k for k in ("int8_rows", "quantize_activations") if after.get("folio.kernels.cpu.quant_int8." + k)]
+    print()
+    json.dump(int8, sys.stdout)
+    print()
     json.dump({k: v for k, v in new.items() if v}, sys.stdout)
 """)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-def test_precompile_jobs_cover_the_warm_up(default_model_dir, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype, activations", [("auto", None), ("bfloat16", None), ("auto", "int8")])
+def test_precompile_jobs_cover_the_warm_up(default_model_dir, kv_cache_dtype, activations):
     """``folio serve`` compiles ``runtime/worker/precompile.JOBS`` ahead, in other processes, so
     that its worker's warm-up only loads machine code from Numba's cache: after the jobs (compiled
     or loaded here, in a fresh interpreter), the warm-up adds no signature to any CPU kernel. With
     ``test_no_kernel_compiles_after_warm_up`` this covers the served workload too. For each KV
-    cache dtype: the jobs compiled for a bfloat16 cache cover a bfloat16 engine's warm-up."""
+    cache dtype: the jobs compiled for a bfloat16 cache cover a bfloat16 engine's warm-up; with
+    ``--activation-quantization int8`` (``quantized-int8``) they cover that engine's, and only
+    then are the integer kernels compiled at all."""
     from folio.runtime.worker import precompile
     if not precompile.needed("cpu"):
         pytest.skip("one kernel thread: the jobs are the two-thread paths and folio serve skips them")
-    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT, kv_cache_dtype], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT, kv_cache_dtype, *([activations] if activations else [])],
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     new = json.loads(r.stdout.strip().splitlines()[-1])
     assert new == {}, f"signatures the warm-up compiled beyond precompile.JOBS: {new}"
+    # float32 activations (the default): the regions' call trees leave out the integer kernels
+    # (forward.product_item), so neither the jobs nor the warm-up compiled them
+    int8 = json.loads(r.stdout.strip().splitlines()[-2])
+    assert int8 == ([] if activations is None else ["int8_rows", "quantize_activations"])
 
 
 def test_precompile_fills_the_cache_and_reports_each_kernel(default_model_dir):

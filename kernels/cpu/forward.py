@@ -56,14 +56,15 @@ from .attention import attention_item, attention_scratch, attention_into, finish
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
-from .quant_linear import INT8_ACTIVATIONS, quant_item_rows, quant_kernel_type, quant_scratch, quant_task_rows
+from .quant_linear import (INT8_ACTIVATIONS, _check_weight, quant_item_rows, quant_kernel_type, quant_linear,
+                           quant_linear_tasks, quant_scratch, quant_task_rows, quant_task_rows_f32)
 from ..quant_reference import QUANT_TYPES, QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
                    fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into)
 from .threads import atomic_add, atomic_load, num_threads, region_guard, sched_yield
 
-__all__ = ["decoder_layers", "LAYER_WEIGHTS", "QuantizedStack", "stack_quantized"]
+__all__ = ["decoder_layers", "quantized_linear", "LAYER_WEIGHTS", "QuantizedStack", "stack_quantized"]
 
 LAYER_WEIGHTS = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layernorm", "gate_up_proj", "down_proj")
 """The per-layer weights ``decoder_layers`` takes, each stacked ``[num_layers, ...]``."""
@@ -118,7 +119,10 @@ def wait_items_done(done, k, n):
 # kernels of linear.py) or a QuantizedStack's table (int64 [num_layers, S, 4]: each layer's
 # product is S weight segments in GGUF types, written side by side into the output, e.g. q, k
 # and v into qkv). The three functions below are resolved by the weights' type when a region is
-# compiled, so the float32 model compiles exactly what it did before.
+# compiled, so the float32 model compiles exactly what it did before. With a table, ``int8`` (an
+# argument of the regions) picks the products' entry: None where no weight was asked for int8
+# activations (``quant_task_rows_f32``: the integer kernels stay out of the region's call tree and
+# are never compiled), True where some were (``quant_task_rows``, which takes either kind of id).
 
 def product_items(T, w, plan):
     """Work items of one layer's product of ``T`` tokens (``linear_items`` or the quantized
@@ -126,7 +130,7 @@ def product_items(T, w, plan):
     raise NotImplementedError("compiled code only")
 
 
-def product_item(x, w, layer, out, plan, i, qscratch, task):
+def product_item(x, w, layer, out, plan, i, qscratch, task, int8):
     """Item ``i`` of ``product_items`` for layer ``layer``; compiled code only."""
     raise NotImplementedError("compiled code only")
 
@@ -154,9 +158,11 @@ def _product_items(T, w, plan):
 
 
 @overload(product_item)
-def _product_item(x, w, layer, out, plan, i, qscratch, task):
+def _product_item(x, w, layer, out, plan, i, qscratch, task, int8):
     if _quantized(w):
-        def impl(x, w, layer, out, plan, i, qscratch, task):
+        task_rows = quant_task_rows_f32 if isinstance(int8, types.NoneType) else quant_task_rows
+
+        def impl(x, w, layer, out, plan, i, qscratch, task, int8):
             rows = quant_item_rows(x.shape[0])
             K = x.shape[1]
             for s in range(w.shape[1]):
@@ -165,13 +171,13 @@ def _product_item(x, w, layer, out, plan, i, qscratch, task):
                 if i < n:
                     qtype = w[layer, s, _S_TYPE]
                     data = carray(_u8_at(w[layer, s, _S_ADDRESS]), (N, _row_bytes(qtype, K)))
-                    quant_task_rows(x, data, qtype, out, w[layer, s, _S_COLUMN], qscratch, task, i * rows,
-                                    min(N, (i + 1) * rows))
+                    task_rows(x, data, qtype, out, w[layer, s, _S_COLUMN], qscratch, task, i * rows,
+                              min(N, (i + 1) * rows))
                     return
                 i -= n
         return impl
-    return lambda x, w, layer, out, plan, i, qscratch, task: linear_item(x, w[layer], out, plan[0], plan[1],
-                                                                         plan[2], i)
+    return lambda x, w, layer, out, plan, i, qscratch, task, int8: linear_item(x, w[layer], out, plan[0], plan[1],
+                                                                               plan[2], i)
 
 
 @overload(product_scratch)
@@ -195,44 +201,18 @@ def _row_bytes(qtype, K):
     return K // _BLOCKS[t, 0] * _BLOCKS[t, 1]
 
 
-@njit(cache=True)
-def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
-                gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
-                seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc,
-                acc, m, l, bm, pm, pl, pacc, qscratch):
-    # item i of one phase of one layer, on task w's scratch
-    T = residual.shape[0]
-    t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
-    if phase == _P_NORM1:
-        if layer == 0:
-            _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
-        else:
-            _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
-    elif phase == _P_QKV:
-        product_item(x, qkv_w, layer, qkv, lin[0], i, qscratch, w)
-    elif phase == _P_ROPE:
-        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
-    elif phase == _P_ATTN:
-        attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
-                  qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
-    elif phase == _P_MERGE:
-        finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
-    elif phase == _P_O:
-        product_item(attn2, o_w, layer, hidden, lin[1], i, qscratch, w)
-    elif phase == _P_NORM2:
-        _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
-    elif phase == _P_GATE_UP:
-        product_item(x, gate_up_w, layer, gate_up, lin[2], i, qscratch, w)
-    elif phase == _P_SILU:
-        _silu_and_mul_rows(gate_up, act, t0, t1)
-    else:
-        product_item(act, down_w, layer, hidden, lin[3], i, qscratch, w)
+def _prange_only():
+    # Numba's parallel options with only prange loops made parallel: no array expression or
+    # np.zeros of a region becomes a parallel loop of its own (each one more function compiled,
+    # wrapped and linked; the counters and item counts are a few dozen values)
+    return dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False, numpy=False,
+                stencil=False, fusion=False, prange=True)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=_prange_only(), cache=True, nogil=True)
 def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w,
                    cache_addrs, cache_like, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
-                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks):
+                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks, int8):
     # _layers in one parallel region: every task walks the same phases of every layer, takes
     # the items of each phase from its claim counter, and waits at the phase's end until all of
     # its items are done (never for an item nobody took: no deadlock if tasks run one by one).
@@ -259,6 +239,9 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                                                                 n_parts)
     qscratch = product_scratch(qkv_w, n_tasks, T, max(x.shape[1], attn2.shape[1], act.shape[1]))
     for w in prange(n_tasks):
+        # w as the prange index is typed in the region's body (uint64): the same type for the
+        # callees, so that typing the loop does not compile an int64 twin of them
+        wt = np.uint64(w)
         for layer in range(L):
             key_cache = carray(_ptr_at(cache_addrs[layer, 0], cache_like), shape)
             value_cache = carray(_ptr_at(cache_addrs[layer, 1], cache_like), shape)
@@ -268,15 +251,85 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                     i = atomic_add(claims, k, 1)
                     if i >= n_items[phase]:
                         break
-                    # w as the prange index is typed in the region's body (uint64): the same
-                    # type here, so that typing the loop does not compile an int64 twin
-                    _phase_item(phase, i, layer, np.uint64(w), residual, hidden, x, qkv, q, attn, attn2, gate_up,
-                                act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_cache, value_cache,
-                                positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H,
-                                Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc, m, l, bm,
-                                pm, pl, pacc, qscratch)
+                    # item i of this phase on task wt's scratch, written out here rather than
+                    # called: a function of its own is optimized and code-generated once more with
+                    # its whole call tree (every kernel below), ~6 CPU s on a cold cache
+                    t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
+                    if phase == _P_NORM1:
+                        if layer == 0:
+                            _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
+                        else:
+                            _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
+                    elif phase == _P_QKV:
+                        product_item(x, qkv_w, layer, qkv, lin[0], i, qscratch, wt, int8)
+                    elif phase == _P_ROPE:
+                        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H,
+                                             Hkv, q, t0, t1)
+                    elif phase == _P_ATTN:
+                        attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn,
+                                       items, i, qs[wt], kb[wt], vb[wt], ko[wt], sc[wt], acc[wt], m[wt], l[wt], bm[wt],
+                                       pm, pl, pacc)
+                    elif phase == _P_MERGE:
+                        finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
+                    elif phase == _P_O:
+                        product_item(attn2, o_w, layer, hidden, lin[1], i, qscratch, wt, int8)
+                    elif phase == _P_NORM2:
+                        _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
+                    elif phase == _P_GATE_UP:
+                        product_item(x, gate_up_w, layer, gate_up, lin[2], i, qscratch, wt, int8)
+                    elif phase == _P_SILU:
+                        _silu_and_mul_rows(gate_up, act, t0, t1)
+                    else:
+                        product_item(act, down_w, layer, hidden, lin[3], i, qscratch, wt, int8)
                     atomic_add(done, k, 1)
                 wait_items_done(done, k, n_items[phase])
+
+
+@njit(parallel=_prange_only(), cache=True, nogil=True)
+def _product_region(x, w, out, n_tasks, int8):
+    # out = x @ W.T for a one-layer table w [1, S, 4] (lm_head) in one region, its items claimed
+    # from a counter as in a phase of _layers_region: the same items and entry (product_item), so
+    # the same compiled kernels, and quant_linear_into's rows bit for bit
+    T = x.shape[0]
+    plan = np.zeros(3, np.int64)   # a float32 product's plan; a table's items need none
+    n = product_items(T, w, plan)
+    claims = np.zeros(1, np.int64)
+    qscratch = product_scratch(w, n_tasks, T, x.shape[1])
+    for task in prange(n_tasks):
+        wt = np.uint64(task)   # the prange index's type in the region's body, as in _layers_region
+        while True:
+            i = atomic_add(claims, 0, 1)
+            if i >= n:
+                break
+            product_item(x, w, 0, out, plan, i, qscratch, wt, int8)
+
+
+def quantized_linear(x, weight: QuantizedWeight, out=None):
+    """``x [T, K]`` float32 @ ``dequantize(weight)``.T -> ``[T, N]`` float32 for a ``QuantizedWeight``
+    (the CPU table's ``linear``; ``lm_head``): ``quant_linear``'s result, bit for bit. With two
+    tasks or more (``quant_linear_tasks``) it runs as a phase of the layer loop does
+    (``_product_region``: the same work items and entry, ``product_item``), so a server compiles the
+    products' kernels once, in the signature the layers call them with, and not again in
+    ``quant_linear_into``'s (a read-only mapped table, literal arguments: ~10 CPU s of a cold start);
+    otherwise, and for arguments it does not take as they are, ``quant_linear``, which checks them.
+
+    Raises:
+        what ``quant_linear`` raises (``UnsupportedQuantType``, ``ValueError``).
+    """
+    data, (N, K) = weight.data, weight.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != K or x.shape[0] == 0 or quant_linear_tasks(N, K, num_threads()) < 2 or \
+            not (data.flags.c_contiguous and data.dtype == np.uint8 and data.shape[0] == N) or \
+            not (out is None or out.shape == (x.shape[0], N) and out.dtype == np.float32 and out.flags.c_contiguous):
+        return quant_linear(x, data, weight.qtype, out, activations=weight.activations)
+    _check_weight(data, weight.qtype, K)   # the rows' size in bytes
+    if out is None:
+        out = np.empty((x.shape[0], N), np.float32)
+    kt = quant_kernel_type(weight.qtype, weight.activations)
+    table = np.array([[[data.ctypes.data, kt, N, 0]]], np.int64)
+    with region_guard():
+        _product_region(x, table, out, num_threads(), True if weight.activations == "int8" else None)
+    return out
 
 
 @intrinsic
@@ -330,6 +383,7 @@ class QuantizedStack:
         shape: ``(N, K)``: the product's output columns (the segments' rows together) and inputs.
         weights: the ``QuantizedWeight`` segments per layer, kept alive (the table holds only
             their addresses).
+        int8: whether int8 activations were asked for some segment (``QuantizedWeight.activations``).
     """
 
     def __init__(self, layers):
@@ -346,6 +400,7 @@ class QuantizedStack:
                 table[li, s] = w.data.ctypes.data, quant_kernel_type(w.qtype, w.activations), w.shape[0], column
                 column += w.shape[0]
         self.table, self.shape, self.weights = table, (sum(rows), K), layers
+        self.int8 = any(w.activations == "int8" for segments in layers for w in segments)
 
 
 def stack_quantized(layers) -> QuantizedStack:
@@ -408,8 +463,10 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     quantized = isinstance(weights["qkv_proj"], QuantizedStack)
     if quantized:   # every product's plan is its segments' row blocks (product_items)
         lin = np.zeros((4, 3), np.int64)
+        int8 = True if any(weights[name].int8 for name in products) else None   # see product_item
     else:
         lin = np.array([linear_plan(T, weights[name].shape[1:], threads) for name in products], dtype=np.int64)
+        int8 = None
     key_cache = kv_caches[0][0]
     items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
                                       threads)
@@ -424,7 +481,7 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
     with region_guard():   # the layers run without the GIL: see region_guard
         if region:
-            _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads)
+            _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads, int8)
         else:
             _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
                     row_tasks(b["gate_up"].size, T, threads), rows._ROWS_PER_ITEM, items, n_parts, attn_tasks)
