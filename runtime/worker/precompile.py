@@ -92,7 +92,10 @@ def _types(kv_cache_dtype: str = "auto") -> dict:
             "none": types.none, "b1": types.boolean}
 
 
-_ATTENTION_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3 I2 i64 F2 F2 F2 I1 F2 F2 F1 F1 F1 F2 F2 F3"
+# attention.attention_item's two kinds of item (it is inlined into the region): q, the caches, step
+# metadata, scale, out; the item's fields; the task's scratch rows
+_ATTEND_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64  F2 F2 F2 I1 F2 F2 F1 F1"
+_DECODE_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64 i64 i64 i64 i64  F2 F2 F2 F1 F1 F1 F2 F2 F3"
 # forward._layers_region: buffers, stacked weights, cache addresses and a cache, step metadata,
 # tasks, and int8 ({A}: none, or b1 where products take int8 activations: forward.product_item)
 _LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  {W}  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64 {A}"
@@ -101,8 +104,9 @@ _FLOAT_WEIGHTS = "F2 F3 F3 F2 F3 F3"
 _QUANT_WEIGHTS = "F2 I3 I3 F2 I3 I3"
 
 _SHARED_JOBS = (
-    Job("attention", "attention_item", _ATTENTION_ITEM, "attention", 18, "paged attention: prefill tiles and decode items"),
-    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "attention", 2.5,
+    Job("attention", "_decode_item", _DECODE_ITEM, "attention", 6, "paged attention: decode items"),
+    Job("attention", "_attend_item", _ATTEND_ITEM, "attention", 4, "paged attention: prefill tiles"),
+    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "linear", 1.5,
         "paged attention: merge of key partitions"),
     Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.5, "RMSNorm"),
     Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 1, "residual add + RMSNorm"),
