@@ -47,9 +47,12 @@ whole graph and meet at a barrier after each node) for the shape; the counters a
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import numpy as np
-from numba import carray, njit, prange, types
+from llvmlite import ir
+from numba import carray, njit, prange, typeof, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .attention import attention_item, attention_scratch, attention_into, finish_attention, plan
@@ -201,6 +204,77 @@ def _row_bytes(qtype, K):
     return K // _BLOCKS[t, 0] * _BLOCKS[t, 1]
 
 
+@njit(cache=True)
+def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
+                gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
+                seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc,
+                acc, m, l, bm, pm, pl, pacc, qscratch, int8):
+    # item i of one phase of one layer, on task w's scratch (_layers_region calls it at its address)
+    T = residual.shape[0]
+    t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
+    if phase == _P_NORM1:
+        if layer == 0:
+            _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
+        else:
+            _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
+    elif phase == _P_QKV:
+        product_item(x, qkv_w, layer, qkv, lin[0], i, qscratch, w, int8)
+    elif phase == _P_ROPE:
+        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
+    elif phase == _P_ATTN:
+        attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
+                       qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
+    elif phase == _P_MERGE:
+        finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
+    elif phase == _P_O:
+        product_item(attn2, o_w, layer, hidden, lin[1], i, qscratch, w, int8)
+    elif phase == _P_NORM2:
+        _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
+    elif phase == _P_GATE_UP:
+        product_item(x, gate_up_w, layer, gate_up, lin[2], i, qscratch, w, int8)
+    elif phase == _P_SILU:
+        _silu_and_mul_rows(gate_up, act, t0, t1)
+    else:
+        product_item(act, down_w, layer, hidden, lin[3], i, qscratch, w, int8)
+
+
+# The types of _phase_item's arguments that _layers_region makes itself (the rest are the
+# region's own arguments, or views of them): the task's index, the attention scratch
+# (attention_scratch: qs kb vb ko sc acc m l bm pm pl pacc), the products' scratch
+_F1, _F2, _F3 = (types.Array(types.float32, n, "C") for n in (1, 2, 3))
+_SCRATCH_TYPES = (_F3, _F3, _F3, types.Array(types.int64, 2, "C"), _F3, _F3, _F2, _F2, _F2, _F2, _F2, _F3, _F2)
+
+
+def _signature_key(argtypes) -> int:
+    # a check that a function address and a call site agree on the argument types (crc32 of their names)
+    return zlib.crc32(repr(tuple(argtypes)).encode())
+
+
+@intrinsic
+def _call_item(typingctx, address, key, *args):
+    # call the function compiled at int64 ``address`` with ``args`` (Numba's own calling convention,
+    # no result) if ``key`` is _signature_key of the args' types, and return True; else return False
+    # without calling. A call by address links nothing: the region's module does not carry the
+    # callee's call tree (below)
+    argtys = tuple(types.unliteral(a) for a in args)
+    expected = _signature_key(argtys)
+    star = types.StarArgTuple.from_types(args)   # how Numba passes *args
+
+    def codegen(context, builder, sig, llargs):
+        values = [context.cast(builder, v, t, u)
+                  for v, t, u in zip(cgutils.unpack_tuple(builder, llargs[2], len(args)), args, argtys)]
+        fnty = context.call_conv.get_function_type(types.none, argtys)
+        ok = builder.icmp_unsigned("==", llargs[1], ir.Constant(ir.IntType(64), expected))
+        with builder.if_then(ok):
+            fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+            status, _ = context.call_conv.call_function(builder, fn, types.none, argtys, values)
+            with cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+        return ok
+
+    return types.boolean(types.int64, types.int64, star), codegen
+
+
 def _prange_only():
     # Numba's parallel options with only prange loops made parallel: no array expression or
     # np.zeros of a region becomes a parallel loop of its own (each one more function compiled,
@@ -212,7 +286,8 @@ def _prange_only():
 @njit(parallel=_prange_only(), cache=True, nogil=True)
 def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w,
                    cache_addrs, cache_like, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
-                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks, int8):
+                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks, int8, item,
+                   key):
     # _layers in one parallel region: every task walks the same phases of every layer, takes
     # the items of each phase from its claim counter, and waits at the phase's end until all of
     # its items are done (never for an item nobody took: no deadlock if tasks run one by one).
@@ -234,6 +309,7 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     n_items[_P_DOWN] = product_items(T, down_w, lin[3])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
+    failed = np.zeros(1, np.int64)
     shape = cache_like.shape
     qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1], shape[1],
                                                                 n_parts)
@@ -251,57 +327,43 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                     i = atomic_add(claims, k, 1)
                     if i >= n_items[phase]:
                         break
-                    # item i of this phase on task wt's scratch, written out here rather than
-                    # called: a function of its own is optimized and code-generated once more with
-                    # its whole call tree (every kernel below), ~6 CPU s on a cold cache
-                    t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
-                    if phase == _P_NORM1:
-                        if layer == 0:
-                            _rms_norm_rows(residual, ln1[0], eps, x, t0, t1)
-                        else:
-                            _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
-                    elif phase == _P_QKV:
-                        product_item(x, qkv_w, layer, qkv, lin[0], i, qscratch, wt, int8)
-                    elif phase == _P_ROPE:
-                        _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H,
-                                             Hkv, q, t0, t1)
-                    elif phase == _P_ATTN:
-                        attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn,
-                                       items, i, qs[wt], kb[wt], vb[wt], ko[wt], sc[wt], acc[wt], m[wt], l[wt], bm[wt],
-                                       pm, pl, pacc)
-                    elif phase == _P_MERGE:
-                        finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
-                    elif phase == _P_O:
-                        product_item(attn2, o_w, layer, hidden, lin[1], i, qscratch, wt, int8)
-                    elif phase == _P_NORM2:
-                        _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
-                    elif phase == _P_GATE_UP:
-                        product_item(x, gate_up_w, layer, gate_up, lin[2], i, qscratch, wt, int8)
-                    elif phase == _P_SILU:
-                        _silu_and_mul_rows(gate_up, act, t0, t1)
-                    else:
-                        product_item(act, down_w, layer, hidden, lin[3], i, qscratch, wt, int8)
+                    # item i of this phase on task wt's scratch (_phase_item, called at its address)
+                    if not _call_item(item, key, phase, i, layer, wt, residual, hidden, x, qkv, q, attn, attn2,
+                                      gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_cache, value_cache,
+                                      positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                                      H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc,
+                                      m, l, bm, pm, pl, pacc, qscratch, int8):
+                        failed[0] = 1
                     atomic_add(done, k, 1)
                 wait_items_done(done, k, n_items[phase])
+    if failed[0]:
+        raise RuntimeError("decoder_layers: the layer item function does not take the region's argument types")
 
 
 @njit(parallel=_prange_only(), cache=True, nogil=True)
-def _product_region(x, w, out, n_tasks, int8):
-    # out = x @ W.T for a one-layer table w [1, S, 4] (lm_head) in one region, its items claimed
-    # from a counter as in a phase of _layers_region: the same items and entry (product_item), so
-    # the same compiled kernels, and quant_linear_into's rows bit for bit
-    T = x.shape[0]
-    plan = np.zeros(3, np.int64)   # a float32 product's plan; a table's items need none
-    n = product_items(T, w, plan)
+def _product_region(x, address, qtype, out, n_tasks, entry, key):
+    # out = x @ W.T, W the out.shape[1] rows of GGUF blocks (kernel type qtype) at address, in one
+    # region: items of quant_item_rows(T) rows claimed from a counter, each computed by the
+    # products' entry (quant_task_rows_f32, or quant_task_rows: called at its address, as
+    # _layers_region calls _phase_item), as quant_linear_into's items: its rows bit for bit
+    T, K = x.shape
+    N = out.shape[1]
+    rows = quant_item_rows(T)
+    n = (N + rows - 1) // rows
+    data = carray(_u8_at(address), (N, _row_bytes(qtype, K)))
     claims = np.zeros(1, np.int64)
-    qscratch = product_scratch(w, n_tasks, T, x.shape[1])
+    failed = np.zeros(1, np.int64)
+    qscratch = quant_scratch(n_tasks, T, K)
     for task in prange(n_tasks):
         wt = np.uint64(task)   # the prange index's type in the region's body, as in _layers_region
         while True:
             i = atomic_add(claims, 0, 1)
             if i >= n:
                 break
-            product_item(x, w, 0, out, plan, i, qscratch, wt, int8)
+            if not _call_item(entry, key, x, data, qtype, out, 0, qscratch, wt, i * rows, min(N, (i + 1) * rows)):
+                failed[0] = 1
+    if failed[0]:
+        raise RuntimeError("quantized_linear: the products' entry does not take the region's argument types")
 
 
 def quantized_linear(x, weight: QuantizedWeight, out=None):
@@ -325,10 +387,13 @@ def quantized_linear(x, weight: QuantizedWeight, out=None):
     _check_weight(data, weight.qtype, K)   # the rows' size in bytes
     if out is None:
         out = np.empty((x.shape[0], N), np.float32)
-    kt = quant_kernel_type(weight.qtype, weight.activations)
-    table = np.array([[[data.ctypes.data, kt, N, 0]]], np.int64)
+    entry = quant_task_rows if weight.activations == "int8" else quant_task_rows_f32   # see product_item
+    f2 = types.Array(types.float32, 2, "C")
+    sig = (f2, types.Array(types.uint8, 2, "C"), types.int64, f2, types.int64, f2, types.uint64, types.int64,
+           types.int64)
     with region_guard():
-        _product_region(x, table, out, num_threads(), True if weight.activations == "int8" else None)
+        _product_region(x, data.ctypes.data, quant_kernel_type(weight.qtype, weight.activations), out, num_threads(),
+                        *_function_at(entry, sig))
     return out
 
 
@@ -351,6 +416,49 @@ def _ptr_at(typingctx, address, like):
 
 def _int64(a):
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+_items = {}   # (weights' types, cache dtype, int8) -> (_phase_item's address, its _signature_key)
+
+
+def _item_function(step, int8):
+    # (address, key) of _phase_item compiled (or loaded from Numba's cache) for the argument types
+    # _layers_region calls it with, for a step's region arguments (step: decoder_layers' tuple);
+    # the types the region makes itself are _SCRATCH_TYPES, the caches' views are C arrays of the
+    # cache's dtype. Kept per weights' types, cache dtype and int8: the buffers are C-contiguous
+    # float32 and the metadata int64 for every step (a mismatch raises in the region, never calls)
+    (residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, _, cache_like,
+     positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H, Hkv, eps, qscale, lin) = step
+    k = (typeof(qkv_w), typeof(ln1), cache_like.dtype, int8 is None)
+    found = _items.get(k)
+    if found is None:
+        cache = types.Array(typeof(cache_like).dtype, 4, "C")
+        attn2 = types.Array(types.float32, 2, "C")
+        sig = ((types.int64, types.int64, types.int64, types.uint64)
+               + tuple(typeof(a) for a in (residual, hidden, x, qkv, q, attn)) + (attn2,)
+               + tuple(typeof(a) for a in (gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w))
+               + (cache, cache)
+               + tuple(typeof(a) for a in (positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
+                                           query_start_loc, H, Hkv, eps, qscale, lin))
+               + (types.int64, types.Array(types.int64, 2, "C"), types.int64) + _SCRATCH_TYPES + (typeof(int8),))
+        found = _items[k] = _function_at(_phase_item, sig)
+    return found
+
+
+_addresses = {}   # (dispatcher, signature) -> _function_at's answer
+
+
+def _function_at(fn, sig):
+    # (address, _signature_key) of the compiled function ``fn`` (a Numba dispatcher) for the
+    # argument types ``sig``, compiled or loaded from Numba's cache the first time (_call_item's
+    # arguments)
+    found = _addresses.get((fn, sig))
+    if found is None:
+        fn.compile(sig)
+        cres = fn.overloads[sig]
+        found = _addresses[(fn, sig)] = (cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name),
+                                         _signature_key(sig))
+    return found
 
 
 _cache_table = ((), None)   # (weak references to the KV cache arrays, their addresses [L, 2]) of the last step
@@ -481,7 +589,7 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
     with region_guard():   # the layers run without the GIL: see region_guard
         if region:
-            _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads, int8)
+            _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads, int8, *_item_function(step, int8))
         else:
             _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
                     row_tasks(b["gate_up"].size, T, threads), rows._ROWS_PER_ITEM, items, n_parts, attn_tasks)

@@ -96,9 +96,15 @@ def _types(kv_cache_dtype: str = "auto") -> dict:
 # metadata, scale, out; the item's fields; the task's scratch rows
 _ATTEND_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64  F2 F2 F2 I1 F2 F2 F1 F1"
 _DECODE_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64 i64 i64 i64 i64  F2 F2 F2 F1 F1 F1 F2 F2 F3"
+# forward._phase_item: phase, i, layer, task; buffers (residual, hidden, x, qkv, q, attn, attn2,
+# gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch; product
+# scratch (a placeholder with float32 weights); int8 ({A}: none, or b1 where products take int8
+# activations: forward.product_item)
+_PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  {W}  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
+               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3 F2 {A}")
 # forward._layers_region: buffers, stacked weights, cache addresses and a cache, step metadata,
-# tasks, and int8 ({A}: none, or b1 where products take int8 activations: forward.product_item)
-_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  {W}  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64 {A}"
+# tasks, int8, and _phase_item's address and signature key
+_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  {W}  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64 {A} i64 i64"
 # the stacked weights (ln1, qkv, o, ln2, gate_up, down): float32 stacks, or QuantizedStack tables
 _FLOAT_WEIGHTS = "F2 F3 F3 F2 F3 F3"
 _QUANT_WEIGHTS = "F2 I3 I3 F2 I3 I3"
@@ -133,9 +139,11 @@ def _quantized_jobs(int8: bool) -> tuple:
         Job("quant_linear", "quant_item_rows", "i64", "linear", 0.2, "matrix products: rows per item"),
         Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.3, "matrix products: scratch"),
         Job("forward", "_row_bytes", "i64 i64", "linear", 0.1, "GGUF row sizes"),
-        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS, A=a), "layers", 20,
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS, A=a), "layers", 8,
+            "decoder layers: one work item of a phase"),
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS, A=a), "rest", 3,
             "decoder layers: one parallel region per step"),
-        Job("forward", "_product_region", f"F2 I3 F2 i64 {a}", "rest", 6,
+        Job("forward", "_product_region", "F2 i64 i64 F2 i64 i64 i64", "rest", 2,
             "matrix products from GGUF blocks, parallel region (lm_head)"),
         Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 0.5, "embedding rows from GGUF blocks"),
     )
@@ -145,7 +153,9 @@ _VARIANT_JOBS = {
     "float32": (
         Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
         Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
-        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_FLOAT_WEIGHTS, A="none"), "layers", 30,
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_FLOAT_WEIGHTS, A="none"), "layers", 8,
+            "decoder layers: one work item of a phase"),
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_FLOAT_WEIGHTS, A="none"), "rest", 3,
             "decoder layers: one parallel region per step"),
         Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
     ),
