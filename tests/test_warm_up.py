@@ -134,11 +134,6 @@ PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dede
     after = signatures()
     engine.shutdown()
     new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
-    # which integer kernels of --activation-quantization int8 were compiled by then
-    int8 = [k for k in ("int8_rows", "quantize_activations") if after.get("folio.kernels.cpu.quant_int8." + k)]
-    print()
-    json.dump(int8, sys.stdout)
-    print()
     json.dump({k: v for k, v in new.items() if v}, sys.stdout)
 """)
 
@@ -150,8 +145,7 @@ def test_precompile_jobs_cover_the_warm_up(default_model_dir, kv_cache_dtype, ac
     or loaded here, in a fresh interpreter), the warm-up adds no signature to any CPU kernel. With
     ``test_no_kernel_compiles_after_warm_up`` this covers the served workload too. For each KV
     cache dtype: the jobs compiled for a bfloat16 cache cover a bfloat16 engine's warm-up; with
-    ``--activation-quantization int8`` (``quantized-int8``) they cover that engine's, and only
-    then are the integer kernels compiled at all."""
+    ``--activation-quantization int8`` (variant ``quantized-int8``) they cover that engine's."""
     from folio.runtime.worker import precompile
     if not precompile.needed("cpu"):
         pytest.skip("one kernel thread: the jobs are the two-thread paths and folio serve skips them")
@@ -160,10 +154,31 @@ def test_precompile_jobs_cover_the_warm_up(default_model_dir, kv_cache_dtype, ac
     assert r.returncode == 0, r.stderr[-3000:]
     new = json.loads(r.stdout.strip().splitlines()[-1])
     assert new == {}, f"signatures the warm-up compiled beyond precompile.JOBS: {new}"
-    # float32 activations (the default): the regions' call trees leave out the integer kernels
-    # (forward.product_item), so neither the jobs nor the warm-up compiled them
-    int8 = json.loads(r.stdout.strip().splitlines()[-2])
-    assert int8 == ([] if activations is None else ["int8_rows", "quantize_activations"])
+
+
+ITEM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from folio.kernels.cpu import quant_int8, quant_linear
+    from folio.runtime.worker.precompile import compile_job, jobs
+    compile_job(next(j for j in jobs(sys.argv[1]) if j.function == "_phase_item"))
+    print(json.dumps({"int8_rows": bool(quant_int8.int8_rows.signatures),
+                      "quant_task_rows_f32": bool(quant_linear.quant_task_rows_f32.signatures)}))
+""")
+
+
+def test_the_int8_kernels_are_compiled_only_for_int8_activations(tmp_path):
+    """The layer loop's item picks the products' entry by its ``int8`` argument
+    (``forward.product_item``): without int8 activations (the default) its call tree holds none of
+    the integer kernels, so a cold start compiles none of them (~10 CPU s less); with them
+    (``quantized-int8``) it holds them. From an empty Numba cache, in a fresh interpreter, where
+    compiling a function compiles every callee (one loaded from a cache compiles none)."""
+    import os
+    for variant, int8 in (("quantized", False), ("quantized-int8", True)):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / variant))
+        r = subprocess.run([sys.executable, "-c", ITEM_SCRIPT, variant], capture_output=True, text=True, env=env,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == {"int8_rows": int8, "quant_task_rows_f32": True}
 
 
 def test_precompile_fills_the_cache_and_reports_each_kernel(default_model_dir):

@@ -35,6 +35,17 @@ fourth pass): 64 requests, 2 threads, +1-8% output tokens/s on a quiet machine, 
 busy process on one core; single-sequence decode within noise (+2-5% in one sitting, -6% in
 another).
 
+**Compile time** (issue 31). Numba links the LLVM module of every callee into its caller and
+optimizes and code-generates the whole call tree again for each compiled function; a parallel
+region is four such libraries (the loop body, two gufunc wrappers, the function itself), so the
+layer loop's region with the attention, product and row kernels linked in was half of a cold
+start's compile. The regions therefore call their work item function at its address
+(``_call_item``: Numba's calling convention through a pointer, after a check that the function
+was compiled for the call's argument types): ``_phase_item`` is compiled once, as any function,
+and each region's libraries carry only the region's own code; each work item is one call
+through a pointer, where it was one call to ``_phase_item`` linked in. Likewise the products'
+entry without the int8 kernels where no weight asked for them (``product_item``).
+
 This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
 one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward
 on a background thread (``ThreadedExecutor``) while the calling thread schedules the next step,

@@ -12,17 +12,20 @@ name, and one index then names the other's code (``numba/core/caching.py``,
 ``IndexDataCacheFile.save``: read the index, pick the first free name, write). So the jobs come
 in groups whose call trees share no compiled function (``GROUPS``); a group runs in one process,
 in order, and a group that compiles signatures of another group's functions or links them waits
-for it (``AFTER``): the layer loop (``forward._layers_region``), which links the attention,
-product and row kernels, compiles its own function after them, loading theirs, while the other
-process compiles what only the steps' Python code calls (``LANES``).
+for it (``AFTER``): the layer loop's work item (``forward._phase_item``), which links the
+attention, product and row kernels, compiles after them, loading theirs, while the other process
+compiles what only the steps' Python code calls and the parallel regions (``LANES``).
 
 What a cold start compiles is kept small (issue 31): Numba links every callee's LLVM module into
-its caller and optimizes and code-generates the whole tree again for each compiled function (and
-for a parallel region three times: the loop body, its wrapper, the function), so the cost is the
-tree's size times the levels above it. Hence the products' entry without the integer kernels
-unless int8 activations were asked for (``quantized-int8``), one signature per callee (the
-``lm_head`` product runs through the layers' product items, ``forward.quantized_linear``), no
-function level between the region and the kernels, and no parallel loops besides the ``prange``.
+its caller and optimizes and code-generates the whole tree again for each compiled function (a
+parallel region four times: the loop body, two gufunc wrappers, the function), so the cost is a
+tree's size times the levels above it. Hence: the regions call their item function at its address
+instead of linking it (``forward._call_item``); the products' entry leaves out the integer kernels
+unless int8 activations were asked for (variant ``quantized-int8``); one signature per function
+(``lm_head`` runs the layers' product entry, ``forward.quantized_linear``); ``attention_item``
+inlined; no parallel loops besides the ``prange``. Measured as the LLVM instructions each
+library hands to the optimizer, summed over the default model's jobs: 349k before, 115k after
+(``perf/startup.py`` has the times).
 
 The KV caches are the jobs' only 4-D arrays (``F4``): float32, or with ``--kv-cache-dtype
 bfloat16`` uint16 (``kernels/cpu/kv_dtype.py``). ``precompile`` compiles the variants of the
@@ -186,10 +189,11 @@ GROUPS = tuple(dict.fromkeys(j.group for j in JOBS))
 LAST_GROUP = "layers"
 AFTER = {"layers": ("attention", "linear"), "rest": ("linear",)}
 """The groups each group waits for. ``layers`` links the functions of ``attention`` and
-``linear`` (it runs after them, loading them, and compiles only its own two); ``rest`` compiles
-signatures of functions that ``linear`` compiled too (``linear_item`` called with literal
-arguments by ``linear_into``, the row kernels under ``fused_add_rms_norm_into``): it runs after
-``linear`` in the same process, beside ``layers``, which only loads them."""
+``linear`` (it runs after them, loading them, and compiles only its own item function); ``rest``
+compiles signatures of functions that ``linear`` compiled too (``linear_item`` called with literal
+arguments by ``linear_into``, the row kernels under ``fused_add_rms_norm_into``) and the regions,
+which link its scratch and counter functions: it runs after ``linear`` in the same process, beside
+``layers``, which only loads them."""
 LANES = (("attention", "layers"), ("linear", "rest"))
 """The groups of each process, in order, with two processes (one process: all of them, in
 ``GROUPS`` order after ``AFTER``)."""
