@@ -66,7 +66,7 @@ class Job:
     function: str
     signature: str       # argument types, in the names of ``_types()`` (F2: C-contiguous float32 2-D, ...)
     group: str           # jobs of one group run in one process, in order (shared callees)
-    seconds: float       # rough cost on a cold cache (2-vCPU EPYC, busy): the progress bar's weight
+    seconds: float       # rough cost on a cold cache (2-vCPU EPYC, load ~3): the progress bar's weight
     what: str            # for people
 
     @property
@@ -113,23 +113,23 @@ _FLOAT_WEIGHTS = "F2 F3 F3 F2 F3 F3"
 _QUANT_WEIGHTS = "F2 I3 I3 F2 I3 I3"
 
 _SHARED_JOBS = (
-    Job("attention", "_decode_item", _DECODE_ITEM, "attention", 6, "paged attention: decode items"),
-    Job("attention", "_attend_item", _ATTEND_ITEM, "attention", 4, "paged attention: prefill tiles"),
-    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "linear", 1.5,
+    Job("attention", "_decode_item", _DECODE_ITEM, "attention", 7.5, "paged attention: decode items"),
+    Job("attention", "_attend_item", _ATTEND_ITEM, "attention", 6, "paged attention: prefill tiles"),
+    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "attention", 4, "paged attention: work plan"),
+    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "linear", 3.5,
         "paged attention: merge of key partitions"),
-    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.5, "RMSNorm"),
-    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 1, "residual add + RMSNorm"),
-    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.7,
+    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.4, "RMSNorm"),
+    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 0.4, "residual add + RMSNorm"),
+    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.1,
         "RoPE and KV-cache append"),
-    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.5, "SwiGLU"),
-    Job("attention", "attention_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1.2, "paged attention: scratch buffers"),
-    Job("forward", "wait_items_done", "I1 i64 i64", "linear", 0.2, "decoder layers: phase barrier"),
+    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.3, "SwiGLU"),
+    Job("attention", "attention_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1, "paged attention: scratch buffers"),
+    Job("forward", "wait_items_done", "I1 i64 i64", "linear", 0.1, "decoder layers: phase barrier"),
 )
 _LAST_JOBS = (
-    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 2.5,
+    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 1.8,
         "residual add + RMSNorm, parallel region (final norm)"),
-    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "rest", 6.5, "paged attention: work plan"),
-    Job("rows", "_copy_blocks_kernel", "F4 I2", "rest", 0.5, "KV block copies (copy-on-write)"),
+    Job("rows", "_copy_blocks_kernel", "F4 I2", "rest", 0.1, "KV block copies (copy-on-write)"),
 )
 def _quantized_jobs(int8: bool) -> tuple:
     # weights in GGUF types: the products' entry (forward.product_item) is quant_task_rows_f32, or
@@ -138,17 +138,17 @@ def _quantized_jobs(int8: bool) -> tuple:
     a = "b1" if int8 else "none"
     return (
         Job("quant_linear", "quant_task_rows" if int8 else "quant_task_rows_f32", "F2 U2 i64 F2 i64 F2 u64 i64 i64",
-            "linear", 10 if int8 else 8, "matrix products from GGUF blocks"),
-        Job("quant_linear", "quant_item_rows", "i64", "linear", 0.2, "matrix products: rows per item"),
-        Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.3, "matrix products: scratch"),
+            "linear", 11 if int8 else 8.5, "matrix products from GGUF blocks"),
+        Job("quant_linear", "quant_item_rows", "i64", "linear", 0.1, "matrix products: rows per item"),
+        Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.1, "matrix products: scratch"),
         Job("forward", "_row_bytes", "i64 i64", "linear", 0.1, "GGUF row sizes"),
-        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS, A=a), "layers", 8,
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS, A=a), "layers", 11,
             "decoder layers: one work item of a phase"),
-        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS, A=a), "rest", 3,
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS, A=a), "rest", 6,
             "decoder layers: one parallel region per step"),
-        Job("forward", "_product_region", "F2 i64 i64 F2 i64 i64 i64", "rest", 2,
+        Job("forward", "_product_region", "F2 i64 i64 F2 i64 i64 i64", "rest", 1,
             "matrix products from GGUF blocks, parallel region (lm_head)"),
-        Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 0.5, "embedding rows from GGUF blocks"),
+        Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 3, "embedding rows from GGUF blocks"),
     )
 
 
@@ -156,9 +156,9 @@ _VARIANT_JOBS = {
     "float32": (
         Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
         Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
-        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_FLOAT_WEIGHTS, A="none"), "layers", 8,
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_FLOAT_WEIGHTS, A="none"), "layers", 10,
             "decoder layers: one work item of a phase"),
-        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_FLOAT_WEIGHTS, A="none"), "rest", 3,
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_FLOAT_WEIGHTS, A="none"), "rest", 6,
             "decoder layers: one parallel region per step"),
         Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
     ),
