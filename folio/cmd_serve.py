@@ -247,7 +247,7 @@ def _start_kernel_compile(config):
         def run(self):
             try:
                 variant = precompile.weights_variant(config.model, config.dtype, config.quantization,
-                                                     config.load_format)
+                                                     config.load_format, config.activation_quantization)
                 precompile.precompile_with_progress(_say, variant=variant, kv_cache_dtype=config.kv_cache_dtype)
             except BaseException as e:  # noqa: BLE001 - raised by result()
                 self.error = e

@@ -31,6 +31,19 @@ the wall times are 1.5-2.5x what a quiet machine shows; the CPU seconds are the 
 kernels now compile in two processes with a progress bar (``runtime/worker/precompile.py``);
 the warm start spends ~1.3 CPU s more on the process that checks Numba's cache index, beside the
 worker's model load.
+
+Then (branch coldstart, 2026-12-03 18:02-18:05 UTC, same machine, one sitting, ``--cache clone
+--warm-runs 2``, default model served from its Q4_1 GGUF, model home already imported): ``--rev
+6620f9a`` (before: the layer loop's region linked its whole kernel tree, compiled four times over,
+and lm_head compiled the product kernels in three more signatures) and ``--rev HEAD`` (after: the
+regions call their item function by address, the int8 kernels only when asked for, one signature
+per kernel; ``precompile``'s docstring lists the changes):
+
+    after   cold 21.0 s / 37.7 CPU s (load 1.9)     warm 3.1 s / 5.1 CPU s, 3.1 s / 5.2 CPU s
+    before  cold 67.4 s / 72.0 CPU s (load 2.2)     warm 5.0 s / 5.2 CPU s, 5.0 s / 5.2 CPU s (load 3.6)
+    after   cold 39.6 s / 39.8 CPU s (load 3.8)     warm 4.8 s / 5.0 CPU s, 4.8 s / 5.0 CPU s (load 4.0)
+
+The kernels' compile itself: 18.7 s (after, load 1.9), 63.9 s (before), 35.6 s (after, load 3.8).
 """
 
 from __future__ import annotations

@@ -179,3 +179,33 @@ def test_quant_embedding_refusals():
     with pytest.raises(ValueError, match="row of 64 values is 40 bytes"):
         ql.quant_embedding(table, "Q4_1", np.array([1]), 64)
     assert ql.quant_embedding(table, "Q4_1", np.array([], np.int64), 32).shape == (0, 32)
+
+
+@pytest.mark.skipif(THREADS[-1] < 2, reason="needs a pool of two threads or more (NUMBA_NUM_THREADS)")
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K", "Q6_K", "F16"])
+def test_table_linear_of_a_quantized_weight_is_quant_linear_bit_for_bit(name, activations):
+    # the CPU table's linear on a QuantizedWeight (lm_head; forward.quantized_linear) runs with two
+    # threads as a phase of the layer loop runs a product (the same work items and entry, in one
+    # parallel region), so that a server compiles the product kernels in one signature: the same
+    # rows per item and the same kernel per row as quant_linear, so the same bits; on a read-only
+    # weight (a memory-mapped GGUF tensor), at token counts on each side of the paths' thresholds
+    # (fused single-token, integer up to INT8_MAX_TOKENS, decode-and-dot, sgemm tiles above 32)
+    from folio.kernels.cpu import forward
+    from folio.kernels.cpu.table import linear
+    q = qr.quant_type(name)
+    rng = np.random.default_rng(40 + q.id)
+    N, K = 301, 512   # N * K above _PARALLEL_MIN_WEIGHTS: the parallel path; odd N: a short last item
+    w = random_weight(q, N, K, rng)
+    w.setflags(write=False)
+    weight = qr.QuantizedWeight(w, q.id, (N, K), activations)
+    with cpu_threads.numba_threads(2):
+        for T in (1, 2, 5, 16, 17, 40):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            want = ql.quant_linear(x, w, q.id, activations=activations)
+            np.testing.assert_array_equal(linear(x, weight), want)
+            out = np.full((T, N), np.nan, np.float32)
+            assert linear(x, weight, out) is out
+            np.testing.assert_array_equal(out, want)
+    assert forward._product_region.signatures   # it ran there, not through quant_linear
+    assert linear(np.zeros((0, K), np.float32), weight).shape == (0, N)

@@ -123,11 +123,13 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
 
 PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dedent("""
     from folio.runtime.worker.precompile import compile_job, jobs, weights_variant
-    kv = sys.argv[1]
-    for job in jobs(weights_variant(EngineConfig().model)):   # the default model's layout (its GGUF types)
+    kv, act = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    # the default model's layout (its GGUF types), with float32 or int8 activations
+    for job in jobs(weights_variant(EngineConfig().model, activation_quantization=act)):
         compile_job(job, kv)
     before = signatures()
-    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512, kv_cache_dtype=kv), ModelRunner(cfg))
+    engine = LLMEngine(cfg := EngineConfig(device="cpu", num_kv_blocks_override=512, kv_cache_dtype=kv,
+                                           activation_quantization=act), ModelRunner(cfg))
     engine.warm_up()
     after = signatures()
     engine.shutdown()
@@ -136,21 +138,47 @@ PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dede
 """)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-def test_precompile_jobs_cover_the_warm_up(default_model_dir, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype, activations", [("auto", None), ("bfloat16", None), ("auto", "int8")])
+def test_precompile_jobs_cover_the_warm_up(default_model_dir, kv_cache_dtype, activations):
     """``folio serve`` compiles ``runtime/worker/precompile.JOBS`` ahead, in other processes, so
     that its worker's warm-up only loads machine code from Numba's cache: after the jobs (compiled
     or loaded here, in a fresh interpreter), the warm-up adds no signature to any CPU kernel. With
     ``test_no_kernel_compiles_after_warm_up`` this covers the served workload too. For each KV
-    cache dtype: the jobs compiled for a bfloat16 cache cover a bfloat16 engine's warm-up."""
+    cache dtype: the jobs compiled for a bfloat16 cache cover a bfloat16 engine's warm-up; with
+    ``--activation-quantization int8`` (variant ``quantized-int8``) they cover that engine's."""
     from folio.runtime.worker import precompile
     if not precompile.needed("cpu"):
         pytest.skip("one kernel thread: the jobs are the two-thread paths and folio serve skips them")
-    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT, kv_cache_dtype], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([sys.executable, "-c", PRECOMPILE_SCRIPT, kv_cache_dtype, *([activations] if activations else [])],
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     new = json.loads(r.stdout.strip().splitlines()[-1])
     assert new == {}, f"signatures the warm-up compiled beyond precompile.JOBS: {new}"
+
+
+ITEM_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from folio.kernels.cpu import quant_int8, quant_linear
+    from folio.runtime.worker.precompile import compile_job, jobs
+    compile_job(next(j for j in jobs(sys.argv[1]) if j.function == "_phase_item"))
+    print(json.dumps({"int8_rows": bool(quant_int8.int8_rows.signatures),
+                      "quant_task_rows_f32": bool(quant_linear.quant_task_rows_f32.signatures)}))
+""")
+
+
+def test_the_int8_kernels_are_compiled_only_for_int8_activations(tmp_path):
+    """The layer loop's item picks the products' entry by its ``int8`` argument
+    (``forward.product_item``): without int8 activations (the default) its call tree holds none of
+    the integer kernels, so a cold start compiles none of them (~10 CPU s less); with them
+    (``quantized-int8``) it holds them. From an empty Numba cache, in a fresh interpreter, where
+    compiling a function compiles every callee (one loaded from a cache compiles none)."""
+    import os
+    for variant, int8 in (("quantized", False), ("quantized-int8", True)):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / variant))
+        r = subprocess.run([sys.executable, "-c", ITEM_SCRIPT, variant], capture_output=True, text=True, env=env,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == {"int8_rows": int8, "quant_task_rows_f32": True}
 
 
 def test_precompile_fills_the_cache_and_reports_each_kernel(default_model_dir):

@@ -521,13 +521,16 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
     return items[order], work
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out, items, i,
                    qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc):
     """Work item ``i`` of ``items`` (``attention_items``) into ``out``: a prefill tile when it has at
     least ``TILE_MIN_ROWS`` query rows per KV head, else a (possibly partitioned) decode. The
     buffers after ``i`` are the calling task's rows of ``attention_scratch``. A building block for
-    fused regions (``forward.py``'s layer loop, the benchmark regions of ``perf/bench``)."""
+    fused regions (``forward.py``'s layer loop, the benchmark regions of ``perf/bench``). Inlined
+    into its callers (``inline="always"``): compiled as a function of its own, it is one more
+    library that Numba optimizes and code-generates with both item kinds' whole call tree (~2 s of
+    a cold start's compile, on its longest chain)."""
     group = q.shape[1] // key_cache.shape[2]
     if (items[i, 4] - items[i, 3]) * group >= TILE_MIN_ROWS:
         _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,

@@ -35,6 +35,17 @@ fourth pass): 64 requests, 2 threads, +1-8% output tokens/s on a quiet machine, 
 busy process on one core; single-sequence decode within noise (+2-5% in one sitting, -6% in
 another).
 
+**Compile time** (issue 31). Numba links the LLVM module of every callee into its caller and
+optimizes and code-generates the whole call tree again for each compiled function; a parallel
+region is four such libraries (the loop body, two gufunc wrappers, the function itself), so the
+layer loop's region with the attention, product and row kernels linked in was half of a cold
+start's compile. The regions therefore call their work item function at its address
+(``_call_item``: Numba's calling convention through a pointer, after a check that the function
+was compiled for the call's argument types): ``_phase_item`` is compiled once, as any function,
+and each region's libraries carry only the region's own code; each work item is one call
+through a pointer, where it was one call to ``_phase_item`` linked in. Likewise the products'
+entry without the int8 kernels where no weight asked for them (``product_item``).
+
 This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
 one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward
 on a background thread (``ThreadedExecutor``) while the calling thread schedules the next step,
@@ -47,23 +58,27 @@ whole graph and meet at a barrier after each node) for the shape; the counters a
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import numpy as np
-from numba import carray, njit, prange, types
+from llvmlite import ir
+from numba import carray, njit, prange, typeof, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .attention import attention_item, attention_scratch, attention_into, finish_attention, plan
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
-from .quant_linear import INT8_ACTIVATIONS, quant_item_rows, quant_kernel_type, quant_scratch, quant_task_rows
+from .quant_linear import (INT8_ACTIVATIONS, _check_weight, quant_item_rows, quant_kernel_type, quant_linear,
+                           quant_linear_tasks, quant_scratch, quant_task_rows, quant_task_rows_f32)
 from ..quant_reference import QUANT_TYPES, QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
                    fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into)
 from .threads import atomic_add, atomic_load, num_threads, region_guard, sched_yield
 
-__all__ = ["decoder_layers", "LAYER_WEIGHTS", "QuantizedStack", "stack_quantized"]
+__all__ = ["decoder_layers", "quantized_linear", "LAYER_WEIGHTS", "QuantizedStack", "stack_quantized"]
 
 LAYER_WEIGHTS = ("input_layernorm", "qkv_proj", "o_proj", "post_attention_layernorm", "gate_up_proj", "down_proj")
 """The per-layer weights ``decoder_layers`` takes, each stacked ``[num_layers, ...]``."""
@@ -118,7 +133,10 @@ def wait_items_done(done, k, n):
 # kernels of linear.py) or a QuantizedStack's table (int64 [num_layers, S, 4]: each layer's
 # product is S weight segments in GGUF types, written side by side into the output, e.g. q, k
 # and v into qkv). The three functions below are resolved by the weights' type when a region is
-# compiled, so the float32 model compiles exactly what it did before.
+# compiled, so the float32 model compiles exactly what it did before. With a table, ``int8`` (an
+# argument of the regions) picks the products' entry: None where no weight was asked for int8
+# activations (``quant_task_rows_f32``: the integer kernels stay out of the region's call tree and
+# are never compiled), True where some were (``quant_task_rows``, which takes either kind of id).
 
 def product_items(T, w, plan):
     """Work items of one layer's product of ``T`` tokens (``linear_items`` or the quantized
@@ -126,7 +144,7 @@ def product_items(T, w, plan):
     raise NotImplementedError("compiled code only")
 
 
-def product_item(x, w, layer, out, plan, i, qscratch, task):
+def product_item(x, w, layer, out, plan, i, qscratch, task, int8):
     """Item ``i`` of ``product_items`` for layer ``layer``; compiled code only."""
     raise NotImplementedError("compiled code only")
 
@@ -154,9 +172,11 @@ def _product_items(T, w, plan):
 
 
 @overload(product_item)
-def _product_item(x, w, layer, out, plan, i, qscratch, task):
+def _product_item(x, w, layer, out, plan, i, qscratch, task, int8):
     if _quantized(w):
-        def impl(x, w, layer, out, plan, i, qscratch, task):
+        task_rows = quant_task_rows_f32 if isinstance(int8, types.NoneType) else quant_task_rows
+
+        def impl(x, w, layer, out, plan, i, qscratch, task, int8):
             K = x.shape[1]
             rows = quant_item_rows(x.shape[0], K)
             for s in range(w.shape[1]):
@@ -165,13 +185,13 @@ def _product_item(x, w, layer, out, plan, i, qscratch, task):
                 if i < n:
                     qtype = w[layer, s, _S_TYPE]
                     data = carray(_u8_at(w[layer, s, _S_ADDRESS]), (N, _row_bytes(qtype, K)))
-                    quant_task_rows(x, data, qtype, out, w[layer, s, _S_COLUMN], qscratch, task, i * rows,
-                                    min(N, (i + 1) * rows))
+                    task_rows(x, data, qtype, out, w[layer, s, _S_COLUMN], qscratch, task, i * rows,
+                              min(N, (i + 1) * rows))
                     return
                 i -= n
         return impl
-    return lambda x, w, layer, out, plan, i, qscratch, task: linear_item(x, w[layer], out, plan[0], plan[1],
-                                                                         plan[2], i)
+    return lambda x, w, layer, out, plan, i, qscratch, task, int8: linear_item(x, w[layer], out, plan[0], plan[1],
+                                                                               plan[2], i)
 
 
 @overload(product_scratch)
@@ -199,8 +219,8 @@ def _row_bytes(qtype, K):
 def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, gate_up, act, ln1, qkv_w, o_w, ln2,
                 gate_up_w, down_w, key_cache, value_cache, positions, cos_sin_cache, slot_mapping, block_tables,
                 seq_lens, query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc,
-                acc, m, l, bm, pm, pl, pacc, qscratch):
-    # item i of one phase of one layer, on task w's scratch
+                acc, m, l, bm, pm, pl, pacc, qscratch, int8):
+    # item i of one phase of one layer, on task w's scratch (_layers_region calls it at its address)
     T = residual.shape[0]
     t0, t1 = i * rows_per_item, min(T, (i + 1) * rows_per_item)
     if phase == _P_NORM1:
@@ -209,30 +229,76 @@ def _phase_item(phase, i, layer, w, residual, hidden, x, qkv, q, attn, attn2, ga
         else:
             _fused_add_rms_norm_rows(hidden, residual, ln1[layer], eps, x, residual, t0, t1)
     elif phase == _P_QKV:
-        product_item(x, qkv_w, layer, qkv, lin[0], i, qscratch, w)
+        product_item(x, qkv_w, layer, qkv, lin[0], i, qscratch, w, int8)
     elif phase == _P_ROPE:
         _rope_and_cache_rows(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping, H, Hkv, q, t0, t1)
     elif phase == _P_ATTN:
         attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, attn, items, i,
-                  qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
+                       qs[w], kb[w], vb[w], ko[w], sc[w], acc[w], m[w], l[w], bm[w], pm, pl, pacc)
     elif phase == _P_MERGE:
         finish_attention(items, H // Hkv, n_parts, pm, pl, pacc, query_start_loc, attn)
     elif phase == _P_O:
-        product_item(attn2, o_w, layer, hidden, lin[1], i, qscratch, w)
+        product_item(attn2, o_w, layer, hidden, lin[1], i, qscratch, w, int8)
     elif phase == _P_NORM2:
         _fused_add_rms_norm_rows(hidden, residual, ln2[layer], eps, x, residual, t0, t1)
     elif phase == _P_GATE_UP:
-        product_item(x, gate_up_w, layer, gate_up, lin[2], i, qscratch, w)
+        product_item(x, gate_up_w, layer, gate_up, lin[2], i, qscratch, w, int8)
     elif phase == _P_SILU:
         _silu_and_mul_rows(gate_up, act, t0, t1)
     else:
-        product_item(act, down_w, layer, hidden, lin[3], i, qscratch, w)
+        product_item(act, down_w, layer, hidden, lin[3], i, qscratch, w, int8)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+# The types of _phase_item's arguments that _layers_region makes itself (the rest are the
+# region's own arguments, or views of them): the task's index, the attention scratch
+# (attention_scratch: qs kb vb ko sc acc m l bm pm pl pacc), the products' scratch
+_F1, _F2, _F3 = (types.Array(types.float32, n, "C") for n in (1, 2, 3))
+_SCRATCH_TYPES = (_F3, _F3, _F3, types.Array(types.int64, 2, "C"), _F3, _F3, _F2, _F2, _F2, _F2, _F2, _F3, _F2)
+
+
+def _signature_key(argtypes) -> int:
+    # a check that a function address and a call site agree on the argument types (crc32 of their names)
+    return zlib.crc32(repr(tuple(argtypes)).encode())
+
+
+@intrinsic
+def _call_item(typingctx, address, key, *args):
+    # call the function compiled at int64 ``address`` with ``args`` (Numba's own calling convention,
+    # no result) if ``key`` is _signature_key of the args' types, and return True; else return False
+    # without calling. A call by address links nothing: the region's module does not carry the
+    # callee's call tree (below)
+    argtys = tuple(types.unliteral(a) for a in args)
+    expected = _signature_key(argtys)
+    star = types.StarArgTuple.from_types(args)   # how Numba passes *args
+
+    def codegen(context, builder, sig, llargs):
+        values = [context.cast(builder, v, t, u)
+                  for v, t, u in zip(cgutils.unpack_tuple(builder, llargs[2], len(args)), args, argtys)]
+        fnty = context.call_conv.get_function_type(types.none, argtys)
+        ok = builder.icmp_unsigned("==", llargs[1], ir.Constant(ir.IntType(64), expected))
+        with builder.if_then(ok):
+            fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+            status, _ = context.call_conv.call_function(builder, fn, types.none, argtys, values)
+            with cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+        return ok
+
+    return types.boolean(types.int64, types.int64, star), codegen
+
+
+def _prange_only():
+    # Numba's parallel options with only prange loops made parallel: no array expression or
+    # np.zeros of a region becomes a parallel loop of its own (each one more function compiled,
+    # wrapped and linked; the counters and item counts are a few dozen values)
+    return dict(comprehension=False, reduction=False, inplace_binop=False, setitem=False, numpy=False,
+                stencil=False, fusion=False, prange=True)
+
+
+@njit(parallel=_prange_only(), cache=True, nogil=True)
 def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w,
                    cache_addrs, cache_like, positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
-                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks):
+                   query_start_loc, H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, n_tasks, int8, item,
+                   key):
     # _layers in one parallel region: every task walks the same phases of every layer, takes
     # the items of each phase from its claim counter, and waits at the phase's end until all of
     # its items are done (never for an item nobody took: no deadlock if tasks run one by one).
@@ -254,11 +320,15 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     n_items[_P_DOWN] = product_items(T, down_w, lin[3])
     claims = np.zeros(L * _PHASES, np.int64)
     done = np.zeros(L * _PHASES, np.int64)
+    failed = np.zeros(1, np.int64)
     shape = cache_like.shape
     qs, kb, vb, ko, sc, acc, m, l, bm, pm, pl, pacc = attention_scratch(n_tasks, H, Hkv, cos_sin_cache.shape[1], shape[1],
                                                                 n_parts)
     qscratch = product_scratch(qkv_w, n_tasks, T, max(x.shape[1], attn2.shape[1], act.shape[1]))
     for w in prange(n_tasks):
+        # w as the prange index is typed in the region's body (uint64): the same type for the
+        # callees, so that typing the loop does not compile an int64 twin of them
+        wt = np.uint64(w)
         for layer in range(L):
             key_cache = carray(_ptr_at(cache_addrs[layer, 0], cache_like), shape)
             value_cache = carray(_ptr_at(cache_addrs[layer, 1], cache_like), shape)
@@ -268,15 +338,74 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
                     i = atomic_add(claims, k, 1)
                     if i >= n_items[phase]:
                         break
-                    # w as the prange index is typed in the region's body (uint64): the same
-                    # type here, so that typing the loop does not compile an int64 twin
-                    _phase_item(phase, i, layer, np.uint64(w), residual, hidden, x, qkv, q, attn, attn2, gate_up,
-                                act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_cache, value_cache,
-                                positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H,
-                                Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc, m, l, bm,
-                                pm, pl, pacc, qscratch)
+                    # item i of this phase on task wt's scratch (_phase_item, called at its address)
+                    if not _call_item(item, key, phase, i, layer, wt, residual, hidden, x, qkv, q, attn, attn2,
+                                      gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, key_cache, value_cache,
+                                      positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                                      H, Hkv, eps, qscale, lin, rows_per_item, items, n_parts, qs, kb, vb, ko, sc, acc,
+                                      m, l, bm, pm, pl, pacc, qscratch, int8):
+                        failed[0] = 1
                     atomic_add(done, k, 1)
                 wait_items_done(done, k, n_items[phase])
+    if failed[0]:
+        raise RuntimeError("decoder_layers: the layer item function does not take the region's argument types")
+
+
+@njit(parallel=_prange_only(), cache=True, nogil=True)
+def _product_region(x, address, qtype, out, n_tasks, entry, key):
+    # out = x @ W.T, W the out.shape[1] rows of GGUF blocks (kernel type qtype) at address, in one
+    # region: items of quant_item_rows(T, K) rows claimed from a counter, each computed by the
+    # products' entry (quant_task_rows_f32, or quant_task_rows: called at its address, as
+    # _layers_region calls _phase_item), as quant_linear_into's items: its rows bit for bit
+    T, K = x.shape
+    N = out.shape[1]
+    rows = quant_item_rows(T, K)
+    n = (N + rows - 1) // rows
+    data = carray(_u8_at(address), (N, _row_bytes(qtype, K)))
+    claims = np.zeros(1, np.int64)
+    failed = np.zeros(1, np.int64)
+    qscratch = quant_scratch(n_tasks, T, K)
+    for task in prange(n_tasks):
+        wt = np.uint64(task)   # the prange index's type in the region's body, as in _layers_region
+        while True:
+            i = atomic_add(claims, 0, 1)
+            if i >= n:
+                break
+            if not _call_item(entry, key, x, data, qtype, out, 0, qscratch, wt, i * rows, min(N, (i + 1) * rows)):
+                failed[0] = 1
+    if failed[0]:
+        raise RuntimeError("quantized_linear: the products' entry does not take the region's argument types")
+
+
+def quantized_linear(x, weight: QuantizedWeight, out=None):
+    """``x [T, K]`` float32 @ ``dequantize(weight)``.T -> ``[T, N]`` float32 for a ``QuantizedWeight``
+    (the CPU table's ``linear``; ``lm_head``): ``quant_linear``'s result, bit for bit. With two
+    tasks or more (``quant_linear_tasks``) it runs as a phase of the layer loop does
+    (``_product_region``: the same work items and entry, ``product_item``), so a server compiles the
+    products' kernels once, in the signature the layers call them with, and not again in
+    ``quant_linear_into``'s (a read-only mapped table, literal arguments: ~10 CPU s of a cold start);
+    otherwise, and for arguments it does not take as they are, ``quant_linear``, which checks them.
+
+    Raises:
+        what ``quant_linear`` raises (``UnsupportedQuantType``, ``ValueError``).
+    """
+    data, (N, K) = weight.data, weight.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != K or x.shape[0] == 0 or quant_linear_tasks(N, K, num_threads()) < 2 or \
+            not (data.flags.c_contiguous and data.dtype == np.uint8 and data.shape[0] == N) or \
+            not (out is None or out.shape == (x.shape[0], N) and out.dtype == np.float32 and out.flags.c_contiguous):
+        return quant_linear(x, data, weight.qtype, out, activations=weight.activations)
+    _check_weight(data, weight.qtype, K)   # the rows' size in bytes
+    if out is None:
+        out = np.empty((x.shape[0], N), np.float32)
+    entry = quant_task_rows if weight.activations == "int8" else quant_task_rows_f32   # see product_item
+    f2 = types.Array(types.float32, 2, "C")
+    sig = (f2, types.Array(types.uint8, 2, "C"), types.int64, f2, types.int64, f2, types.uint64, types.int64,
+           types.int64)
+    with region_guard():
+        _product_region(x, data.ctypes.data, quant_kernel_type(weight.qtype, weight.activations), out, num_threads(),
+                        *_function_at(entry, sig))
+    return out
 
 
 @intrinsic
@@ -298,6 +427,49 @@ def _ptr_at(typingctx, address, like):
 
 def _int64(a):
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+_items = {}   # (weights' types, cache dtype, int8) -> (_phase_item's address, its _signature_key)
+
+
+def _item_function(step, int8):
+    # (address, key) of _phase_item compiled (or loaded from Numba's cache) for the argument types
+    # _layers_region calls it with, for a step's region arguments (step: decoder_layers' tuple);
+    # the types the region makes itself are _SCRATCH_TYPES, the caches' views are C arrays of the
+    # cache's dtype. Kept per weights' types, cache dtype and int8: the buffers are C-contiguous
+    # float32 and the metadata int64 for every step (a mismatch raises in the region, never calls)
+    (residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w, _, cache_like,
+     positions, cos_sin_cache, slot_mapping, block_tables, seq_lens, query_start_loc, H, Hkv, eps, qscale, lin) = step
+    k = (typeof(qkv_w), typeof(ln1), cache_like.dtype, int8 is None)
+    found = _items.get(k)
+    if found is None:
+        cache = types.Array(typeof(cache_like).dtype, 4, "C")
+        attn2 = types.Array(types.float32, 2, "C")
+        sig = ((types.int64, types.int64, types.int64, types.uint64)
+               + tuple(typeof(a) for a in (residual, hidden, x, qkv, q, attn)) + (attn2,)
+               + tuple(typeof(a) for a in (gate_up, act, ln1, qkv_w, o_w, ln2, gate_up_w, down_w))
+               + (cache, cache)
+               + tuple(typeof(a) for a in (positions, cos_sin_cache, slot_mapping, block_tables, seq_lens,
+                                           query_start_loc, H, Hkv, eps, qscale, lin))
+               + (types.int64, types.Array(types.int64, 2, "C"), types.int64) + _SCRATCH_TYPES + (typeof(int8),))
+        found = _items[k] = _function_at(_phase_item, sig)
+    return found
+
+
+_addresses = {}   # (dispatcher, signature) -> _function_at's answer
+
+
+def _function_at(fn, sig):
+    # (address, _signature_key) of the compiled function ``fn`` (a Numba dispatcher) for the
+    # argument types ``sig``, compiled or loaded from Numba's cache the first time (_call_item's
+    # arguments)
+    found = _addresses.get((fn, sig))
+    if found is None:
+        fn.compile(sig)
+        cres = fn.overloads[sig]
+        found = _addresses[(fn, sig)] = (cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name),
+                                         _signature_key(sig))
+    return found
 
 
 _cache_table = ((), None)   # (weak references to the KV cache arrays, their addresses [L, 2]) of the last step
@@ -330,6 +502,7 @@ class QuantizedStack:
         shape: ``(N, K)``: the product's output columns (the segments' rows together) and inputs.
         weights: the ``QuantizedWeight`` segments per layer, kept alive (the table holds only
             their addresses).
+        int8: whether int8 activations were asked for some segment (``QuantizedWeight.activations``).
     """
 
     def __init__(self, layers):
@@ -346,6 +519,7 @@ class QuantizedStack:
                 table[li, s] = w.data.ctypes.data, quant_kernel_type(w.qtype, w.activations), w.shape[0], column
                 column += w.shape[0]
         self.table, self.shape, self.weights = table, (sum(rows), K), layers
+        self.int8 = any(w.activations == "int8" for segments in layers for w in segments)
 
 
 def stack_quantized(layers) -> QuantizedStack:
@@ -409,8 +583,10 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     if quantized:   # every product's plan is its segments' row blocks (product_items) of rows of K values
         lin = np.zeros((4, 3), np.int64)
         lin[:, 0] = hid, b["attn"].shape[1] * b["attn"].shape[2], hid, b["act"].shape[1]
+        int8 = True if any(weights[name].int8 for name in products) else None   # see product_item
     else:
         lin = np.array([linear_plan(T, weights[name].shape[1:], threads) for name in products], dtype=np.int64)
+        int8 = None
     key_cache = kv_caches[0][0]
     items, n_parts, attn_tasks = plan(seq_lens, query_start_loc, num_heads, num_kv_heads, D, key_cache.shape[1],
                                       threads)
@@ -425,7 +601,7 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             query_start_loc, num_heads, num_kv_heads, float(eps), np.float32(scale * LOG2E), lin)
     with region_guard():   # the layers run without the GIL: see region_guard
         if region:
-            _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads)
+            _layers_region(*step, rows._ROWS_PER_ITEM, items, n_parts, threads, int8, *_item_function(step, int8))
         else:
             _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
                     row_tasks(b["gate_up"].size, T, threads), rows._ROWS_PER_ITEM, items, n_parts, attn_tasks)

@@ -102,7 +102,7 @@ from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, re
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
            "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "int8_max_tokens", "ACTIVATIONS",
-           "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS"]
+           "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS", "quant_task_rows_f32"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
@@ -498,6 +498,16 @@ def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
             int8_rows(x, w, qtype - INT8_ACTIVATIONS, out, col0, s, r0, r1)
             return
         qtype -= INT8_ACTIVATIONS
+    quant_task_rows_f32(x, w, qtype, out, col0, scratch, task, r0, r1)
+
+
+@njit(cache=True)
+def quant_task_rows_f32(x, w, qtype, out, col0, scratch, task, r0, r1):
+    """``quant_task_rows`` for a GGML type id (float32 activations): its call tree holds none of the
+    integer kernels, so a caller whose weights never take int8 activations compiles none of them
+    (``kernels/cpu/forward.py``)."""
+    T, K = x.shape
+    s = scratch[task]
     if _FUSED and T <= FUSED_MAX_TOKENS and (qtype == Q4_1 or qtype == Q8_0 or qtype == Q4_0 or qtype == Q4_K
                                              or qtype == Q5_K or qtype == Q6_K):
         fused_rows(x, w, qtype, out, col0, s, r0, r1)

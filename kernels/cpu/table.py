@@ -19,11 +19,11 @@ import numpy as np
 from .. import reference
 from ..quant_reference import QuantizedWeight
 from .attention import paged_attention
-from .forward import decoder_layers, stack_quantized
+from .forward import decoder_layers, quantized_linear, stack_quantized
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear as _float_linear
 from .memory import huge_page_zeros
-from .quant_linear import quant_embedding, quant_linear
+from .quant_linear import quant_embedding
 from .rows import (copy_blocks, fused_add_rms_norm, reshape_and_cache, rms_norm, rope_and_cache, rotary_embedding,
                    silu_and_mul)
 from .rows import embedding as _float_embedding
@@ -32,9 +32,10 @@ from .rows import prepare_weight as _float_prepare_weight
 
 def linear(x, weight, out=None):
     """``x [T, K]`` float32 @ ``weight``.T -> ``[T, N]`` float32: ``weight`` a float32 ``[N, K]`` array
-    (``linear.linear``) or a ``QuantizedWeight`` (``quant_linear``: its GGUF blocks read as stored)."""
+    (``linear.linear``) or a ``QuantizedWeight`` (``forward.quantized_linear``, ``quant_linear``'s
+    result: its GGUF blocks read as stored, through the layer loop's compiled product items)."""
     if isinstance(weight, QuantizedWeight):
-        return quant_linear(x, weight.data, weight.qtype, out, activations=weight.activations)
+        return quantized_linear(x, weight, out)
     return _float_linear(x, weight, out)
 
 

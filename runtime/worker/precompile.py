@@ -12,9 +12,20 @@ name, and one index then names the other's code (``numba/core/caching.py``,
 ``IndexDataCacheFile.save``: read the index, pick the first free name, write). So the jobs come
 in groups whose call trees share no compiled function (``GROUPS``); a group runs in one process,
 in order, and a group that compiles signatures of another group's functions or links them waits
-for it (``AFTER``): the layer loop (``forward._phase_item`` / ``_layers_region``), which links the
-attention, product and row kernels, compiles its own two functions after them, loading theirs,
-while the other process compiles what only the steps' Python code calls (``LANES``).
+for it (``AFTER``): the layer loop's work item (``forward._phase_item``), which links the
+attention, product and row kernels, compiles after them, loading theirs, while the other process
+compiles what only the steps' Python code calls and the parallel regions (``LANES``).
+
+What a cold start compiles is kept small (issue 31): Numba links every callee's LLVM module into
+its caller and optimizes and code-generates the whole tree again for each compiled function (a
+parallel region four times: the loop body, two gufunc wrappers, the function), so the cost is a
+tree's size times the levels above it. Hence: the regions call their item function at its address
+instead of linking it (``forward._call_item``); the products' entry leaves out the integer kernels
+unless int8 activations were asked for (variant ``quantized-int8``); one signature per function
+(``lm_head`` runs the layers' product entry, ``forward.quantized_linear``); ``attention_item``
+inlined; no parallel loops besides the ``prange``. Measured as the LLVM instructions each
+library hands to the optimizer, summed over the default model's jobs: 349k before, 115k after
+(``perf/startup.py`` has the times).
 
 The KV caches are the jobs' only 4-D arrays (``F4``): float32, or with ``--kv-cache-dtype
 bfloat16`` uint16 (``kernels/cpu/kv_dtype.py``). ``precompile`` compiles the variants of the
@@ -55,7 +66,7 @@ class Job:
     function: str
     signature: str       # argument types, in the names of ``_types()`` (F2: C-contiguous float32 2-D, ...)
     group: str           # jobs of one group run in one process, in order (shared callees)
-    seconds: float       # rough cost on a cold cache (2-vCPU EPYC, busy): the progress bar's weight
+    seconds: float       # rough cost on a cold cache (2-vCPU EPYC, load ~3): the progress bar's weight
     what: str            # for people
 
     @property
@@ -80,69 +91,86 @@ def _types(kv_cache_dtype: str = "auto") -> dict:
             "F4": a(_kv_dtype(kv_cache_dtype), 4, "C"), "I1": a(types.int64, 1, "C"), "I2": a(types.int64, 2, "C"),
             "I3": a(types.int64, 3, "C"), "U2": a(types.uint8, 2, "C"),
             "U2r": a(types.uint8, 2, "C", readonly=True),   # a read-only memory-mapped GGUF tensor
-            "i64": types.int64, "u64": types.uint64, "f64": types.float64, "f32": types.float32}
+            "i64": types.int64, "u64": types.uint64, "f64": types.float64, "f32": types.float32,
+            "none": types.none, "b1": types.boolean}
 
 
-_ATTENTION_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3 I2 i64 F2 F2 F2 I1 F2 F2 F1 F1 F1 F2 F2 F3"
+# attention.attention_item's two kinds of item (it is inlined into the region): q, the caches, step
+# metadata, scale, out; the item's fields; the task's scratch rows
+_ATTEND_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64  F2 F2 F2 I1 F2 F2 F1 F1"
+_DECODE_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64 i64 i64 i64 i64  F2 F2 F2 F1 F1 F1 F2 F2 F3"
 # forward._phase_item: phase, i, layer, task; buffers (residual, hidden, x, qkv, q, attn, attn2,
-# gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch
 # gate_up, act); stacked weights; one layer's caches; step metadata; attention scratch; product
-# scratch (a placeholder with float32 weights)
+# scratch (a placeholder with float32 weights); int8 ({A}: none, or b1 where products take int8
+# activations: forward.product_item)
 _PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  {W}  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
-               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3 F2")
-# forward._layers_region: buffers, stacked weights, cache addresses and a cache, step metadata
-_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  {W}  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64"
+               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3 F2 {A}")
+# forward._layers_region: buffers, stacked weights, cache addresses and a cache, step metadata,
+# tasks, int8, and _phase_item's address and signature key
+_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  {W}  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64 {A} i64 i64"
 # the stacked weights (ln1, qkv, o, ln2, gate_up, down): float32 stacks, or QuantizedStack tables
 _FLOAT_WEIGHTS = "F2 F3 F3 F2 F3 F3"
 _QUANT_WEIGHTS = "F2 I3 I3 F2 I3 I3"
 
 _SHARED_JOBS = (
-    Job("attention", "attention_item", _ATTENTION_ITEM, "attention", 18, "paged attention: prefill tiles and decode items"),
-    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "attention", 2.5,
+    Job("attention", "_decode_item", _DECODE_ITEM, "attention", 7.5, "paged attention: decode items"),
+    Job("attention", "_attend_item", _ATTEND_ITEM, "attention", 6, "paged attention: prefill tiles"),
+    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "attention", 4, "paged attention: work plan"),
+    Job("attention", "finish_attention", "I2 i64 i64 F2 F2 F3 I1 F3", "linear", 3.5,
         "paged attention: merge of key partitions"),
-    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.5, "RMSNorm"),
-    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 1, "residual add + RMSNorm"),
-    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.7,
+    Job("rows", "_rms_norm_rows", "F2 F1 f64 F2 i64 i64", "linear", 0.4, "RMSNorm"),
+    Job("rows", "_fused_add_rms_norm_rows", "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 0.4, "residual add + RMSNorm"),
+    Job("rows", "_rope_and_cache_rows", "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.1,
         "RoPE and KV-cache append"),
-    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.5, "SwiGLU"),
-    Job("attention", "attention_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1.2, "paged attention: scratch buffers"),
-    Job("forward", "wait_items_done", "I1 i64 i64", "linear", 0.2, "decoder layers: phase barrier"),
+    Job("rows", "_silu_and_mul_rows", "F2 F2 i64 i64", "linear", 0.3, "SwiGLU"),
+    Job("attention", "attention_scratch", "i64 i64 i64 i64 i64 i64", "linear", 1, "paged attention: scratch buffers"),
+    Job("forward", "wait_items_done", "I1 i64 i64", "linear", 0.1, "decoder layers: phase barrier"),
 )
 _LAST_JOBS = (
-    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 2.5,
+    Job("rows", "fused_add_rms_norm_into", "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 1.8,
         "residual add + RMSNorm, parallel region (final norm)"),
-    Job("attention", "_plan", "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "rest", 6.5, "paged attention: work plan"),
-    Job("rows", "_copy_blocks_kernel", "F4 I2", "rest", 0.5, "KV block copies (copy-on-write)"),
+    Job("rows", "_copy_blocks_kernel", "F4 I2", "rest", 0.1, "KV block copies (copy-on-write)"),
 )
+def _quantized_jobs(int8: bool) -> tuple:
+    # weights in GGUF types: the products' entry (forward.product_item) is quant_task_rows_f32, or
+    # with int8 activations quant_task_rows (which calls it too); the regions' int8 argument is
+    # None, or True
+    a = "b1" if int8 else "none"
+    return (
+        Job("quant_linear", "quant_task_rows" if int8 else "quant_task_rows_f32", "F2 U2 i64 F2 i64 F2 u64 i64 i64",
+            "linear", 11 if int8 else 8.5, "matrix products from GGUF blocks"),
+        Job("quant_linear", "quant_item_rows", "i64 i64", "linear", 0.1, "matrix products: rows per item"),
+        Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.1, "matrix products: scratch"),
+        Job("forward", "_row_bytes", "i64 i64", "linear", 0.1, "GGUF row sizes"),
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS, A=a), "layers", 11,
+            "decoder layers: one work item of a phase"),
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS, A=a), "rest", 6,
+            "decoder layers: one parallel region per step"),
+        Job("forward", "_product_region", "F2 i64 i64 F2 i64 i64 i64", "rest", 1,
+            "matrix products from GGUF blocks, parallel region (lm_head)"),
+        Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 3, "embedding rows from GGUF blocks"),
+    )
+
+
 _VARIANT_JOBS = {
     "float32": (
         Job("linear", "linear_item", "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products"),
         Job("linear", "linear_items", "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items"),
-        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_FLOAT_WEIGHTS), "layers", 8,
+        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_FLOAT_WEIGHTS, A="none"), "layers", 10,
             "decoder layers: one work item of a phase"),
-        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_FLOAT_WEIGHTS), "layers", 30,
+        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_FLOAT_WEIGHTS, A="none"), "rest", 6,
             "decoder layers: one parallel region per step"),
         Job("linear", "linear_into", "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)"),
     ),
     # weights in GGUF types (a .gguf file served as stored, 16-bit safetensors, --quantization):
     # the products read GGUF blocks; lm_head and the embedding are a read-only mapped tensor
-    "quantized": (
-        Job("quant_linear", "quant_task_rows", "F2 U2 i64 F2 i64 F2 u64 i64 i64", "linear", 14,
-            "matrix products from GGUF blocks"),
-        Job("quant_linear", "quant_item_rows", "i64 i64", "linear", 0.2, "matrix products: rows per item"),
-        Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.3, "matrix products: scratch"),
-        Job("forward", "_row_bytes", "i64 i64", "linear", 0.1, "GGUF row sizes"),
-        Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS), "layers", 8,
-            "decoder layers: one work item of a phase"),
-        Job("forward", "_layers_region", _LAYERS_REGION.format(W=_QUANT_WEIGHTS), "layers", 30,
-            "decoder layers: one parallel region per step"),
-        Job("quant_linear", "quant_linear_into", "F2 U2r i64 F2 F2 i64", "rest", 10,
-            "matrix products from GGUF blocks, parallel region (lm_head)"),
-        Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 3, "embedding rows from GGUF blocks"),
-    ),
+    "quantized": _quantized_jobs(int8=False),
+    # the same with --activation-quantization int8: the products' entry with the integer kernels
+    "quantized-int8": _quantized_jobs(int8=True),
 }
 VARIANTS = tuple(_VARIANT_JOBS)
-"""The weight layouts a worker can run: float32 stacks, or weights in GGUF types."""
+"""The weight layouts a worker can run: float32 stacks, or weights in GGUF types (products with
+float32 activations, or with ``--activation-quantization int8``)."""
 
 
 def jobs(variant: str = "float32") -> tuple:
@@ -161,10 +189,11 @@ GROUPS = tuple(dict.fromkeys(j.group for j in JOBS))
 LAST_GROUP = "layers"
 AFTER = {"layers": ("attention", "linear"), "rest": ("linear",)}
 """The groups each group waits for. ``layers`` links the functions of ``attention`` and
-``linear`` (it runs after them, loading them, and compiles only its own two); ``rest`` compiles
-signatures of functions that ``linear`` compiled too (``linear_item`` called with literal
-arguments by ``linear_into``, the row kernels under ``fused_add_rms_norm_into``): it runs after
-``linear`` in the same process, beside ``layers``, which only loads them."""
+``linear`` (it runs after them, loading them, and compiles only its own item function); ``rest``
+compiles signatures of functions that ``linear`` compiled too (``linear_item`` called with literal
+arguments by ``linear_into``, the row kernels under ``fused_add_rms_norm_into``) and the regions,
+which link its scratch and counter functions: it runs after ``linear`` in the same process, beside
+``layers``, which only loads them."""
 LANES = (("attention", "layers"), ("linear", "rest"))
 """The groups of each process, in order, with two processes (one process: all of them, in
 ``GROUPS`` order after ``AFTER``)."""
@@ -197,13 +226,16 @@ def needed(device: str = "cpu") -> bool:
 
 
 def weights_variant(model: str, dtype: str = "auto", quantization: str | None = None,
-                    load_format: str = "auto") -> str:
+                    load_format: str = "auto", activation_quantization: str | None = None) -> str:
     """The ``VARIANTS`` entry a CPU worker of this model runs: ``"quantized"`` where the weights are
     served in GGUF / 16-bit types (``model.loader.load_model``'s rules: ``--dtype auto`` with a GGUF
-    file or 16-bit safetensors, or ``--quantization``), else ``"float32"``. Reads only the model's
-    import folder and safetensors headers (the import is made if absent)."""
+    file or 16-bit safetensors, or ``--quantization``), ``"quantized-int8"`` for those with
+    ``activation_quantization="int8"``, else ``"float32"``. Reads only the model's import folder and
+    safetensors headers (the import is made if absent)."""
     from ...model.loader import serves_quantized
-    return "quantized" if serves_quantized(model, dtype, quantization, load_format) else "float32"
+    if not serves_quantized(model, dtype, quantization, load_format):
+        return "float32"
+    return "quantized-int8" if activation_quantization == "int8" else "quantized"
 
 
 def _dispatcher(job: Job, kv_cache_dtype: str = "auto"):
@@ -460,7 +492,8 @@ def precompile_for(config, say: Callable[[str], None], stream=None) -> dict | No
     without compiling or spawning anything); else None at once."""
     if not needed(config.device):
         return None
-    variant = weights_variant(config.model, config.dtype, config.quantization, config.load_format)
+    variant = weights_variant(config.model, config.dtype, config.quantization, config.load_format,
+                              config.activation_quantization)
     if all(in_cache(job, config.kv_cache_dtype) for job in jobs(variant)):
         return None
     return precompile_with_progress(say, stream, variant=variant, kv_cache_dtype=config.kv_cache_dtype)
