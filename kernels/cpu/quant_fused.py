@@ -32,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant_reference import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-from .quant_int8 import _NT, _RES, _c64, _call, _k_scales_v8, _lane_splat, _q5k_high_bits, _splat
+from .quant_int8 import _NT, _RES, _c64, _call, _k_codes, _k_scales_v8, _lane_splat, _load, _q6k_codes, _splat
 
 __all__ = ["FUSED_TYPES", "FUSED_MAX_TOKENS", "fused_rows"]
 
@@ -47,6 +47,19 @@ _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _FL, _HALF = ir.FloatType(), ir.HalfType()
 _V32I8, _V16I16, _V32I32, _V32F = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 32),
                                    ir.VectorType(_FL, 32))
+
+
+def _store_sums(builder, sf, accs, vt):
+    """Each token's accumulators (``accs[i]``: one or more ``vt`` float vectors) summed into one
+    float32, into ``sf[_RES + i]`` (float32*)."""
+    reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FL, [_FL, vt]),
+                                            f"llvm.vector.reduce.fadd.v{vt.count}f32")
+    for i, sets in enumerate(accs):
+        acc = builder.load(sets[0])
+        for a in sets[1:]:
+            acc = builder.fadd(acc, builder.load(a))
+        total = builder.call(reduce, [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
+        builder.store(total, builder.gep(sf, [_c64(_RES + i)]))
 
 
 def _make_fdot(kind: str, nt: int):
@@ -119,14 +132,7 @@ def _make_fdot(kind: str, nt: int):
                     block(builder.add(g0, _c64(k)), acc_sets[k % sets])
             with cgutils.for_range(builder, builder.sub(n32, builder.mul(n8, _c64(8)))) as loop:
                 block(builder.add(builder.mul(n8, _c64(8)), loop.index), acc_sets[0])
-            for i in range(nt):
-                acc = builder.load(acc_sets[0][i])
-                for k in range(1, sets):
-                    acc = builder.fadd(acc, builder.load(acc_sets[k][i]))
-                total = builder.call(cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(_FL, [_FL, _V32F]), "llvm.vector.reduce.fadd.v32f32"),
-                    [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
-                builder.store(total, builder.gep(sf, [_c64(_RES + i)]))
+            _store_sums(builder, sf, [[acc_sets[k][i] for k in range(sets)] for i in range(nt)], _V32F)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -167,7 +173,7 @@ def _make_fdot_superblock(kind: str, nt: int):
             v32i8 = _V32I8
 
             def load(ptr, off, ty):
-                return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
+                return _load(builder, ptr, off, ty)
 
             def fma_into(sb, wvals, xbs, k):
                 # the decoded values of sub-block sb (at value k of the superblock) into every token
@@ -187,41 +193,23 @@ def _make_fdot_superblock(kind: str, nt: int):
                     v8f = ir.VectorType(_FL, 8)
                     d1 = builder.fmul(_splat(builder, d, v8f), builder.sitofp(sc, v8f))
                     negm = builder.fneg(builder.fmul(_splat(builder, dmin, v8f), builder.sitofp(mn, v8f)))
-                    qs0 = 16 if kind == "q4_k" else 48
-                    qh = load(ob, _c64(16), v32i8) if kind == "q5_k" else None
-                    for c in range(4):
-                        q = load(ob, _c64(qs0 + 32 * c), _V16I16)
-                        lo = builder.and_(builder.bitcast(q, v32i8), ir.Constant(v32i8, [15] * 32))
-                        hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), v32i8),
-                                          ir.Constant(v32i8, [15] * 32))
-                        for nib, codes in enumerate((lo, hi)):
-                            sb = 2 * c + nib
-                            if qh is not None:
-                                # Q5_K: bit 4 of value l of sub-block sb is bit sb of qh[l]
-                                codes = builder.or_(codes, _q5k_high_bits(builder, qh, sb))
-                            f = builder.sitofp(builder.zext(codes, _V32I32), _V32F)
-                            # d1 * q is exact (11-bit d x 6-bit sc x 4- or 5-bit q < 24 bits), so the
-                            # one rounding of the fused multiply-add is the reference's subtraction
-                            wvals = _call(builder, "llvm.fma.v32f32", _V32F, [
-                                _lane_splat(builder, d1, sb, 32), f, _lane_splat(builder, negm, sb, 32)])
-                            fma_into(sb, wvals, xb, 32 * sb)
+                    for sb, codes in enumerate(_k_codes(builder, ob, kind)):
+                        f = builder.sitofp(builder.zext(codes, _V32I32), _V32F)
+                        # d1 * q is exact (11-bit d x 6-bit sc x 4- or 5-bit q < 24 bits), so the
+                        # one rounding of the fused multiply-add is the reference's subtraction
+                        wvals = _call(builder, "llvm.fma.v32f32", _V32F, [
+                            _lane_splat(builder, d1, sb, 32), f, _lane_splat(builder, negm, sb, 32)])
+                        fma_into(sb, wvals, xb, 32 * sb)
                 else:  # q6_k
                     d = builder.fpext(load(ob, _c64(208), _HALF), _FL)
                     v16f = ir.VectorType(_FL, 16)
                     scv = builder.sitofp(builder.sext(load(ob, _c64(192), ir.VectorType(_I8, 16)),
                                                       ir.VectorType(_I32, 16)), v16f)
                     ds = builder.fmul(_splat(builder, d, v16f), scv)
+                    q6 = _q6k_codes(builder, ob)
                     for h in range(2):
-                        a = load(ob, _c64(64 * h), v32i8)
-                        bq = load(ob, _c64(64 * h + 32), v32i8)
-                        qh = load(ob, _c64(128 + 32 * h), v32i8)
                         for g in range(4):
-                            src = a if g % 2 == 0 else bq
-                            lo = builder.and_(src, ir.Constant(v32i8, [15] * 32)) if g < 2 else \
-                                builder.lshr(src, ir.Constant(v32i8, [4] * 32))
-                            hb = builder.and_(builder.lshr(qh, ir.Constant(v32i8, [2 * g] * 32)),
-                                              ir.Constant(v32i8, [3] * 32))
-                            codes = builder.or_(lo, builder.shl(hb, ir.Constant(v32i8, [4] * 32)))
+                            codes = q6[4 * h + g]
                             # q - 32 in bytes (-32..31), then widened with its sign
                             codes = builder.sext(builder.sub(codes, ir.Constant(v32i8, [32] * 32)), _V32I32)
                             s0 = 8 * h + 2 * g
@@ -229,14 +217,7 @@ def _make_fdot_superblock(kind: str, nt: int):
                                                                                [s0] * 16 + [s0 + 1] * 16))
                             wvals = builder.fmul(scale, builder.sitofp(codes, _V32F))
                             fma_into(g, wvals, xb, 128 * h + 32 * g)
-            for i in range(nt):
-                acc = builder.load(accs[i][0])
-                for k in range(1, sets):
-                    acc = builder.fadd(acc, builder.load(accs[i][k]))
-                total = builder.call(cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(_FL, [_FL, _V32F]), "llvm.vector.reduce.fadd.v32f32"),
-                    [ir.Constant(_FL, 0.0), acc], fastmath=("reassoc",))
-                builder.store(total, builder.gep(sf, [_c64(_RES + i)]))
+            _store_sums(builder, sf, accs, _V32F)
             return context.get_dummy_value()
 
         return sig, codegen

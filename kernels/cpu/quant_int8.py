@@ -181,6 +181,65 @@ def _udot(builder, codes, xv):
     return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)])
 
 
+def _idot_signature(w, s):
+    # the integer intrinsics' (w, woff, s, t0, T, K): uint8 weights, a float32 scratch row
+    if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+            and s.dtype == types.float32):
+        return None
+    return types.void(w, types.int64, s, types.int64, types.int64, types.int64)
+
+
+def _scratch_layout(builder, Tv, Kv):
+    """``quantize_activations``' layout in IR: ``(n32, xd0, xs0, xq0, xb0)``, the blocks per token
+    and where the scales, the sums (float32 slots), the codes and the half sums (bytes) start."""
+    n32 = builder.udiv(Kv, _c64(INT8_BLOCK))
+    xd0 = _c64(_XD)
+    xs0 = builder.add(xd0, builder.mul(Tv, n32))
+    xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))
+    xb0 = builder.add(xq0, builder.mul(builder.mul(Tv, n32), _c64(INT8_BLOCK)))
+    return n32, xd0, xs0, xq0, xb0
+
+
+def _load(builder, ptr, off, ty):
+    # a value of type ty at element offset off of ptr, unaligned
+    return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
+
+
+def _k_codes(builder, ob, kind):
+    """Q4_K / Q5_K: the 8 sub-blocks' codes (``<32 x i8>`` each, 0..15 or 0..31) of the superblock
+    at ``ob`` (i8*): sub-block ``2c`` the low nibbles of ``qs[32c : 32c + 32]``, ``2c + 1`` the high
+    ones; Q5_K's fifth bits from ``qh``."""
+    qs0 = 16 if kind == "q4_k" else 48
+    m15 = ir.Constant(_V32I8, [15] * 32)
+    codes = []
+    for c in range(4):
+        q = _load(builder, ob, _c64(qs0 + 32 * c), _V16I16)
+        codes.append(builder.and_(builder.bitcast(q, _V32I8), m15))
+        codes.append(builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8), m15))
+    if kind == "q5_k":
+        qh = _load(builder, ob, _c64(16), _V32I8)
+        codes = [builder.or_(codes[j], _q5k_high_bits(builder, qh, j)) for j in range(8)]
+    return codes
+
+
+def _q6k_codes(builder, ob):
+    """Q6_K: the codes (``<32 x i8>``, 0..63) of the superblock at ``ob`` (i8*) by 32 values, in
+    value order: values ``128 h + 32 g + l`` take their low 4 bits from ``ql[64 h + 32 (g & 1) + l]``
+    (nibble ``g >> 1``) and their high 2 from ``qh[32 h + l] >> 2 g``."""
+    codes = []
+    for h in range(2):
+        a = _load(builder, ob, _c64(64 * h), _V32I8)
+        bq = _load(builder, ob, _c64(64 * h + 32), _V32I8)
+        qh = _load(builder, ob, _c64(128 + 32 * h), _V32I8)
+        for g in range(4):
+            src = a if g % 2 == 0 else bq
+            lo = builder.and_(src, ir.Constant(_V32I8, [15] * 32)) if g < 2 else \
+                builder.lshr(src, ir.Constant(_V32I8, [4] * 32))
+            hb = builder.and_(builder.lshr(qh, ir.Constant(_V32I8, [2 * g] * 32)), ir.Constant(_V32I8, [3] * 32))
+            codes.append(builder.or_(lo, builder.shl(hb, ir.Constant(_V32I8, [4] * 32))))
+    return codes
+
+
 def _make_idot(kind: str, nt: int):
     """An intrinsic: the dot products of one weight row with ``nt`` tokens' quantized activations.
 
@@ -188,20 +247,16 @@ def _make_idot(kind: str, nt: int):
     ``s`` (``quantize_activations``'s layout for ``T`` tokens of ``K`` values), tokens ``t0 .. t0 + nt - 1``; writes the ``nt`` sums to ``s[_RES + i]``."""
 
     def impl(typingctx, w, woff, s, t0, T, K):
-        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
-                and s.dtype == types.float32):
+        sig = _idot_signature(w, s)
+        if sig is None:
             return None
-        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64)
 
         def codegen(context, builder, sg, args):
             wv, woffv, sv, t0v, Tv, Kv = args
             wp = context.make_array(sg.args[0])(context, builder, wv).data                 # i8*
             sf = context.make_array(sg.args[2])(context, builder, sv).data                 # float*
             sbytes = builder.bitcast(sf, _I8.as_pointer())
-            n32 = builder.udiv(Kv, _c64(INT8_BLOCK))
-            xd0 = _c64(_XD)
-            xs0 = builder.add(xd0, builder.mul(Tv, n32))
-            xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))             # byte offset
+            n32, xd0, xs0, xq0, _ = _scratch_layout(builder, Tv, Kv)
             # one set of accumulators per token; two for one token, blocks alternating between them
             # (the fused multiply-add chains of 4 cycles per block would bound a single set)
             sets = 2 if nt == 1 else 1
@@ -393,21 +448,16 @@ def _make_idot_superblock(kind: str, nt: int):
     one ``<8 x float>`` multiply-add per superblock and token."""
 
     def impl(typingctx, w, woff, s, t0, T, K):
-        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
-                and s.dtype == types.float32):
+        sig = _idot_signature(w, s)
+        if sig is None:
             return None
-        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64)
 
         def codegen(context, builder, sg, args):
             wv, woffv, sv, t0v, Tv, Kv = args
             wp = context.make_array(sg.args[0])(context, builder, wv).data
             sf = context.make_array(sg.args[2])(context, builder, sv).data
             sbytes = builder.bitcast(sf, _I8.as_pointer())
-            n32 = builder.udiv(Kv, _c64(INT8_BLOCK))
-            xd0 = _c64(_XD)
-            xs0 = builder.add(xd0, builder.mul(Tv, n32))
-            xq0 = builder.mul(builder.add(xs0, builder.mul(Tv, n32)), _c64(4))
-            xb0 = builder.add(xq0, builder.mul(builder.mul(Tv, n32), _c64(INT8_BLOCK)))   # byte offset
+            n32, xd0, xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
             v8f = ir.VectorType(_FL, 8)
             zero8 = ir.Constant(v8f, [0.0] * 8)
             accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(nt)]
@@ -427,16 +477,7 @@ def _make_idot_superblock(kind: str, nt: int):
                     sc, mn = _k_scales_v8(builder, load(ob, _c64(4), ir.VectorType(_I8, 16)))
                     wscale = builder.fmul(_splat(builder, d, v8f), builder.sitofp(sc, v8f))
                     wmin = builder.fmul(_splat(builder, dmin, v8f), builder.sitofp(mn, v8f))
-                    codes = []
-                    qs0 = 16 if kind == "q4_k" else 48
-                    for c in range(4):
-                        q = load(ob, _c64(qs0 + 32 * c), _V16I16)
-                        codes.append(builder.and_(builder.bitcast(q, _V32I8), ir.Constant(_V32I8, [15] * 32)))
-                        codes.append(builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)),
-                                                                  _V32I8), ir.Constant(_V32I8, [15] * 32)))
-                    if kind == "q5_k":
-                        qh = load(ob, _c64(16), _V32I8)
-                        codes = [builder.or_(codes[j], _q5k_high_bits(builder, qh, j)) for j in range(8)]
+                    codes = _k_codes(builder, ob, kind)
 
                     def dots_of(xb):
                         return [_udot(builder, codes[j], load(xb, _c64(32 * j), _V32I8)) for j in range(8)]
@@ -444,18 +485,9 @@ def _make_idot_superblock(kind: str, nt: int):
                     d = builder.fpext(load(ob, _c64(208), _HALF), _FL)
                     wscale = _splat(builder, d, v8f)
                     sc16 = builder.sext(load(ob, _c64(192), ir.VectorType(_I8, 16)), _V16I16)
-                    codes, scv = [], []
+                    codes, scv = _q6k_codes(builder, ob), []
                     for h in range(2):
-                        a = load(ob, _c64(64 * h), _V32I8)
-                        bq = load(ob, _c64(64 * h + 32), _V32I8)
-                        qh = load(ob, _c64(128 + 32 * h), _V32I8)
                         for g in range(4):
-                            src = a if g % 2 == 0 else bq
-                            lo = builder.and_(src, ir.Constant(_V32I8, [15] * 32)) if g < 2 else \
-                                builder.lshr(src, ir.Constant(_V32I8, [4] * 32))
-                            hb = builder.and_(builder.lshr(qh, ir.Constant(_V32I8, [2 * g] * 32)),
-                                              ir.Constant(_V32I8, [3] * 32))
-                            codes.append(builder.or_(lo, builder.shl(hb, ir.Constant(_V32I8, [4] * 32))))
                             s0 = 8 * h + 2 * g
                             scv.append(builder.shuffle_vector(sc16, sc16, ir.Constant(
                                 ir.VectorType(_I32, 16), [s0] * 8 + [s0 + 1] * 8)))
