@@ -62,26 +62,38 @@ def _store_sums(builder, sf, accs, vt):
         builder.store(total, builder.gep(sf, [_c64(_RES + i)]))
 
 
+def _fdot_signature(w, x, s):
+    # the fused intrinsics' (w, woff, x, t0, s): uint8 weights, float32 x [T, K], a float32 scratch row
+    if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(x, types.Array)
+            and x.dtype == types.float32 and x.ndim == 2 and isinstance(s, types.Array)
+            and s.dtype == types.float32):
+        return None
+    return types.void(w, types.int64, x, types.int64, s)
+
+
+def _fdot_args(context, builder, sg, args):
+    # (weights' i8*, woff, x's array struct, t0, the scratch's float*) of a fused intrinsic's call
+    wv, woffv, xv, t0v, sv = args
+    return (context.make_array(sg.args[0])(context, builder, wv).data, woffv,
+            context.make_array(sg.args[2])(context, builder, xv), t0v,
+            context.make_array(sg.args[4])(context, builder, sv).data)
+
+
 def _make_fdot(kind: str, nt: int):
     """An intrinsic: ``(w, woff, x, t0, s)``: the float32 dot products of the weight row at byte
     ``woff`` of uint8 ``w`` with rows ``t0 .. t0 + nt - 1`` of float32 ``x [T, K]`` (rows of contiguous values),
     into ``s[_RES + i]`` (float32 scratch). Types with 32-value blocks (Q8_0, Q4_0, Q4_1)."""
 
     def impl(typingctx, w, woff, x, t0, s):
-        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(x, types.Array)
-                and x.dtype == types.float32 and x.ndim == 2 and isinstance(s, types.Array)
-                and s.dtype == types.float32):
+        sig = _fdot_signature(w, x, s)
+        if sig is None:
             return None
-        sig = types.void(w, types.int64, x, types.int64, s)
 
         def codegen(context, builder, sg, args):
-            wv, woffv, xv_, t0v, sv = args
-            wp = context.make_array(sg.args[0])(context, builder, wv).data
-            xarr = context.make_array(sg.args[2])(context, builder, xv_)
+            wp, woffv, xarr, t0v, sf = _fdot_args(context, builder, sg, args)
             xp = xarr.data
             K = builder.extract_value(xarr.shape, 1)
             xstride = builder.udiv(builder.extract_value(xarr.strides, 0), _c64(4))   # elements per token row
-            sf = context.make_array(sg.args[4])(context, builder, sv).data
             n32 = builder.udiv(K, _c64(32))
             sets = 2 if nt == 1 else 1
             acc_sets = [[cgutils.alloca_once_value(builder, ir.Constant(_V32F, [0.0] * 32)) for _ in range(nt)]
@@ -149,20 +161,15 @@ def _make_fdot_superblock(kind: str, nt: int):
     (float32 operations in that order, no contraction)."""
 
     def impl(typingctx, w, woff, x, t0, s):
-        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(x, types.Array)
-                and x.dtype == types.float32 and x.ndim == 2 and isinstance(s, types.Array)
-                and s.dtype == types.float32):
+        sig = _fdot_signature(w, x, s)
+        if sig is None:
             return None
-        sig = types.void(w, types.int64, x, types.int64, s)
 
         def codegen(context, builder, sg, args):
-            wv, woffv, xv_, t0v, sv = args
-            wp = context.make_array(sg.args[0])(context, builder, wv).data
-            xarr = context.make_array(sg.args[2])(context, builder, xv_)
+            wp, woffv, xarr, t0v, sf = _fdot_args(context, builder, sg, args)
             K = builder.extract_value(xarr.shape, 1)
             xstride = builder.udiv(builder.extract_value(xarr.strides, 0), _c64(4))
             xrows = [builder.gep(xarr.data, [builder.mul(builder.add(t0v, _c64(i)), xstride)]) for i in range(nt)]
-            sf = context.make_array(sg.args[4])(context, builder, sv).data
             nb = builder.udiv(K, _c64(256))
             bb = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[kind]
             # one token: two sets of accumulators, sub-blocks alternating between them (the chains
