@@ -31,39 +31,36 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   so it is an option, never the default.
 
 Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0
-Q4_K Q6_K Q4_1 --rows 1 4 8 16 128 --threads 1 2 --rounds 2``; AMD EPYC Zen 4, 2 cores shared with
-other work (load 4-6: noisy, +-30%), AVX-512 F/BW/VL/VNNI: integer products as AVX512-VNNI, float32
-vectors of 16 lanes): the ratio of the int8 path's tokens per CPU second to the float32-activation
-path's, lowest-highest over Llama-3.2-1B's q projection (K = N = 2048), its down projection
-(K = 8192, N = 2048), the default model's up projection (K = 576, N = 1536; Q8_0 and Q4_1 only)
-and 1 and 2 threads:
+Q4_K Q6_K Q4_1 --rows 1 4 8 16 --threads 1 2 --rounds 2 --activations float32 int8``; AMD EPYC Zen 4,
+2 cores, quiet (load 0.9), AVX-512 F/BW/VL/VNNI: integer products as AVX512-VNNI, float32 vectors of
+16 lanes; after both paths' superblock / grouped kernels and the fused passes up to 8 tokens): the
+ratio of the int8 path's tokens per CPU second to the float32-activation path's, lowest-highest
+over Llama-3.2-1B's q projection (K = N = 2048), its down projection (K = 8192, N = 2048), the
+default model's up projection (K = 576, N = 1536; Q8_0 and Q4_1 only) and 1 and 2 threads:
 
   ====  ===========  ===========  ===========  ===========
   T     Q8_0         Q4_K         Q6_K         Q4_1
   ====  ===========  ===========  ===========  ===========
-  1     1.0-3.0      1.5-3.0      2.2-2.4      1.6-3.1
-  4     1.5-2.5      1.1-1.6      1.2-1.7      1.4-2.0
-  8     1.2-1.6      1.2-1.7      0.90-1.04    1.3-1.7
-  16    1.0-1.5      0.93-1.2     0.75-0.95    0.85-1.5
-  128   0.76-1.1     0.83-1.0     0.62-0.71    0.87-1.0
+  1     0.99-2.3     1.6-3.2      1.5-3.1      0.92-2.2
+  4     0.80-1.6     1.2-1.9      1.4-1.7      0.94-1.6
+  8     0.98-1.6     1.7-2.1      (float32)    1.2-1.8
+  16    0.86-1.4     1.3-1.8      (float32)    0.95-2.1
   ====  ===========  ===========  ===========  ===========
 
-(The T = 1 row was taken before the single-token float32 path below was fused; measured after it,
-the same shapes on one thread: Q8_0 1.0-2.1x, Q4_K 1.5-2.1x, Q6_K 1.5-2.0x, Q4_1 1.7-1.9x.) Compiled
-for AVX2 on the same machine (``NUMBA_CPU_NAME=haswell``, a feature list without AVX-512:
-``vpmaddubsw`` + ``vpmaddwd``, float32 vectors of 8 lanes; before the fused path; 1 thread; the q
-projection / the default model's up projection): T = 1 Q8_0 2.5 / 1.9, Q4_K 2.6, Q6_K 2.6, Q4_1 2.2
-/ 1.9; T = 4 1.8 / 1.3, 1.2, 2.0, 1.5 / 1.2; T = 16 1.0 / 0.88, 1.2, 0.99, 0.95 / 0.73. So with int8
-activations asked for: the integer path up to ``INT8_MAX_TOKENS`` tokens, 16 with AVX512-VNNI and 8
-with AVX2 (between its 4 and 16, not measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K, whose int16
-offset correction costs two more instructions per token and block), and the float32 path above that
-(prefill chunks: the decoded tiles and BLAS's packed float32 sgemm are as fast as the integer
-products there, and exact). Against the float32 *model* (float32 weights, ``linear.py``) at T = 1
-the integer path is 2.0-3.5x (it reads 4-7x fewer bytes), the float32-activation path 0.9-2.8x with
-its fused single-token pass (0.8-1.5x before it). Where Numba compiles for neither AVX2 nor
-AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds of the
-float32-activation path, per thread: the decode (``decode_row``: 5-13 G values/s, see there) and the
-dot products (15-20 G multiply-adds/s) are compute-bound, ~6 G weights/s at ``T = 1``.
+(The low ends are the default model's K = 576 rows: 18 blocks, where both paths are short.) An
+earlier sitting, before the superblock kernels, compiled for AVX2 on the same machine
+(``NUMBA_CPU_NAME=haswell``, a feature list without AVX-512: ``vpmaddubsw`` + ``vpmaddwd``, float32
+vectors of 8 lanes; 1 thread; the q projection / the default model's up projection): T = 1 Q8_0
+2.5 / 1.9, Q4_K 2.6, Q6_K 2.6, Q4_1 2.2 / 1.9; T = 4 1.8 / 1.3, 1.2, 2.0, 1.5 / 1.2; T = 16 1.0 /
+0.88, 1.2, 0.99, 0.95 / 0.73. So with int8 activations asked for: the integer path up to
+``INT8_MAX_TOKENS`` tokens, 16 with AVX512-VNNI and 8 with AVX2 (between its 4 and 16, not
+measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K: at 8 tokens it measured 0.97-1.1x), and the
+float32 path above that (prefill chunks: the decoded tiles and BLAS's packed float32 sgemm are as
+fast as the integer products there, and exact). Where Numba compiles for neither AVX2 nor
+AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds per
+thread at ``T = 1`` (Llama-3.2-1B's shapes, quiet): the float32-activation path 10-15 G weights/s
+(compute-bound: the decode and the float32 multiply-adds), the integer path 17-30 (Q8_0 at the
+memory's ~26 GB/s of one thread).
 
 **More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS`` = 32; measured, Llama-3.2-1B q
 projection, 1 thread, noisy: at 17 tokens the decode-and-dot passes take 6100-6500 tokens per CPU
