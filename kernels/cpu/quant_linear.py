@@ -54,7 +54,7 @@ vectors of 8 lanes; 1 thread; the q projection / the default model's up projecti
 2.5 / 1.9, Q4_K 2.6, Q6_K 2.6, Q4_1 2.2 / 1.9; T = 4 1.8 / 1.3, 1.2, 2.0, 1.5 / 1.2; T = 16 1.0 /
 0.88, 1.2, 0.99, 0.95 / 0.73. So with int8 activations asked for: the integer path up to
 ``INT8_MAX_TOKENS`` tokens, 16 with AVX512-VNNI and 8 with AVX2 (between its 4 and 16, not
-measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K: at 8 tokens it measured 0.97-1.1x), and the
+measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K: at 8 tokens its integer path measured 0.8-0.9x), and the
 float32 path above that (prefill chunks: the decoded tiles and BLAS's packed float32 sgemm are as
 fast as the integer products there, and exact). Where Numba compiles for neither AVX2 nor
 AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds per
