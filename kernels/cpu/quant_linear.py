@@ -57,10 +57,10 @@ vectors of 8 lanes; 1 thread; the q projection / the default model's up projecti
 measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K: at 8 tokens its integer path measured 0.8-0.9x), and the
 float32 path above that (prefill chunks: the decoded tiles and BLAS's packed float32 sgemm are as
 fast as the integer products there, and exact). Where Numba compiles for neither AVX2 nor
-AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds per
-thread at ``T = 1`` (Llama-3.2-1B's shapes, quiet): the float32-activation path 10-15 G weights/s
-(compute-bound: the decode and the float32 multiply-adds), the integer path 17-30 (Q8_0 at the
-memory's ~26 GB/s of one thread).
+AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds at ``T =
+1`` (Llama-3.2-1B's q and down projections, this sitting): one thread, the float32-activation path
+7-13 G weights/s (compute-bound: the decode and the float32 multiply-adds), the integer path 12-29;
+two threads 13-19 and 20-47.
 
 **More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS`` = 32; measured, Llama-3.2-1B q
 projection, 1 thread, noisy: at 17 tokens the decode-and-dot passes take 6100-6500 tokens per CPU
