@@ -13,7 +13,7 @@ same bound (``gamma(K) sum |x_k w_k|``).
 
 Q4_K, Q5_K and Q6_K (``_make_fdot_superblock``) take one 256-value superblock per loop trip, every byte
 offset in it a constant and the block's scales decoded as vectors in registers (the per-block form
-spent most of its instructions on index arithmetic: 5 G weights/s on one Zen 4 thread, now 10-12).
+spent most of its instructions on index arithmetic: 5 G weights/s on one Zen 4 thread, now 9-12).
 Where the reference's weight is ``a * q + b`` with ``a * q`` exact (Q4_1: an 11-bit ``d`` times a
 4-bit code; Q4_K / Q5_K: ``d * sc``, 17 bits, times a 4- or 5-bit code; all under float32's 24), it is computed
 as one fused multiply-add: its one rounding is the reference's addition, so the value is the same.
