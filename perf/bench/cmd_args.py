@@ -1,4 +1,4 @@
-"""Argument helpers shared by ``folio bench throughput`` and ``folio bench report``."""
+"""Argument helpers shared by the ``folio bench`` subcommands."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="threads for folio (Numba), torch and llama.cpp alike (default: every core this process "
                         "may use: %(default)s here); the command restarts itself once to apply it")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_weight_args(p: argparse.ArgumentParser) -> None:
+    """folio's ``--dtype`` and ``--activation-quantization`` (as ``folio serve`` takes them)."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32"], help="folio's weights (see folio serve)")
+    p.add_argument("--activation-quantization", default=None, choices=["int8"],
+                   help="folio: int8 activations for quantized weights' products (see folio serve)")
 
 
 def with_threads(run):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .cmd_args import add_common, positive, with_threads
+from .cmd_args import add_common, add_weight_args, positive, with_threads
 
 
 def add_parser(bench_subparsers) -> None:
@@ -28,9 +28,7 @@ def add_parser(bench_subparsers) -> None:
                         "use, ~15 min)")
     p.add_argument("--no-folio", action="store_true",
                    help="run only the peers (e.g. a peer's figures on a file folio cannot serve yet)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32"], help="folio's weights (see folio serve)")
-    p.add_argument("--activation-quantization", default=None, choices=["int8"],
-                   help="folio: int8 activations for quantized weights' products (see folio serve)")
+    add_weight_args(p)
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=with_threads(run))
 

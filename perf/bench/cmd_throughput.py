@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .cmd_args import add_common, positive, with_threads
+from .cmd_args import add_common, add_weight_args, positive, with_threads
 
 
 def add_parser(bench_subparsers) -> None:
@@ -38,9 +38,7 @@ def add_parser(bench_subparsers) -> None:
                    help="run N processes spinning on a core each during every engine's run (a loaded machine)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="folio's KV cache storage (auto: float32 on CPU)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32"], help="folio's weights (see folio serve)")
-    p.add_argument("--activation-quantization", default=None, choices=["int8"],
-                   help="folio: int8 activations for quantized weights' products (see folio serve)")
+    add_weight_args(p)
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.set_defaults(func=with_threads(run))
 
