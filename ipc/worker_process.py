@@ -133,8 +133,8 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
                 info["model_config"] = mc.to_dict()
             send_frames(sock, M.encode("ready", num_blocks=int(runner.num_blocks), pid=os.getpid(), info=info))
         except Exception as e:
+            traceback.print_exc()   # before the reply: the server may stop the moment it reads it
             send_frames(sock, M.error_reply(f"worker start-up failed: {type(e).__name__}: {e}", code="worker_init"))
-            traceback.print_exc()
             return 1
 
         # steps

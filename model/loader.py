@@ -32,6 +32,11 @@ def resolve_device(device: str) -> str:
         return "cpu"
 
 
+def _refuse_activation_quantization(value):
+    raise ValueError(f"--activation-quantization {value}: int8 activations apply to weights in quantized GGUF "
+                     f"types (a .gguf file, or --quantization)")
+
+
 def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto", dtype: str = "auto",
                quantization: str | None = None, activation_quantization: str | None = None):
     """Resolve, read and place a model.
@@ -85,6 +90,10 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
     config = ModelConfig.from_pretrained(model_dir)
     source = gguf_source(model_dir)
     stored = dtype == "auto" and on_cpu   # serve the weights in the types they are stored in
+    if activation_quantization is not None and quantization is None and load_format != "dummy" and \
+            (source is None or not stored):
+        # float weights for sure (an import, or safetensors): refused before anything is loaded
+        _refuse_activation_quantization(activation_quantization)
     if load_format == "dummy":
         if hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
             weights = _DeviceDummyWeights(config, kernels)
@@ -103,8 +112,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         quantized = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.type_name not in
                      ("F32", "F16", "BF16")]
         if activation_quantization != "int8" or not quantized:
-            raise ValueError(f"--activation-quantization {activation_quantization}: int8 activations apply to "
-                             f"weights in quantized GGUF types (a .gguf file, or --quantization)")
+            _refuse_activation_quantization(activation_quantization)
         for w in quantized:
             w.activations = "int8"
     model = LlamaForCausalLM(config, weights, kernels)

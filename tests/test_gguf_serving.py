@@ -259,7 +259,7 @@ def test_marker_names_the_source(tmp_path):
         gguf_source(folder)
 
 
-def test_int8_activations_reach_the_kernels(tmp_path):
+def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     # --activation-quantization int8: every quantized weight's products take the integer path where
     # the CPU has it (quant_kernel_type), in the fused layers and lm_head alike; its arithmetic is
     # checked product by product against derived bounds in tests/test_quant_int8.py. Float-typed
@@ -279,5 +279,8 @@ def test_int8_activations_reach_the_kernels(tmp_path):
     assert np.isfinite(b).all()
     if quant_kernel_type(qr.Q4_K, "int8") >= INT8_ACTIVATIONS:   # the CPU has integer dot products
         assert not np.array_equal(a, b)
+    # float weights for sure (--dtype float32): refused before the float32 import is written
+    from folio.model import registry
+    monkeypatch.setattr(registry, "float32_import", lambda *a, **k: pytest.fail("imported before refusing"))
     with pytest.raises(ValueError, match="activation-quantization"):
         loader.load_model(str(path), device="cpu", dtype="float32", activation_quantization="int8")

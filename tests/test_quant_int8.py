@@ -68,9 +68,10 @@ def _xhat(x: np.ndarray) -> np.ndarray:
     T, K = x.shape
     xb = x.reshape(T, K // 32, 32)
     d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv)
+        # where 1 / d overflows (tiny blocks): x / d
+        q = np.where(np.isinf(inv), np.rint(xb / np.where(d != 0, d, np.float32(1))), np.rint(xb * inv))
     assert q.dtype == np.float32 and np.abs(q).max() <= 127
     return (d.astype(np.float64) * q).reshape(T, K)
 
@@ -108,7 +109,13 @@ def _check(x, w, q, threads, monkeypatch, parallel_always=True):
     A = (np.abs(w_ref.astype(np.float64)) + 2 * np.abs(b.astype(np.float64))) * (1 + 2 * U32)
     err_h = np.abs(got - xh @ w_ref.astype(np.float64).T)
     bound_h = (2 * U32 + gamma(K // 32 + 8)) * (np.abs(xh) @ A.T)
-    assert np.all(err_h <= bound_h), f"max excess {(err_h - bound_h).max()} against the quantized activations"
+    # only for tokens whose block scales are normal floats: a tiny token's scales and their products
+    # are subnormal, where a rounding is an absolute error (up to 2^-150), not a relative one, and
+    # this bound's relative model does not hold; the first bound (its activation rounding d / 2
+    # dominates there) holds for every token
+    normal = np.abs(x).max(axis=1) >= 1e-30
+    assert np.all(err_h[normal] <= bound_h[normal]), \
+        f"max excess {(err_h - bound_h)[normal].max()} against the quantized activations"
     return got, err, bound
 
 
@@ -148,6 +155,8 @@ def test_int8_shapes_and_activation_edges(q, monkeypatch):
         w = random_weight(q, N, K, rng)
         x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10)).astype(np.float32)
         x[0, :32] = 0.0                      # a block of zeros (d = 0)
+        if T > 2:
+            x[2] *= np.float32(1e-38)        # a whole token tiny: 1 / d overflows float32
         if T > 1:
             x[1, 32:64] = 1e-30              # tiny values (d in float32's normal range still)
             x[1, 64] = 3e4                   # one large value beside small ones in a block

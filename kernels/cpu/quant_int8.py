@@ -126,7 +126,7 @@ def _amax32(x, t, k0):
 def quantize_activations(x, s):
     """Quantize float32 ``x [T, K]`` (``K`` a multiple of 32) into the scratch row ``s`` (float32, at
     least ``int8_scratch_size(T, K)``): per token and block of 32, ``d = max|x| / 127``, codes
-    ``rint(x * (1 / d))`` (0 where ``d == 0``), ``d``, ``d * sum(codes)`` and the sums of the codes
+    ``rint(x * (1 / d))`` (0 where ``d == 0``; ``rint(x / d)`` where ``1 / d`` overflows), ``d``, ``d * sum(codes)`` and the sums of the codes
     of each half (int16, ``|sum| <= 16 * 127``)."""
     T, K = x.shape
     n32, xd, xs, xq, xb = _offsets(T, K)
@@ -137,9 +137,12 @@ def quantize_activations(x, s):
             k0 = INT8_BLOCK * j
             d = _amax32(x, t, k0) / _F32(127.0)
             inv = _F32(1.0) / d if d != 0 else _F32(0.0)
+            # below ~2.9e-39 (|x| < ~3.7e-37) 1 / d overflows: then x / d, which cannot
+            by_d = inv == np.inf
             acc = 0
             for i in range(INT8_BLOCK):
-                q = np.int32(np.rint(x[t, k0 + i] * inv))
+                v = x[t, k0 + i] / d if by_d else x[t, k0 + i] * inv
+                q = np.int32(np.rint(v))
                 codes[t * K + k0 + i] = q
                 acc += q
                 if i == INT8_BLOCK // 2 - 1:

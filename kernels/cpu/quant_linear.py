@@ -112,7 +112,7 @@ INT8_ACTIVATIONS = 256        # added to a type id: that type's products take th
 INT8_MAX_TOKENS = 16 if quant_int8.ISA == "avx512vnni" else 8   # more tokens: the float32 path even then
 INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens (see the module docstring)
 
-_FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot for 1-2 tokens (needs AVX2)
+_FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot (FUSED_MAX_TOKENS; needs AVX2)
 
 ACTIVATIONS = ("float32", "int8")
 """The activation types ``quant_kernel_type`` accepts: ``"float32"`` (the default: dequantize in
