@@ -100,7 +100,7 @@ def _make_fdot(kind: str, nt: int):
                         for _ in range(sets)]
 
             def load(ptr, off, ty):
-                return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
+                return _load(builder, ptr, off, ty)
 
             def half(off):
                 return builder.fpext(load(wp, off, _HALF), _FL)

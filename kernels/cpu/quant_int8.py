@@ -268,8 +268,8 @@ def _make_idot(kind: str, nt: int):
             vnt = ir.VectorType(_FL, nt)
             corr_sets = [cgutils.alloca_once_value(builder, ir.Constant(vnt, [0.0] * nt)) for _ in range(sets)]
 
-            def load(ptr_i8, off, ty, align=1):
-                return builder.load(builder.bitcast(builder.gep(ptr_i8, [off]), ty.as_pointer()), align=align)
+            def load(ptr, off, ty):
+                return _load(builder, ptr, off, ty)
 
             def half(off):
                 return builder.fpext(load(wp, off, _HALF), _FL)
@@ -469,7 +469,7 @@ def _make_idot_superblock(kind: str, nt: int):
             bb = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[kind]
 
             def load(ptr, off, ty):
-                return builder.load(builder.bitcast(builder.gep(ptr, [off]), ty.as_pointer()), align=1)
+                return _load(builder, ptr, off, ty)
 
             with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
                 b = loop.index
