@@ -120,3 +120,38 @@ def test_madvise_refused_gives_the_same_array_on_normal_pages(monkeypatch):
     if _thp_mode() is not None:
         a[:, ::1024] = 1.0
         assert "hg" not in _smaps_entry(a.ctypes.data).get("VmFlags", [])
+
+
+def _resident_kib(path: Path) -> int:
+    # this process's resident KiB of the mapping of ``path`` (/proc/self/smaps)
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_release_mapped_pages_drops_a_read_only_mapping_and_keeps_its_data(tmp_path):
+    import mmap
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 256, size=64 * mmap.PAGESIZE, dtype=np.uint8)
+    data.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    view = np.asarray(mapped[100:100 + 40 * mmap.PAGESIZE]).reshape(40, -1)   # as gguf_weights makes them
+    assert int(view.sum(dtype=np.int64)) == int(data[100:100 + 40 * mmap.PAGESIZE].sum(dtype=np.int64))
+    before = _resident_kib(path)
+    released = cpu_memory.release_mapped_pages(view)
+    assert released == 39 * mmap.PAGESIZE          # the whole pages inside the view, not its edges
+    assert _resident_kib(path) <= before - released // 1024
+    np.testing.assert_array_equal(view.reshape(-1), data[100:100 + 40 * mmap.PAGESIZE])   # read again: the same
+    # memory the process owns is never advised (the advice would zero it)
+    owned = data.copy()
+    assert cpu_memory.release_mapped_pages(owned) == 0
+    np.testing.assert_array_equal(owned, data)
+    writable = np.memmap(path, dtype=np.uint8, mode="r+")
+    assert cpu_memory.release_mapped_pages(np.asarray(writable[:8 * mmap.PAGESIZE])) == 0
+    del mapped, writable

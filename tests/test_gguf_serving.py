@@ -264,7 +264,7 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     # the CPU has it (quant_kernel_type), in the fused layers and lm_head alike; its arithmetic is
     # checked product by product against derived bounds in tests/test_quant_int8.py. Float-typed
     # weights (F16 here) are not quantized weights and keep float32 activations.
-    from folio.kernels.cpu.quant_linear import INT8_ACTIVATIONS, quant_kernel_type
+    from folio.kernels.cpu.quant_linear import INT8_ACTIVATIONS, Q4_K_X8, quant_kernel_type
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tied=False)
     f32, config, _ = loader.load_model(str(path), device="cpu")
@@ -272,8 +272,9 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     assert int8.lm_head.activations == "int8" and f32.lm_head.activations == "float32"
     table = int8.layer_stacks["gate_up_proj"].table   # BF16 gate, F16 up: float types
     assert (table[:, :, 1] < INT8_ACTIVATIONS).all()
-    down = int8.layer_stacks["down_proj"].table        # Q4_K
-    assert (down[:, 0, 1] == quant_kernel_type(qr.Q4_K, "int8")).all()
+    down = int8.layer_stacks["down_proj"].table        # Q4_K: its rows interleaved by 8 (quant_x8)
+    want = Q4_K_X8 if quant_kernel_type(qr.Q4_K, "int8") >= INT8_ACTIVATIONS else qr.Q4_K
+    assert config.hidden_size % 8 == 0 and (down[:, 0, 1] == want).all()
     ids = np.random.default_rng(3).integers(0, config.vocab_size, size=12)
     a, b = run_paged(f32, config, ids, 1), run_paged(int8, config, ids, 1)
     assert np.isfinite(b).all()

@@ -43,6 +43,7 @@ from quant_cases import random_weight
 from folio.kernels import quant_reference as qr
 from folio.kernels.cpu import quant_int8 as qi
 from folio.kernels.cpu import quant_linear as ql
+from folio.kernels.cpu import quant_x8 as qx8
 from folio.kernels.cpu import threads as cpu_threads
 
 pytestmark = pytest.mark.skipif(qi.ISA is None, reason="Numba compiles for neither AVX2 nor AVX512-VNNI here")
@@ -86,16 +87,19 @@ def _bound(x: np.ndarray, w_ref: np.ndarray, b: np.ndarray) -> np.ndarray:
     return ex @ w64.T + (2 * U32 + gamma(K // 32 + 8)) * ((np.abs(x.astype(np.float64)) + ex) @ A.T)
 
 
-def _check(x, w, q, threads, monkeypatch, parallel_always=True):
+def _check(x, w, q, threads, monkeypatch, parallel_always=True, got=None):
+    # got: the kernels' result if computed already (the interleaved layout's, which takes every
+    # token count through the integer path), else quant_linear's (float32 above int8_max_tokens)
     if parallel_always:
         monkeypatch.setattr(ql, "_PARALLEL_MIN_WEIGHTS", 0)
     T, K = x.shape
-    with cpu_threads.numba_threads(threads):
-        got = ql.quant_linear(x, w, q.id, activations="int8")
-    if T > ql.int8_max_tokens(q.id):
-        # more tokens than the integer path takes (the module's measured choice): the float32 path
-        np.testing.assert_array_equal(got, ql.quant_linear(x, w, q.id))
-        return got, None, None
+    if got is None:
+        with cpu_threads.numba_threads(threads):
+            got = ql.quant_linear(x, w, q.id, activations="int8")
+        if T > ql.int8_max_tokens(q.id):
+            # more tokens than the integer path takes (the module's measured choice): the float32 path
+            np.testing.assert_array_equal(got, ql.quant_linear(x, w, q.id))
+            return got, None, None
     w_ref = qr.dequantize(w, q.id)
     want = x.astype(np.float64) @ w_ref.astype(np.float64).T
     bound = _bound(x, w_ref, _offsets(w, q, K))
@@ -202,3 +206,119 @@ def test_int8_scratch_reuse_across_products():
     out = np.empty((T, 20), np.float32)
     ql.quant_task_rows(x, w1, kt, out, 0, scratch, 0, 0, 20)
     np.testing.assert_array_equal(out, ql.quant_linear(x, w1, q.id, activations="int8"))
+
+
+# ---- rows interleaved by 8 (kernels/cpu/quant_x8.py: Q4_K and Q8_0 with int8 activations) ---------
+# Its float32 arithmetic per term: Q4_K's d sc and dmin m exact (an 11-bit significand times a 6-bit
+# integer), Q8_0's integer sum exact after its codes' +128 is taken off in int32; one rounding for
+# the product with d_x, one multiply-add chain of K / 32 per row (no lanes), one final subtraction
+# (Q4_K): at most K / 32 + 2 roundings, inside part 3's K / 32 + 8, so _check's bounds hold as
+# they are.
+
+X8_TYPES = [qr.quant_type("Q4_K"), qr.quant_type("Q8_0")]
+
+
+def _x8_values(packed: np.ndarray, q: qr.QuantType, N: int, K: int) -> np.ndarray:
+    # the float32 weights the interleaved layout stores, decoded from its byte layout (quant_x8's
+    # tables) independently of the repack functions, with the reference's float32 operations
+    G = N // 8
+    if q.name == "Q8_0":
+        nb = K // 32
+        blk = packed.reshape(G, nb, 272)
+        d = blk[:, :, 0:16].copy().view("<f2").astype(np.float32)                 # [G, nb, r]
+        codes = (blk[:, :, 16:].reshape(G, nb, 8, 8, 4) ^ 0x80).view(np.int8)      # [G, nb, c, r, i]
+        vals = d[:, :, None, :, None] * codes.astype(np.float32)
+        return vals.transpose(0, 3, 1, 2, 4).reshape(N, K)
+    nb = K // 256
+    blk = packed.reshape(G, nb, 1184)
+    d = blk[:, :, 0:16].copy().view("<f2").astype(np.float32)            # [G, nb, r]
+    dmin = blk[:, :, 16:32].copy().view("<f2").astype(np.float32)
+    sc = blk[:, :, 32:96].reshape(G, nb, 8, 8).astype(np.float32)         # [G, nb, j, r]
+    mn = blk[:, :, 96:160].reshape(G, nb, 8, 8).astype(np.float32)
+    qs = blk[:, :, 160:].reshape(G, nb, 4, 8, 8, 4)                       # [G, nb, p, c, r, i]
+    out = np.empty((G, 8, nb, 256), np.float32)
+    for p in range(4):
+        for half, codes in ((0, qs[:, :, p] & 15), (1, qs[:, :, p] >> 4)):
+            j = 2 * p + half
+            qv = codes.transpose(0, 3, 1, 2, 4).reshape(G, 8, nb, 32).astype(np.float32)   # [G, r, nb, 32]
+            d1 = (d * sc[:, :, j]).transpose(0, 2, 1)[..., None]
+            m1 = (dmin * mn[:, :, j]).transpose(0, 2, 1)[..., None]
+            out[:, :, :, 32 * j:32 * j + 32] = d1 * qv - m1
+    return out.reshape(N, K)
+
+
+@pytest.mark.parametrize("q", X8_TYPES, ids=[q.name for q in X8_TYPES])
+def test_x8_layout_holds_the_weights_bit_for_bit(q):
+    rng = np.random.default_rng(41 + q.id)
+    kind = ql.Q4_K_X8 if q.name == "Q4_K" else ql.Q8_0_X8
+    for N, K in ((8, 256), (24, 768), (64, 2048)):
+        w = random_weight(q, N, K, rng)
+        packed, kt = ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))
+        assert kt == kind and packed.flags.c_contiguous and packed.dtype == np.uint8
+        assert packed.shape == (N, K // 256 * 148 if q.name == "Q4_K" else w.shape[1])
+        np.testing.assert_array_equal(_x8_values(packed, q, N, K), qr.dequantize(w, q.id))
+    # rows not in groups of 8, float32 activations: the weight as it is
+    w = random_weight(q, 12, 256, rng)
+    assert ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))[0] is w
+    w = random_weight(q, 16, 256, rng)
+    assert ql.kernel_layout(w, q.id)[0] is w
+    repack = qx8.repack_q4_k_x8 if q.name == "Q4_K" else qx8.repack_q8_0_x8
+    with pytest.raises(ValueError, match="groups of 8"):
+        repack(random_weight(q, 12, 256, rng))
+
+
+def test_x8_only_for_its_types():
+    rng = np.random.default_rng(40)
+    for name in ("Q4_0", "Q4_1", "Q5_K", "Q6_K"):
+        q = qr.quant_type(name)
+        w = random_weight(q, 16, 256, rng)
+        assert ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))[0] is w
+
+
+def _x8_product(x, w, q, threads):
+    packed, kt = ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))
+    assert kt >= 2 * ql.INT8_ACTIVATIONS
+    T, K = x.shape
+    out = np.full((T, w.shape[0]), np.nan, np.float32)
+    tasks = ql.quant_linear_tasks(w.shape[0], K, threads)
+    with cpu_threads.numba_threads(threads):
+        ql.quant_linear_into(x, packed, kt, out, ql.quant_scratch(tasks, T, K), tasks)
+    return out
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("q", X8_TYPES, ids=[q.name for q in X8_TYPES])
+def test_x8_products_within_the_derived_bounds(q, threads, monkeypatch):
+    # every token count through the integer path (1..9: passes of 4 and single tokens; 33 and 70:
+    # prefill chunks), activation edges as test_int8_shapes_and_activation_edges
+    monkeypatch.setattr(ql, "_PARALLEL_MIN_WEIGHTS", 0)
+    rng = np.random.default_rng(43 + q.id)
+    for N, K, Ts in ((40, 512, range(1, 10)), (64, 2304, (33,)), (136, 768, (70, 5))):
+        w = random_weight(q, N, K, rng)
+        for T in Ts:
+            x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10)).astype(np.float32)
+            x[0, :32] = 0.0
+            if T > 2:
+                x[2] *= np.float32(1e-38)
+            if T > 1:
+                x[1, 32:64] = 1e-30
+                x[1, 64] = 3e4
+            got = _x8_product(x, w, q, threads)
+            _check(x, w, q, threads, monkeypatch, got=got)
+            # one token's results do not depend on the others in its product (batched vs alone)
+            np.testing.assert_array_equal(got[T - 1:], _x8_product(x[T - 1:], w, q, threads))
+
+
+@pytest.mark.parametrize("q", X8_TYPES, ids=[q.name for q in X8_TYPES])
+def test_x8_agrees_with_the_row_kernel(q):
+    # the same terms (the same quantized activations, exact integer sums) summed in another order:
+    # within the float32 roundings of both sums (part 3's gamma, twice), far below the int8 bounds
+    rng = np.random.default_rng(47 + q.id)
+    N, K, T = 32, 1024, 4
+    w = random_weight(q, N, K, rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    rows = ql.quant_linear(x, w, q.id, activations="int8")
+    b = _offsets(w, q, K)
+    A = (np.abs(qr.dequantize(w, q.id).astype(np.float64)) + 2 * np.abs(b.astype(np.float64))) * (1 + 2 * U32)
+    bound = 2 * (2 * U32 + gamma(K // 32 + 8)) * (np.abs(_xhat(x)) @ A.T)
+    assert np.all(np.abs(_x8_product(x, w, q, 1).astype(np.float64) - rows) <= bound)

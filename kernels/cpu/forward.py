@@ -70,9 +70,11 @@ from .attention import attention_item, attention_scratch, attention_into, finish
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
-from .quant_linear import (INT8_ACTIVATIONS, _check_weight, quant_item_rows, quant_kernel_type, quant_linear,
-                           quant_linear_tasks, quant_scratch, quant_task_rows, quant_task_rows_f32)
-from ..quant_reference import QUANT_TYPES, QuantizedWeight
+from .memory import release_mapped_pages
+from .quant_linear import (INT8_ACTIVATIONS, _check_weight, kernel_layout, kernel_row_bytes, quant_item_rows,
+                           quant_kernel_type, quant_linear, quant_linear_tasks, quant_scratch, quant_task_rows,
+                           quant_task_rows_f32)
+from ..quant_reference import QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
                    fused_add_rms_norm_into, rms_norm_into, rope_and_cache_into, row_tasks, silu_and_mul_into)
@@ -201,18 +203,14 @@ def _product_scratch(w, n_tasks, T, K):
     return lambda w, n_tasks, T, K: np.empty((1, 1), np.float32)
 
 
-# a QuantizedStack table's columns, and each GGML type's (values, bytes) per block by type id
+# a QuantizedStack table's columns
 _S_ADDRESS, _S_TYPE, _S_ROWS, _S_COLUMN = range(4)
-_BLOCKS = np.zeros((max(QUANT_TYPES) + 1, 2), np.int64)
-for _q in QUANT_TYPES.values():
-    _BLOCKS[_q.id] = _q.block_values, _q.block_bytes
 
 
 @njit(cache=True)
 def _row_bytes(qtype, K):
-    # qtype: a kernel type id (a GGML id, plus INT8_ACTIVATIONS for the integer path)
-    t = qtype % INT8_ACTIVATIONS
-    return K // _BLOCKS[t, 0] * _BLOCKS[t, 1]
+    # qtype: a kernel type id (a GGML id, plus INT8_ACTIVATIONS for the integer path, or Q4_K_X8)
+    return kernel_row_bytes(qtype, K)
 
 
 @njit(cache=True)
@@ -497,11 +495,16 @@ class QuantizedStack:
     Attributes:
         table: int64 ``[num_layers, S, 4]``: per layer, the ``S`` weight segments written side by
             side into the product's output (q, k, v for qkv; gate, up for gate_up), each as (data
-            address, kernel type id: ``quant_kernel_type(qtype, activations)``, rows, first output
-            column).
+            address, kernel type id: ``quant_kernel_type(qtype, activations)``, or ``Q4_K_X8`` for
+            a Q4_K segment with int8 activations, rows, first output column).
         shape: ``(N, K)``: the product's output columns (the segments' rows together) and inputs.
         weights: the ``QuantizedWeight`` segments per layer, kept alive (the table holds only
             their addresses).
+        packed: the segments the kernels read in another layout (``quant_linear.kernel_layout``:
+            Q4_K rows interleaved by 8 for int8 activations), kept alive likewise. Their GGUF
+            rows are then not read by the layers; where they are pages of a mapped file, those
+            pages are handed back (``memory.release_mapped_pages``: peak RSS stays near the file's
+            size; a later read maps them again).
         int8: whether int8 activations were asked for some segment (``QuantizedWeight.activations``).
     """
 
@@ -510,15 +513,20 @@ class QuantizedStack:
         K = layers[0][0].shape[1]
         rows = [w.shape[0] for w in layers[0]]
         table = np.zeros((len(layers), len(rows), 4), np.int64)
+        packed = []
         for li, segments in enumerate(layers):
             if [w.shape for w in segments] != [w.shape for w in layers[0]]:
                 raise ValueError(f"layer {li}'s weights have shapes {[w.shape for w in segments]}, layer 0's "
                                  f"{[w.shape for w in layers[0]]}")
             column = 0
             for s, w in enumerate(segments):
-                table[li, s] = w.data.ctypes.data, quant_kernel_type(w.qtype, w.activations), w.shape[0], column
+                data, kind = kernel_layout(w.data, quant_kernel_type(w.qtype, w.activations))
+                if data is not w.data:
+                    packed.append(data)
+                    release_mapped_pages(w.data)
+                table[li, s] = data.ctypes.data, kind, w.shape[0], column
                 column += w.shape[0]
-        self.table, self.shape, self.weights = table, (sum(rows), K), layers
+        self.table, self.shape, self.weights, self.packed = table, (sum(rows), K), layers, packed
         self.int8 = any(w.activations == "int8" for segments in layers for w in segments)
 
 

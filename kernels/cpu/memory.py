@@ -23,6 +23,12 @@ Where THP is off (``never``), madvise is missing (not Linux) or refuses, the arr
 anonymous memory on normal pages: results never depend on it. Arrays below
 ``HUGE_PAGE_MIN_BYTES`` use ``np.zeros``.
 
+``release_mapped_pages``: a weight the kernels read in another layout (``quant_linear.kernel_layout``)
+is copied once; where the original is a view of a read-only mapped file (a GGUF served in place),
+its whole pages are dropped from the process (``MADV_DONTNEED``: for a shared file mapping the
+pages stay in the page cache and a later read maps them again, unchanged), so the copy does not
+double the weights' share of the resident set.
+
 Sources: the Linux kernel's admin guide, "Transparent Hugepage Support" (modes ``always`` /
 ``madvise`` / ``never``, ``MADV_HUGEPAGE``); NumPy's "Global state" page (madvise hugepage on
 Linux); Python's ``mmap.madvise``.
@@ -34,7 +40,7 @@ import mmap
 
 import numpy as np
 
-__all__ = ["huge_page_zeros", "HUGE_PAGE_BYTES", "HUGE_PAGE_MIN_BYTES", "USE_HUGE_PAGES"]
+__all__ = ["huge_page_zeros", "release_mapped_pages", "HUGE_PAGE_BYTES", "HUGE_PAGE_MIN_BYTES", "USE_HUGE_PAGES"]
 
 HUGE_PAGE_BYTES = 2 << 20          # x86-64's transparent huge page size
 HUGE_PAGE_MIN_BYTES = 2 << 20      # smaller arrays: np.zeros (less than one huge page to gain)
@@ -63,3 +69,30 @@ def huge_page_zeros(shape, dtype=np.float32) -> np.ndarray:
         except OSError:                      # THP off or unsupported: normal pages
             pass
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def release_mapped_pages(array: np.ndarray) -> int:
+    """Drop the whole pages of ``array`` from this process's resident set where ``array`` is a view
+    of a read-only ``np.memmap`` (``madvise(MADV_DONTNEED)``; the file's data is unchanged and a
+    later read maps it again). Any other array (owned memory, a writable mapping) is left alone:
+    there the advice would discard data. Returns the bytes advised (0 where nothing was)."""
+    base = array
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    mm = getattr(base, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if base is None or getattr(base, "mode", None) != "r" or not isinstance(mm, mmap.mmap) or advice is None:
+        return 0
+    start = np.frombuffer(mm, np.uint8).ctypes.data
+    off = array.ctypes.data - start
+    if off < 0 or off + array.nbytes > len(mm):
+        return 0
+    a = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE
+    e = (off + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if e <= a:
+        return 0
+    try:
+        mm.madvise(advice, a, e - a)
+    except OSError:
+        return 0
+    return e - a

@@ -28,7 +28,10 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
   Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
   relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
-  so it is an option, never the default.
+  so it is an option, never the default. Q4_K and Q8_0 weights of the layers with int8
+  activations are interleaved by 8 rows when the stacks are built (``kernel_layout``, kernel
+  types ``Q4_K_X8`` / ``Q8_0_X8``, ``quant_x8.py``): no horizontal sums, faster than the row
+  kernel at every size, and it takes every token count.
 
 Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0
 Q4_K Q6_K Q4_1 --rows 1 4 8 16 --threads 1 2 --rounds 2 --activations float32 int8``; AMD EPYC Zen 4,
@@ -91,15 +94,18 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ..quant_reference import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, quant_type, row_bytes
+from ..quant_reference import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QUANT_TYPES, quant_type,
+                               row_bytes)
 from . import quant_int8
 from .quant_fused import FUSED_MAX_TOKENS, fused_rows
 from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size, load_f16
+from .quant_x8 import X8_ROWS, repack_q4_k_x8, repack_q8_0_x8, x8_row_bytes, x8_rows
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
            "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "int8_max_tokens", "ACTIVATIONS",
-           "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS", "quant_task_rows_f32"]
+           "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS", "quant_task_rows_f32",
+           "Q4_K_X8", "Q8_0_X8", "kernel_layout", "kernel_row_bytes"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
@@ -111,6 +117,8 @@ _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linea
 INT8_ACTIVATIONS = 256        # added to a type id: that type's products take the integer path (quant_kernel_type)
 INT8_MAX_TOKENS = 16 if quant_int8.ISA == "avx512vnni" else 8   # more tokens: the float32 path even then
 INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens (see the module docstring)
+Q4_K_X8 = 2 * INT8_ACTIVATIONS + Q4_K   # kernel type id: Q4_K rows interleaved by 8, int8 activations (quant_x8)
+Q8_0_X8 = 2 * INT8_ACTIVATIONS + Q8_0   # the same for Q8_0
 
 _FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot (FUSED_MAX_TOKENS; needs AVX2)
 
@@ -460,7 +468,8 @@ def quant_item_rows(T, K):
     (a larger tile amortises the call and its packing of ``x``)."""
     if T > QUANT_GEMV_MAX_TOKENS:
         return QUANT_SCRATCH_ROWS
-    return min(QUANT_SCRATCH_ROWS, max(QUANT_BLOCK_ROWS, _ITEM_WEIGHTS // max(K, 1) // 4 * 4))
+    # a multiple of 8: an interleaved weight's items are whole groups of X8_ROWS rows
+    return min(QUANT_SCRATCH_ROWS, max(QUANT_BLOCK_ROWS, _ITEM_WEIGHTS // max(K, 1) // X8_ROWS * X8_ROWS))
 
 
 @njit(cache=True)
@@ -490,6 +499,9 @@ def quant_task_rows(x, w, qtype, out, col0, scratch, task, r0, r1):
     scratch's life a pair of ``x`` buffer and weight names one product)."""
     T, K = x.shape
     s = scratch[task]
+    if qtype >= 2 * INT8_ACTIVATIONS:   # interleaved rows (quant_x8): every token count
+        x8_rows(x, w, qtype - 2 * INT8_ACTIVATIONS, out, col0, s, r0, r1)
+        return
     if qtype >= INT8_ACTIVATIONS:
         if T <= (INT8_MAX_TOKENS_Q6_K if qtype == Q6_K + INT8_ACTIVATIONS else INT8_MAX_TOKENS):
             int8_rows(x, w, qtype - INT8_ACTIVATIONS, out, col0, s, r0, r1)
@@ -571,6 +583,34 @@ def quant_linear_into(x, w, qtype, out, scratch, tasks):
         rows = quant_item_rows(x.shape[0], x.shape[1])
         for r in range(0, w.shape[0], rows):
             quant_task_rows(x, w, qtype, out, 0, scratch, 0, r, min(w.shape[0], r + rows))
+
+
+def kernel_layout(data: np.ndarray, kernel_type: int) -> tuple[np.ndarray, int]:
+    """The weight rows ``data`` (uint8 ``[N, row_bytes]``, GGUF blocks) and kernel type id
+    ``kernel_type`` (``quant_kernel_type``'s) as the layer products take them: Q4_K and Q8_0 with
+    int8 activations and ``N % 8 == 0`` interleaved by 8 (``quant_x8.repack_q4_k_x8`` /
+    ``repack_q8_0_x8``: new memory, ids ``Q4_K_X8`` / ``Q8_0_X8``), every other weight as it is."""
+    if data.shape[0] % X8_ROWS == 0:
+        if kernel_type == Q4_K + INT8_ACTIVATIONS:
+            return repack_q4_k_x8(data), Q4_K_X8
+        if kernel_type == Q8_0 + INT8_ACTIVATIONS:
+            return repack_q8_0_x8(data), Q8_0_X8
+    return data, kernel_type
+
+
+@njit(cache=True)
+def kernel_row_bytes(kernel_type, K):
+    """Bytes per weight row of a kernel type id (``quant_kernel_type``'s or ``Q4_K_X8``) for rows of
+    ``K`` values; compiled code only."""
+    if kernel_type == Q4_K_X8:
+        return x8_row_bytes(K)
+    t = kernel_type % INT8_ACTIVATIONS   # Q8_0_X8's rows: Q8_0's size
+    return K // _BLOCK_SIZES[t, 0] * _BLOCK_SIZES[t, 1]
+
+
+_BLOCK_SIZES = np.zeros((max(QUANT_TYPES) + 1, 2), np.int64)   # (values, bytes) per block by type id
+for _q in QUANT_TYPES.values():
+    _BLOCK_SIZES[_q.id] = _q.block_values, _q.block_bytes
 
 
 def quant_linear_tasks(N: int, K: int, threads: int) -> int:

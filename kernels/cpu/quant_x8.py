@@ -1,0 +1,305 @@
+"""Q4_K and Q8_0 weight rows interleaved by 8, multiplied with int8 activations: the integer path's
+layout for these types in the layers (``--activation-quantization int8``), as llama.cpp's CPU
+"repack" buffers (``block_q4_Kx8``, ``block_q8_0x4``).
+
+``quant_int8``'s Q4_K kernel reads one row at a time: each 256-bit integer product holds 32 values
+of one row, so a token's 8 block sums of a superblock must be summed across lanes (``_hsum8``) and
+the codes unpacked once per row. Here 8 rows are stored interleaved, 4 bytes of each row side by
+side, so one 256-bit ``vpdpbusd`` multiplies 4 values of each of 8 rows with the same 4 activation
+codes (a 32-bit broadcast): the 8 lanes are the 8 rows' sums, no horizontal sum is taken, and a
+sub-block's scales and mins are a vector over the 8 rows. Per superblock and token: 16 integer
+products (8 with AVX-512 VNNI ``vpdpbusd``, per 256-bit half 2 with AVX2 ``vpmaddubsw`` +
+``vpmaddwd``), and per 32-value sub-block one conversion and two multiply-adds for all 8 rows. The
+results of 8 rows are stored as one vector.
+
+Q8_0 (``repack_q8_0_x8``, the same size as the GGUF rows): per group of 8 rows and 32-value block
+the 8 rows' ``d``, then the codes 4 bytes per row side by side, stored plus 128 as unsigned bytes
+(``vpdpbusd`` multiplies unsigned by signed bytes); the ``128 sum q_x`` this adds is taken off in
+int32 with the activations' block sums, so the integer sum is exact as in the row kernel.
+
+Q4_K layout (``repack_q4_k_x8``): per group of 8 rows (``N % 8 == 0``) and superblock, ``X8_BLOCK_BYTES``
+= 1184 bytes (the 8 rows' 8 x 144 = 1152, plus the scales and mins decoded to bytes):
+
+  ====== ========= ===========================================================================
+  bytes  field     meaning
+  ====== ========= ===========================================================================
+  0      d[8]      each row's f16 ``d``
+  16     dmin[8]   each row's f16 ``dmin``
+  32     sc[8][8]  ``sc[j][r]``: sub-block ``j``'s 6-bit scale of row ``r`` (``get_scale_min_k4``)
+  96     m[8][8]   ``m[j][r]``: its 6-bit min
+  160    qs        for ``p`` in 0..3, ``c`` in 0..7: 32 bytes, row ``r``'s ``qs[32 p + 4 c : + 4]`` at
+                   ``4 r``: low nibbles values ``64 p + 4 c + i`` (sub-block ``2 p``), high nibbles
+                   ``64 p + 32 + 4 c + i`` (sub-block ``2 p + 1``)
+  ====== ========= ===========================================================================
+
+A row of the product is then ``sum_j d sc_j (sum_i q_i x_i) - dmin m_j (sum_i x_i)`` with the
+activations ``quant_int8.quantize_activations`` wrote (per token and 32 values: scale ``d_x``, codes,
+``d_x sum codes``): per sub-block ``fma(float(isum), d sc * d_x, acc)`` and ``fma(dmin m, d_x sum q,
+corr)``, ``acc - corr`` at the end. The same terms as ``quant_int8``'s Q4_K kernel (the same
+activations, the integer sums exact), summed in another order: the results agree to float32
+rounding (``tests/test_quant_int8.py`` checks both against the same derived bounds).
+
+Measured (one thread, AMD EPYC Zen 4, AVX-512 VNNI; Llama-3.2-1B's up projection K = 2048, N = 8192
+and down projection K = 8192, N = 2048; G multiply-adds per second, from L3 / from DRAM, 8 copies
+of the weight): one token 66-74 / 36-42 against the row kernel's 29-36 / 25-33; 4 tokens 52-102 /
+50-51 against 43-50 / 29-47; 16 tokens 83-86 / 86-89 against 42-46 / 43. So it also takes prefill
+chunks (every token count: the row kernel hands more than ``INT8_MAX_TOKENS`` to float32 tiles and
+sgemm, ~37 G/s per thread).
+
+Sources: llama.cpp ``ggml/src/ggml-cpu/repack.cpp`` (``block_q4_Kx8``, ``make_block_q4_Kx8``: the
+idea of interleaving rows so a product's lanes are rows), ``arch/x86/repack.cpp``
+(``ggml_gemv_q4_K_8x8_q8_K``); Intel's intrinsics guide (``vpdpbusd``, ``vpbroadcastd``). The layout
+above is this module's own (scales and mins as bytes, 4-byte interleave).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..quant_reference import QUANT_TYPES, Q4_K, Q8_0, _k_scale_min
+from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _KEY, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call,
+                         _load, _scratch_layout, _splat, quantize_activations)
+
+__all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "repack_q4_k_x8", "repack_q8_0_x8", "x8_rows",
+           "x8_row_bytes"]
+
+X8_ROWS = 8              # rows interleaved
+X8_BLOCK_BYTES = 1184    # Q4_K: bytes per group of 8 rows and 256-value superblock
+X8_Q8_0_BLOCK_BYTES = 272   # Q8_0: bytes per group of 8 rows and 32-value block (8 x 34, the same)
+_Q4K_BYTES = QUANT_TYPES[Q4_K].block_bytes   # 144
+_Q80_BYTES = QUANT_TYPES[Q8_0].block_bytes   # 34
+
+
+@njit(cache=True)
+def x8_row_bytes(K):
+    """Bytes per weight row in the interleaved Q4_K layout (an eighth of a group's): ``K / 256 *
+    148`` (the Q8_0 layout's rows are Q8_0's own size)."""
+    return K // 256 * (X8_BLOCK_BYTES // X8_ROWS)
+
+
+def repack_q4_k_x8(w: np.ndarray) -> np.ndarray:
+    """Q4_K rows ``w`` (uint8 ``[N, K / 256 * 144]``, GGUF's blocks) -> the interleaved layout above,
+    uint8 ``[N, x8_row_bytes(K)]`` (row ``8 g``'s slot starts group ``g``; C-contiguous, new memory).
+
+    Raises:
+        ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q4_K rows.
+    """
+    N, rb = w.shape
+    if N % X8_ROWS or rb % _Q4K_BYTES:
+        raise ValueError(f"Q4_K x8 needs rows in groups of {X8_ROWS} and whole {_Q4K_BYTES}-byte blocks, "
+                         f"got {w.shape}")
+    G, nb = N // X8_ROWS, rb // _Q4K_BYTES
+    b = np.asarray(w).reshape(G, X8_ROWS, nb, _Q4K_BYTES).transpose(0, 2, 1, 3)   # [G, nb, r, 144]
+    out = np.empty((G, nb, X8_BLOCK_BYTES), np.uint8)
+    out[:, :, 0:16] = b[:, :, :, 0:2].reshape(G, nb, 16)
+    out[:, :, 16:32] = b[:, :, :, 2:4].reshape(G, nb, 16)
+    sc, m = _k_scale_min(np.ascontiguousarray(b[:, :, :, 4:16]).reshape(-1, 12))   # [G nb r, j]
+    out[:, :, 32:96] = sc.reshape(G, nb, X8_ROWS, 8).transpose(0, 1, 3, 2).reshape(G, nb, 64)
+    out[:, :, 96:160] = m.reshape(G, nb, X8_ROWS, 8).transpose(0, 1, 3, 2).reshape(G, nb, 64)
+    qs = b[:, :, :, 16:144].reshape(G, nb, X8_ROWS, 4, 8, 4)                       # [G, nb, r, p, c, i]
+    out[:, :, 160:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)
+    return out.reshape(N, -1)
+
+
+def repack_q8_0_x8(w: np.ndarray) -> np.ndarray:
+    """Q8_0 rows ``w`` (uint8 ``[N, K / 32 * 34]``) -> the interleaved Q8_0 layout, uint8 ``[N, K / 32 *
+    34]`` (the same size; new memory): per group of 8 rows and 32-value block, the 8 rows' f16 ``d``
+    (16 bytes), then for ``c`` in 0..7 32 bytes, row ``r``'s codes ``4 c .. 4 c + 3`` plus 128 (as
+    unsigned bytes, for ``vpdpbusd``) at ``4 r``.
+
+    Raises:
+        ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q8_0 rows.
+    """
+    N, rb = w.shape
+    if N % X8_ROWS or rb % _Q80_BYTES:
+        raise ValueError(f"Q8_0 x8 needs rows in groups of {X8_ROWS} and whole {_Q80_BYTES}-byte blocks, "
+                         f"got {w.shape}")
+    G, nb = N // X8_ROWS, rb // _Q80_BYTES
+    b = np.asarray(w).reshape(G, X8_ROWS, nb, _Q80_BYTES).transpose(0, 2, 1, 3)   # [G, nb, r, 34]
+    out = np.empty((G, nb, X8_Q8_0_BLOCK_BYTES), np.uint8)
+    out[:, :, 0:16] = b[:, :, :, 0:2].reshape(G, nb, 16)
+    qs = b[:, :, :, 2:34].reshape(G, nb, X8_ROWS, 8, 4) ^ np.uint8(0x80)           # [G, nb, r, c, i]: q + 128
+    out[:, :, 16:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)
+    return out.reshape(N, -1)
+
+
+def _dpbusd(builder, acc, codes, xv):
+    # acc + the sums of 4 adjacent products codes * xv (unsigned x signed bytes), <8 x i32>
+    if ISA == "avx512vnni":
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32,
+                     [acc, builder.bitcast(codes, _V8I32), builder.bitcast(xv, _V8I32)])
+    # AVX2: pairs into int16 (|2 * 15 * 127| < 2^15: no saturation), then pairs into int32
+    p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
+    return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)]))
+
+
+def _make_x8(nt: int):
+    """An intrinsic ``(w, woff, s, t0, T, K, out, col)``: the 8 interleaved rows at byte ``woff`` of
+    ``w`` times tokens ``t0 .. t0 + nt - 1`` of the activations in scratch ``s`` (``T`` tokens of
+    ``K`` values); stores token ``t``'s 8 results at ``out[t, col : col + 8]``."""
+
+    def impl(typingctx, w, woff, s, t0, T, K, out, col):
+        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+                and s.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32
+                and out.ndim == 2 and out.layout == "C"):
+            return None
+        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64, out, types.int64)
+
+        def codegen(context, builder, sg, args):
+            wv, woffv, sv, t0v, Tv, Kv, ov, colv = args
+            wp = context.make_array(sg.args[0])(context, builder, wv).data
+            sf = context.make_array(sg.args[2])(context, builder, sv).data
+            oarr = context.make_array(sg.args[6])(context, builder, ov)
+            ncols = cgutils.unpack_tuple(builder, oarr.shape, 2)[1]
+            sbytes = builder.bitcast(sf, _I8.as_pointer())
+            n32, xd0, xs0, xq0, _xb0 = _scratch_layout(builder, Tv, Kv)
+            v8f = ir.VectorType(_FL, 8)
+            v8b = ir.VectorType(_I8, 8)
+            zero_i = ir.Constant(_V8I32, [0] * 8)
+            m15 = ir.Constant(_V32I8, [15] * 32)
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
+            corr = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
+            with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
+                b = loop.index
+                ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(X8_BLOCK_BYTES)))])
+                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
+                dminv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
+                # token i's first activation block of this superblock
+                blk = [builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), builder.mul(b, _c64(8)))
+                       for i in range(nt)]
+                xb = [builder.add(xq0, builder.mul(blk[i], _c64(INT8_BLOCK))) for i in range(nt)]
+                for p in range(4):
+                    lo_sums, hi_sums = [zero_i] * nt, [zero_i] * nt
+                    for c in range(8):
+                        q = _load(builder, ob, _c64(160 + (8 * p + c) * 32), _V16I16)
+                        lo = builder.and_(builder.bitcast(q, _V32I8), m15)
+                        hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8),
+                                          m15)
+                        for i in range(nt):
+                            xl = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 4 * c)), _I32)
+                            xh = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 32 + 4 * c)), _I32)
+                            lo_sums[i] = _dpbusd(builder, lo_sums[i], lo,
+                                                 builder.bitcast(_splat(builder, xl, _V8I32), _V32I8))
+                            hi_sums[i] = _dpbusd(builder, hi_sums[i], hi,
+                                                 builder.bitcast(_splat(builder, xh, _V8I32), _V32I8))
+                    for h, sums in ((0, lo_sums), (1, hi_sums)):
+                        j = 2 * p + h
+                        dsc = builder.fmul(dv, builder.uitofp(_load(builder, ob, _c64(32 + 8 * j), v8b), v8f))
+                        dm = builder.fmul(dminv, builder.uitofp(_load(builder, ob, _c64(96 + 8 * j), v8b), v8f))
+                        for i in range(nt):
+                            dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
+                            sx = _load(builder, sf, builder.add(xs0, builder.add(blk[i], _c64(j))), _FL)
+                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                                builder.sitofp(sums[i], v8f), builder.fmul(dsc, _splat(builder, dx, v8f)),
+                                builder.load(acc[i])]), acc[i])
+                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                                dm, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
+            for i in range(nt):
+                res = builder.fsub(builder.load(acc[i]), builder.load(corr[i]))
+                off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
+                builder.store(res, builder.bitcast(builder.gep(oarr.data, [off]), v8f.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_x8_q4_k_{nt}"
+    return intrinsic(impl)
+
+
+def _make_x8_q8_0(nt: int):
+    """``_make_x8``'s intrinsic for the interleaved Q8_0 layout: per 32-value block and token, 8
+    ``vpdpbusd`` of the codes plus 128 with 4 broadcast activation codes, minus ``128 sum q_x``
+    (the activations' two half sums, exact in int32), converted and multiplied-added with ``d_w
+    d_x`` for the 8 rows."""
+
+    def impl(typingctx, w, woff, s, t0, T, K, out, col):
+        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+                and s.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32
+                and out.ndim == 2 and out.layout == "C"):
+            return None
+        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64, out, types.int64)
+
+        def codegen(context, builder, sg, args):
+            wv, woffv, sv, t0v, Tv, Kv, ov, colv = args
+            wp = context.make_array(sg.args[0])(context, builder, wv).data
+            sf = context.make_array(sg.args[2])(context, builder, sv).data
+            oarr = context.make_array(sg.args[6])(context, builder, ov)
+            ncols = cgutils.unpack_tuple(builder, oarr.shape, 2)[1]
+            sbytes = builder.bitcast(sf, _I8.as_pointer())
+            n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
+            v8f = ir.VectorType(_FL, 8)
+            zero_i = ir.Constant(_V8I32, [0] * 8)
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
+            with cgutils.for_range(builder, n32) as loop:
+                j = loop.index
+                ob = builder.gep(wp, [builder.add(woffv, builder.mul(j, _c64(X8_Q8_0_BLOCK_BYTES)))])
+                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
+                blk = [builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), j) for i in range(nt)]
+                xb = [builder.add(xq0, builder.mul(blk[i], _c64(INT8_BLOCK))) for i in range(nt)]
+                sums = [zero_i] * nt
+                for c in range(8):
+                    codes = _load(builder, ob, _c64(16 + 32 * c), _V32I8)
+                    for i in range(nt):
+                        x4 = _load(builder, sbytes, builder.add(xb[i], _c64(4 * c)), _I32)
+                        sums[i] = _dpbusd(builder, sums[i], codes, builder.bitcast(_splat(builder, x4, _V8I32),
+                                                                                    _V32I8))
+                for i in range(nt):
+                    # the codes' +128: minus 128 times the block's activation codes' sum (its halves)
+                    halves = _load(builder, sbytes, builder.add(xb0, builder.mul(blk[i], _c64(4))),
+                                   ir.VectorType(_I16, 2))
+                    qsum = builder.add(builder.sext(builder.extract_element(halves, ir.Constant(_I32, 0)), _I32),
+                                       builder.sext(builder.extract_element(halves, ir.Constant(_I32, 1)), _I32))
+                    isum = builder.sub(sums[i], _splat(builder, builder.shl(qsum, ir.Constant(_I32, 7)), _V8I32))
+                    dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
+                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                        builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
+                        builder.load(acc[i])]), acc[i])
+            for i in range(nt):
+                off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
+                builder.store(builder.load(acc[i]), builder.bitcast(builder.gep(oarr.data, [off]), v8f.as_pointer()),
+                              align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_x8_q8_0_{nt}"
+    return intrinsic(impl)
+
+
+_NT = 4
+_x8_q4_k_1, _x8_q4_k_4 = _make_x8(1), _make_x8(_NT)
+_x8_q8_0_1, _x8_q8_0_4 = _make_x8_q8_0(1), _make_x8_q8_0(_NT)
+
+
+@njit(cache=True)
+def x8_rows(x, w, qtype, out, col0, s, r0, r1):
+    """``out[:, col0 + r] ~= x @ dequantize(row r).T`` for ``r0 <= r < r1`` (multiples of 8) of the
+    interleaved weight ``w`` of GGML type ``qtype`` (Q4_K: ``repack_q4_k_x8``'s ``[N,
+    x8_row_bytes(K)]``; Q8_0: ``repack_q8_0_x8``'s), through int8 activations quantized into the
+    scratch row ``s`` as ``quant_int8.int8_rows`` does (once per task and product: the same key)."""
+    T, K = x.shape
+    key = s[_KEY:_KEY + 8].view(np.int64)
+    xa, wa = x.ctypes.data, w.ctypes.data
+    if key[0] != xa or key[1] != wa or key[2] != T or key[3] != K:
+        quantize_activations(x, s)
+        key[0], key[1], key[2], key[3] = xa, wa, T, K
+    rb = w.shape[1]
+    for r in range(r0, r1, 8):
+        woff = r * rb
+        t = 0
+        while T - t >= _NT:
+            if qtype == Q4_K:
+                _x8_q4_k_4(w, woff, s, t, T, K, out, col0 + r)
+            else:
+                _x8_q8_0_4(w, woff, s, t, T, K, out, col0 + r)
+            t += _NT
+        while t < T:
+            if qtype == Q4_K:
+                _x8_q4_k_1(w, woff, s, t, T, K, out, col0 + r)
+            else:
+                _x8_q8_0_1(w, woff, s, t, T, K, out, col0 + r)
+            t += 1
