@@ -322,3 +322,22 @@ def test_x8_agrees_with_the_row_kernel(q):
     A = (np.abs(qr.dequantize(w, q.id).astype(np.float64)) + 2 * np.abs(b.astype(np.float64))) * (1 + 2 * U32)
     bound = 2 * (2 * U32 + gamma(K // 32 + 8)) * (np.abs(_xhat(x)) @ A.T)
     assert np.all(np.abs(_x8_product(x, w, q, 1).astype(np.float64) - rows) <= bound)
+
+
+@pytest.mark.parametrize("q", INT8_TYPES, ids=IDS)
+def test_int8_a_nan_activation_gives_nan_outputs_for_its_token_only(q):
+    # as the float32 path: a NaN in a token's activations makes every output of that token NaN
+    # (its block's scale becomes NaN), and the other tokens' outputs are what they are alone
+    rng = np.random.default_rng(53 + q.id)
+    N, K, T = 16, 512, 3
+    w = random_weight(q, N, K, rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    x[1, 300] = np.nan
+    products = [ql.quant_linear(x, w, q.id, activations="int8"), ql.quant_linear(x, w, q.id)]
+    if q.name in ("Q4_K", "Q8_0"):
+        products.append(_x8_product(x, w, q, 1))
+    for got in products:
+        assert np.isnan(got[1]).all()
+        assert np.isfinite(got[[0, 2]]).all()
+    alone = ql.quant_linear(x[2:], w, q.id, activations="int8")
+    np.testing.assert_array_equal(products[0][2:], alone)

@@ -127,7 +127,8 @@ def quantize_activations(x, s):
     """Quantize float32 ``x [T, K]`` (``K`` a multiple of 32) into the scratch row ``s`` (float32, at
     least ``int8_scratch_size(T, K)``): per token and block of 32, ``d = max|x| / 127``, codes
     ``rint(x * (1 / d))`` (0 where ``d == 0``; ``rint(x / d)`` where ``1 / d`` overflows), ``d``, ``d * sum(codes)`` and the sums of the codes
-    of each half (int16, ``|sum| <= 16 * 127``)."""
+    of each half (int16, ``|sum| <= 16 * 127``). A block holding a NaN gets the scale NaN (its
+    codes 0 where NaN), so every product with that token is NaN, as with float32 activations."""
     T, K = x.shape
     n32, xd, xs, xq, xb = _offsets(T, K)
     codes = s[xq:xq + (T * K) // 4].view(np.int8)
@@ -140,14 +141,18 @@ def quantize_activations(x, s):
             # below ~2.9e-39 (|x| < ~3.7e-37) 1 / d overflows: then x / d, which cannot
             by_d = inv == np.inf
             acc = 0
+            nan = False
             for i in range(INT8_BLOCK):
                 v = x[t, k0 + i] / d if by_d else x[t, k0 + i] * inv
-                q = np.int32(np.rint(v))
+                nan |= v != v
+                q = np.int32(np.rint(v)) if v == v else np.int32(0)
                 codes[t * K + k0 + i] = q
                 acc += q
                 if i == INT8_BLOCK // 2 - 1:
                     halves[2 * (t * n32 + j)] = acc
             halves[2 * (t * n32 + j) + 1] = acc - np.int32(halves[2 * (t * n32 + j)])
+            if nan:   # a NaN in the block (max|x| skips it): a NaN scale, so its products are NaN as in float32
+                d = _F32(np.nan)
             s[xd + t * n32 + j] = d            # token-major: a superblock's 8 scales adjacent
             s[xs + t * n32 + j] = d * _F32(acc)
 
