@@ -71,9 +71,8 @@ from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
 from .memory import release_mapped_pages
-from .quant_linear import (INT8_ACTIVATIONS, _check_weight, kernel_layout, kernel_row_bytes, quant_item_rows,
-                           quant_kernel_type, quant_linear, quant_linear_tasks, quant_scratch, quant_task_rows,
-                           quant_task_rows_f32)
+from .quant_linear import (_check_weight, kernel_layout, kernel_row_bytes, quant_item_rows, quant_kernel_type,
+                           quant_linear, quant_linear_tasks, quant_scratch, quant_task_rows, quant_task_rows_f32)
 from ..quant_reference import QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,

@@ -157,6 +157,18 @@ def quantize_activations(x, s):
             s[xs + t * n32 + j] = d * _F32(acc)
 
 
+@njit(cache=True, inline="always")
+def quantize_once(x, w, s):
+    # quantize x into s unless s's key says this task did so for this x (address, T, K) and weight
+    # w (address) since quant_scratch cleared the key: one quantization per task and product
+    T, K = x.shape
+    key = s[_KEY:_KEY + 8].view(np.int64)
+    xa, wa = x.ctypes.data, w.ctypes.data
+    if key[0] != xa or key[1] != wa or key[2] != T or key[3] != K:
+        quantize_activations(x, s)
+        key[0], key[1], key[2], key[3] = xa, wa, T, K
+
+
 # ---- the vector code ----------------------------------------------------------------------------
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -570,12 +582,7 @@ def int8_rows(x, w, qtype, out, col0, s, r0, r1):
     ``quant_scratch`` cleared the key: one quantization per task and product. ``qtype`` one of
     ``INT8_TYPES``; ``K`` a multiple of 32 (every such type's rows are)."""
     T, K = x.shape
-    key = s[_KEY:_KEY + 8].view(np.int64)
-    xa, wa = x.ctypes.data, w.ctypes.data
-    if key[0] != xa or key[1] != wa or key[2] != T or key[3] != K:
-        quantize_activations(x, s)
-        key[0], key[1], key[2], key[3] = xa, wa, T, K
-    n32 = K // INT8_BLOCK
+    quantize_once(x, w, s)
     rb = w.shape[1]
     for r in range(r0, r1):
         woff = r * rb

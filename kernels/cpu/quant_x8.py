@@ -61,8 +61,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant_reference import QUANT_TYPES, Q4_K, Q8_0, _k_scale_min
-from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _KEY, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call,
-                         _load, _scratch_layout, _splat, quantize_activations)
+from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
+                         _scratch_layout, _splat, quantize_once)
 
 __all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "repack_q4_k_x8", "repack_q8_0_x8", "x8_rows",
            "x8_row_bytes"]
@@ -137,25 +137,38 @@ def _dpbusd(builder, acc, codes, xv):
     return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)]))
 
 
+def _x8_signature(w, s, out):
+    # the interleaved intrinsics' (w, woff, s, t0, T, K, out, col): uint8 weights, a float32
+    # scratch row, a C-contiguous float32 [T, N] output
+    if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
+            and s.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32
+            and out.ndim == 2 and out.layout == "C"):
+        return None
+    return types.void(w, types.int64, s, types.int64, types.int64, types.int64, out, types.int64)
+
+
+def _x8_args(context, builder, sg, args):
+    # (weights i8*, woff, scratch float*, scratch i8*, t0, T, K, output float*, output row length, col)
+    wv, woffv, sv, t0v, Tv, Kv, ov, colv = args
+    wp = context.make_array(sg.args[0])(context, builder, wv).data
+    sf = context.make_array(sg.args[2])(context, builder, sv).data
+    oarr = context.make_array(sg.args[6])(context, builder, ov)
+    ncols = cgutils.unpack_tuple(builder, oarr.shape, 2)[1]
+    return wp, woffv, sf, builder.bitcast(sf, _I8.as_pointer()), t0v, Tv, Kv, oarr.data, ncols, colv
+
+
 def _make_x8(nt: int):
     """An intrinsic ``(w, woff, s, t0, T, K, out, col)``: the 8 interleaved rows at byte ``woff`` of
     ``w`` times tokens ``t0 .. t0 + nt - 1`` of the activations in scratch ``s`` (``T`` tokens of
     ``K`` values); stores token ``t``'s 8 results at ``out[t, col : col + 8]``."""
 
     def impl(typingctx, w, woff, s, t0, T, K, out, col):
-        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
-                and s.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32
-                and out.ndim == 2 and out.layout == "C"):
+        sig = _x8_signature(w, s, out)
+        if sig is None:
             return None
-        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64, out, types.int64)
 
         def codegen(context, builder, sg, args):
-            wv, woffv, sv, t0v, Tv, Kv, ov, colv = args
-            wp = context.make_array(sg.args[0])(context, builder, wv).data
-            sf = context.make_array(sg.args[2])(context, builder, sv).data
-            oarr = context.make_array(sg.args[6])(context, builder, ov)
-            ncols = cgutils.unpack_tuple(builder, oarr.shape, 2)[1]
-            sbytes = builder.bitcast(sf, _I8.as_pointer())
+            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
             n32, xd0, xs0, xq0, _xb0 = _scratch_layout(builder, Tv, Kv)
             v8f = ir.VectorType(_FL, 8)
             v8b = ir.VectorType(_I8, 8)
@@ -201,7 +214,7 @@ def _make_x8(nt: int):
             for i in range(nt):
                 res = builder.fsub(builder.load(acc[i]), builder.load(corr[i]))
                 off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
-                builder.store(res, builder.bitcast(builder.gep(oarr.data, [off]), v8f.as_pointer()), align=4)
+                builder.store(res, builder.bitcast(builder.gep(odata, [off]), v8f.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -217,19 +230,12 @@ def _make_x8_q8_0(nt: int):
     d_x`` for the 8 rows."""
 
     def impl(typingctx, w, woff, s, t0, T, K, out, col):
-        if not (isinstance(w, types.Array) and w.dtype == types.uint8 and isinstance(s, types.Array)
-                and s.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32
-                and out.ndim == 2 and out.layout == "C"):
+        sig = _x8_signature(w, s, out)
+        if sig is None:
             return None
-        sig = types.void(w, types.int64, s, types.int64, types.int64, types.int64, out, types.int64)
 
         def codegen(context, builder, sg, args):
-            wv, woffv, sv, t0v, Tv, Kv, ov, colv = args
-            wp = context.make_array(sg.args[0])(context, builder, wv).data
-            sf = context.make_array(sg.args[2])(context, builder, sv).data
-            oarr = context.make_array(sg.args[6])(context, builder, ov)
-            ncols = cgutils.unpack_tuple(builder, oarr.shape, 2)[1]
-            sbytes = builder.bitcast(sf, _I8.as_pointer())
+            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
             n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
             v8f = ir.VectorType(_FL, 8)
             zero_i = ir.Constant(_V8I32, [0] * 8)
@@ -260,7 +266,7 @@ def _make_x8_q8_0(nt: int):
                         builder.load(acc[i])]), acc[i])
             for i in range(nt):
                 off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
-                builder.store(builder.load(acc[i]), builder.bitcast(builder.gep(oarr.data, [off]), v8f.as_pointer()),
+                builder.store(builder.load(acc[i]), builder.bitcast(builder.gep(odata, [off]), v8f.as_pointer()),
                               align=4)
             return context.get_dummy_value()
 
@@ -282,11 +288,7 @@ def x8_rows(x, w, qtype, out, col0, s, r0, r1):
     x8_row_bytes(K)]``; Q8_0: ``repack_q8_0_x8``'s), through int8 activations quantized into the
     scratch row ``s`` as ``quant_int8.int8_rows`` does (once per task and product: the same key)."""
     T, K = x.shape
-    key = s[_KEY:_KEY + 8].view(np.int64)
-    xa, wa = x.ctypes.data, w.ctypes.data
-    if key[0] != xa or key[1] != wa or key[2] != T or key[3] != K:
-        quantize_activations(x, s)
-        key[0], key[1], key[2], key[3] = xa, wa, T, K
+    quantize_once(x, w, s)
     rb = w.shape[1]
     for r in range(r0, r1, 8):
         woff = r * rb
