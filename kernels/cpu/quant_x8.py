@@ -81,6 +81,20 @@ def x8_row_bytes(K):
     return K // 256 * (X8_BLOCK_BYTES // X8_ROWS)
 
 
+def _groups(w: np.ndarray, name: str, block_bytes: int, group_bytes: int):
+    # (N, w's blocks as [G, nb, 8 rows, block_bytes], the output [G, nb, group_bytes] with the 8
+    # rows' f16 d in its first 16 bytes: both layouts start so)
+    N, rb = w.shape
+    if N % X8_ROWS or rb % block_bytes:
+        raise ValueError(f"{name} x8 needs rows in groups of {X8_ROWS} and whole {block_bytes}-byte blocks, "
+                         f"got {w.shape}")
+    G, nb = N // X8_ROWS, rb // block_bytes
+    b = np.asarray(w).reshape(G, X8_ROWS, nb, block_bytes).transpose(0, 2, 1, 3)
+    out = np.empty((G, nb, group_bytes), np.uint8)
+    out[:, :, 0:16] = b[:, :, :, 0:2].reshape(G, nb, 16)
+    return N, b, out
+
+
 def repack_q4_k_x8(w: np.ndarray) -> np.ndarray:
     """Q4_K rows ``w`` (uint8 ``[N, K / 256 * 144]``, GGUF's blocks) -> the interleaved layout above,
     uint8 ``[N, x8_row_bytes(K)]`` (row ``8 g``'s slot starts group ``g``; C-contiguous, new memory).
@@ -88,14 +102,8 @@ def repack_q4_k_x8(w: np.ndarray) -> np.ndarray:
     Raises:
         ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q4_K rows.
     """
-    N, rb = w.shape
-    if N % X8_ROWS or rb % _Q4K_BYTES:
-        raise ValueError(f"Q4_K x8 needs rows in groups of {X8_ROWS} and whole {_Q4K_BYTES}-byte blocks, "
-                         f"got {w.shape}")
-    G, nb = N // X8_ROWS, rb // _Q4K_BYTES
-    b = np.asarray(w).reshape(G, X8_ROWS, nb, _Q4K_BYTES).transpose(0, 2, 1, 3)   # [G, nb, r, 144]
-    out = np.empty((G, nb, X8_BLOCK_BYTES), np.uint8)
-    out[:, :, 0:16] = b[:, :, :, 0:2].reshape(G, nb, 16)
+    N, b, out = _groups(w, "Q4_K", _Q4K_BYTES, X8_BLOCK_BYTES)
+    G, nb = out.shape[:2]
     out[:, :, 16:32] = b[:, :, :, 2:4].reshape(G, nb, 16)
     sc, m = _k_scale_min(np.ascontiguousarray(b[:, :, :, 4:16]).reshape(-1, 12))   # [G nb r, j]
     out[:, :, 32:96] = sc.reshape(G, nb, X8_ROWS, 8).transpose(0, 1, 3, 2).reshape(G, nb, 64)
@@ -114,14 +122,8 @@ def repack_q8_0_x8(w: np.ndarray) -> np.ndarray:
     Raises:
         ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q8_0 rows.
     """
-    N, rb = w.shape
-    if N % X8_ROWS or rb % _Q80_BYTES:
-        raise ValueError(f"Q8_0 x8 needs rows in groups of {X8_ROWS} and whole {_Q80_BYTES}-byte blocks, "
-                         f"got {w.shape}")
-    G, nb = N // X8_ROWS, rb // _Q80_BYTES
-    b = np.asarray(w).reshape(G, X8_ROWS, nb, _Q80_BYTES).transpose(0, 2, 1, 3)   # [G, nb, r, 34]
-    out = np.empty((G, nb, X8_Q8_0_BLOCK_BYTES), np.uint8)
-    out[:, :, 0:16] = b[:, :, :, 0:2].reshape(G, nb, 16)
+    N, b, out = _groups(w, "Q8_0", _Q80_BYTES, X8_Q8_0_BLOCK_BYTES)
+    G, nb = out.shape[:2]
     qs = b[:, :, :, 2:34].reshape(G, nb, X8_ROWS, 8, 4) ^ np.uint8(0x80)           # [G, nb, r, c, i]: q + 128
     out[:, :, 16:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)
     return out.reshape(N, -1)
