@@ -28,7 +28,7 @@ import numpy as np
 from folio.kernels import get_kernels
 from folio.model.config import ModelConfig
 from folio.model.llama import LlamaForCausalLM
-from folio.model.registry import resolve_model
+from folio.model.registry import float32_import, resolve_model
 from folio.model.simple_generate import generate_ids
 from folio.model.weights import load_weights
 
@@ -54,7 +54,8 @@ def main(argv=None):
     golden = json.loads((Path(__file__).resolve().parent.parent / "tests" / "data" / "smollm2_135m.json").read_text())
     model_dir = Path(resolve_model("smollm2-135m-instruct"))
     config = ModelConfig.from_pretrained(model_dir)
-    weights = load_weights(model_dir, config)
+    # the import folder serves its weights from the GGUF file: its float32 import has them dequantized
+    weights = load_weights(float32_import(model_dir), config)
     cpu = get_kernels("cpu")
     runs = {}
     for act in ("float32", "int8"):

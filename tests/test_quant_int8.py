@@ -341,3 +341,25 @@ def test_int8_a_nan_activation_gives_nan_outputs_for_its_token_only(q):
         assert np.isfinite(got[[0, 2]]).all()
     alone = ql.quant_linear(x[2:], w, q.id, activations="int8")
     np.testing.assert_array_equal(products[0][2:], alone)
+
+
+_AVX2_ENV = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt"}
+
+
+def test_the_avx2_build_of_the_integer_kernels_within_the_same_bounds(tmp_path):
+    # the suite runs the host's instruction set (AVX-512 VNNI on the machines this project measures
+    # on); the AVX2 build (vpmaddubsw + vpmaddwd, whose int16 pair sums saturate) is compiled here in
+    # a subprocess and runs this file's interleaved-layout and NaN tests there, with their bounds
+    # (an AVX2 Q8_0 product once saturated: 5-10% errors where the bounds allow ~0.6%)
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, **_AVX2_ENV)
+    isa = subprocess.run([sys.executable, "-c", "from folio.kernels.cpu import quant_int8; print(quant_int8.ISA)"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert isa.returncode == 0 and isa.stdout.strip() == "avx2", isa.stdout + isa.stderr
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                        "x8 and not avx2 or nan_activation or decode_sizes"], env=env, capture_output=True,
+                       text=True, timeout=1200, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]

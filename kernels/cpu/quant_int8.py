@@ -75,7 +75,7 @@ def _isa() -> str | None:
     on = {}
     for f in features.split(","):
         f = f.strip()
-        if f[:1] in "+-":
+        if f[:1] in ("+", "-"):   # not `in "+-"`: the empty string (an empty feature list) is in every string
             on[f[1:]] = f[0] == "+"
     if on.get("avx512vnni") and on.get("avx512vl"):
         return "avx512vnni"

@@ -600,7 +600,7 @@ def kernel_layout(data: np.ndarray, kernel_type: int) -> tuple[np.ndarray, int]:
 
 @njit(cache=True)
 def kernel_row_bytes(kernel_type, K):
-    """Bytes per weight row of a kernel type id (``quant_kernel_type``'s or ``Q4_K_X8``) for rows of
+    """Bytes per weight row of a kernel type id (``quant_kernel_type``'s, ``Q4_K_X8`` or ``Q8_0_X8``) for rows of
     ``K`` values; compiled code only."""
     if kernel_type == Q4_K_X8:
         return x8_row_bytes(K)

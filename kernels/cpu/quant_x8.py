@@ -15,7 +15,10 @@ results of 8 rows are stored as one vector.
 Q8_0 (``repack_q8_0_x8``, the same size as the GGUF rows): per group of 8 rows and 32-value block
 the 8 rows' ``d``, then the codes 4 bytes per row side by side, stored plus 128 as unsigned bytes
 (``vpdpbusd`` multiplies unsigned by signed bytes); the ``128 sum q_x`` this adds is taken off in
-int32 with the activations' block sums, so the integer sum is exact as in the row kernel.
+int32 with the activations' block sums, so the integer sum is exact as in the row kernel. With AVX2
+(``vpmaddubsw``, whose int16 pair sums saturate: ``2 * 255 * 127 > 2^15 - 1``) the codes are taken
+back to signed bytes in registers and multiplied as ``|w|`` times ``x`` with ``w``'s sign
+(``vpsignb``), as the row kernel does (pair sums at most ``2 * 128 * 127``).
 
 Q4_K layout (``repack_q4_k_x8``): per group of 8 rows (``N % 8 == 0``) and superblock, ``X8_BLOCK_BYTES``
 = 1184 bytes (the 8 rows' 8 x 144 = 1152, plus the scales and mins decoded to bytes):
@@ -134,7 +137,8 @@ def _dpbusd(builder, acc, codes, xv):
     if ISA == "avx512vnni":
         return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32,
                      [acc, builder.bitcast(codes, _V8I32), builder.bitcast(xv, _V8I32)])
-    # AVX2: pairs into int16 (|2 * 15 * 127| < 2^15: no saturation), then pairs into int32
+    # AVX2: pairs into int16, saturating (Q4_K's |2 * 15 * 127| < 2^15; Q8_0 passes |w| and signed x), then
+    # pairs into int32
     p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
     return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)]))
 
@@ -241,6 +245,7 @@ def _make_x8_q8_0(nt: int):
             n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
             v8f = ir.VectorType(_FL, 8)
             zero_i = ir.Constant(_V8I32, [0] * 8)
+            vnni = ISA == "avx512vnni"
             acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
             with cgutils.for_range(builder, n32) as loop:
                 j = loop.index
@@ -251,17 +256,27 @@ def _make_x8_q8_0(nt: int):
                 sums = [zero_i] * nt
                 for c in range(8):
                     codes = _load(builder, ob, _c64(16 + 32 * c), _V32I8)
+                    if not vnni:
+                        # AVX2: vpmaddubsw saturates its int16 pair sums, and 2 * 255 * 127 > 2^15 - 1:
+                        # the signed codes instead, |w| times x with w's sign (vpsignb), as the row
+                        # kernel and llama.cpp's mul_sum_i8_pairs (2 * 128 * 127 < 2^15)
+                        signed = builder.xor(codes, ir.Constant(_V32I8, [-128] * 32))
+                        codes = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [signed, signed])
                     for i in range(nt):
                         x4 = _load(builder, sbytes, builder.add(xb[i], _c64(4 * c)), _I32)
-                        sums[i] = _dpbusd(builder, sums[i], codes, builder.bitcast(_splat(builder, x4, _V8I32),
-                                                                                    _V32I8))
+                        xv = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
+                        if not vnni:
+                            xv = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, signed])
+                        sums[i] = _dpbusd(builder, sums[i], codes, xv)
                 for i in range(nt):
-                    # the codes' +128: minus 128 times the block's activation codes' sum (its halves)
-                    halves = _load(builder, sbytes, builder.add(xb0, builder.mul(blk[i], _c64(4))),
-                                   ir.VectorType(_I16, 2))
-                    qsum = builder.add(builder.sext(builder.extract_element(halves, ir.Constant(_I32, 0)), _I32),
-                                       builder.sext(builder.extract_element(halves, ir.Constant(_I32, 1)), _I32))
-                    isum = builder.sub(sums[i], _splat(builder, builder.shl(qsum, ir.Constant(_I32, 7)), _V8I32))
+                    isum = sums[i]
+                    if vnni:
+                        # the codes' +128: minus 128 times the block's activation codes' sum (its halves)
+                        halves = _load(builder, sbytes, builder.add(xb0, builder.mul(blk[i], _c64(4))),
+                                       ir.VectorType(_I16, 2))
+                        qsum = builder.add(builder.sext(builder.extract_element(halves, ir.Constant(_I32, 0)), _I32),
+                                           builder.sext(builder.extract_element(halves, ir.Constant(_I32, 1)), _I32))
+                        isum = builder.sub(sums[i], _splat(builder, builder.shl(qsum, ir.Constant(_I32, 7)), _V8I32))
                     dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
                     builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
                         builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
