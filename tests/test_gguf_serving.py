@@ -285,3 +285,24 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "float32_import", lambda *a, **k: pytest.fail("imported before refusing"))
     with pytest.raises(ValueError, match="activation-quantization"):
         loader.load_model(str(path), device="cpu", dtype="float32", activation_quantization="int8")
+
+
+def test_a_gguf_of_the_same_name_and_size_serves_its_own_weights(tmp_path, monkeypatch):
+    # the import folder was reused by file name and size: a second file of one name and size (two
+    # fine-tunes, another imatrix) served the first one's weights, and a file replaced in place kept
+    # its old float32 import; the import now records a sampled fingerprint of the file's content
+    monkeypatch.setenv("FOLIO_HOME", str(tmp_path / "home"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    want_a = write_tiny_gguf(a, tied=False, seed=0)
+    want_b = write_tiny_gguf(b, tied=False, seed=1)
+    assert a.stat().st_size == b.stat().st_size
+    name = "model.layers.0.mlp.down_proj.weight"
+    for path, want in ((a, want_a), (b, want_b), (a, want_a)):
+        model, _, _ = loader.load_model(str(path), device="cpu")
+        np.testing.assert_array_equal(model.layers[0].down_proj[0].dequantize(), want[name])
+    for seed in (2, 3):   # one path, rewritten in place, through the float32 import
+        want = write_tiny_gguf(a, tied=False, seed=seed)
+        model, _, _ = loader.load_model(str(a), device="cpu", dtype="float32")
+        np.testing.assert_array_equal(np.asarray(model.layers[0].down_proj), want[name])
