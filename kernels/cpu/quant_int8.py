@@ -192,13 +192,16 @@ def _c64(v):
     return ir.Constant(_I64, v)
 
 
-def _udot(builder, codes, xv):
-    # <8 x i32>: sums of 4 adjacent products codes[i] * x[i] (unsigned x signed bytes)
+def _udot(builder, codes, xv, acc=None):
+    # <8 x i32>: acc (none: 0) plus the sums of 4 adjacent products codes[i] * x[i] (unsigned x
+    # signed bytes). AVX2's vpmaddubsw saturates its int16 pair sums: callers keep |2 w x| < 2^15
     if ISA == "avx512vnni":
         return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32,
-                     [ir.Constant(_V8I32, [0] * 8), builder.bitcast(codes, _V8I32), builder.bitcast(xv, _V8I32)])
+                     [ir.Constant(_V8I32, [0] * 8) if acc is None else acc, builder.bitcast(codes, _V8I32),
+                      builder.bitcast(xv, _V8I32)])
     p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
-    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)])
+    s = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)])
+    return s if acc is None else builder.add(acc, s)
 
 
 def _idot_signature(w, s):

@@ -65,7 +65,7 @@ from numba.extending import intrinsic
 
 from ..quant_reference import QUANT_TYPES, Q4_K, Q8_0, _k_scale_min
 from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
-                         _scratch_layout, _splat, quantize_once)
+                         _scratch_layout, _splat, _udot, quantize_once)
 
 __all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "repack_q4_k_x8", "repack_q8_0_x8", "x8_rows",
            "x8_row_bytes"]
@@ -132,17 +132,6 @@ def repack_q8_0_x8(w: np.ndarray) -> np.ndarray:
     return out.reshape(N, -1)
 
 
-def _dpbusd(builder, acc, codes, xv):
-    # acc + the sums of 4 adjacent products codes * xv (unsigned x signed bytes), <8 x i32>
-    if ISA == "avx512vnni":
-        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32,
-                     [acc, builder.bitcast(codes, _V8I32), builder.bitcast(xv, _V8I32)])
-    # AVX2: pairs into int16, saturating (Q4_K's |2 * 15 * 127| < 2^15; Q8_0 passes |w| and signed x), then
-    # pairs into int32
-    p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [codes, xv])
-    return builder.add(acc, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [p, ir.Constant(_V16I16, [1] * 16)]))
-
-
 def _x8_signature(w, s, out):
     # the interleaved intrinsics' (w, woff, s, t0, T, K, out, col): uint8 weights, a float32
     # scratch row, a C-contiguous float32 [T, N] output
@@ -161,6 +150,19 @@ def _x8_args(context, builder, sg, args):
     oarr = context.make_array(sg.args[6])(context, builder, ov)
     ncols = cgutils.unpack_tuple(builder, oarr.shape, 2)[1]
     return wp, woffv, sf, builder.bitcast(sf, _I8.as_pointer()), t0v, Tv, Kv, oarr.data, ncols, colv
+
+
+def _token_blocks(builder, t0v, n32, first, nt, xq0):
+    # per token t0 + i: the index of its activation block ``first`` (token-major) and the byte
+    # offset of that block's codes
+    blk = [builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), first) for i in range(nt)]
+    return blk, [builder.add(xq0, builder.mul(b, _c64(INT8_BLOCK))) for b in blk]
+
+
+def _store8(builder, odata, ncols, t0v, colv, i, value):
+    # the 8 rows' results of token t0 + i (<8 x float>) at out[t0 + i, col : col + 8]
+    off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
+    builder.store(value, builder.bitcast(builder.gep(odata, [off]), value.type.as_pointer()), align=4)
 
 
 def _make_x8(nt: int):
@@ -188,9 +190,7 @@ def _make_x8(nt: int):
                 dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
                 dminv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
                 # token i's first activation block of this superblock
-                blk = [builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), builder.mul(b, _c64(8)))
-                       for i in range(nt)]
-                xb = [builder.add(xq0, builder.mul(blk[i], _c64(INT8_BLOCK))) for i in range(nt)]
+                blk, xb = _token_blocks(builder, t0v, n32, builder.mul(b, _c64(8)), nt, xq0)
                 for p in range(4):
                     lo_sums, hi_sums = [zero_i] * nt, [zero_i] * nt
                     for c in range(8):
@@ -201,10 +201,11 @@ def _make_x8(nt: int):
                         for i in range(nt):
                             xl = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 4 * c)), _I32)
                             xh = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 32 + 4 * c)), _I32)
-                            lo_sums[i] = _dpbusd(builder, lo_sums[i], lo,
-                                                 builder.bitcast(_splat(builder, xl, _V8I32), _V32I8))
-                            hi_sums[i] = _dpbusd(builder, hi_sums[i], hi,
-                                                 builder.bitcast(_splat(builder, xh, _V8I32), _V32I8))
+                            # codes 0..15: AVX2's pair sums |2 * 15 * 127| < 2^15
+                            lo_sums[i] = _udot(builder, lo, builder.bitcast(_splat(builder, xl, _V8I32), _V32I8),
+                                               lo_sums[i])
+                            hi_sums[i] = _udot(builder, hi, builder.bitcast(_splat(builder, xh, _V8I32), _V32I8),
+                                               hi_sums[i])
                     for h, sums in ((0, lo_sums), (1, hi_sums)):
                         j = 2 * p + h
                         dsc = builder.fmul(dv, builder.uitofp(_load(builder, ob, _c64(32 + 8 * j), v8b), v8f))
@@ -218,9 +219,7 @@ def _make_x8(nt: int):
                             builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
                                 dm, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
             for i in range(nt):
-                res = builder.fsub(builder.load(acc[i]), builder.load(corr[i]))
-                off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
-                builder.store(res, builder.bitcast(builder.gep(odata, [off]), v8f.as_pointer()), align=4)
+                _store8(builder, odata, ncols, t0v, colv, i, builder.fsub(builder.load(acc[i]), builder.load(corr[i])))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -251,8 +250,7 @@ def _make_x8_q8_0(nt: int):
                 j = loop.index
                 ob = builder.gep(wp, [builder.add(woffv, builder.mul(j, _c64(X8_Q8_0_BLOCK_BYTES)))])
                 dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
-                blk = [builder.add(builder.mul(builder.add(t0v, _c64(i)), n32), j) for i in range(nt)]
-                xb = [builder.add(xq0, builder.mul(blk[i], _c64(INT8_BLOCK))) for i in range(nt)]
+                blk, xb = _token_blocks(builder, t0v, n32, j, nt, xq0)
                 sums = [zero_i] * nt
                 for c in range(8):
                     codes = _load(builder, ob, _c64(16 + 32 * c), _V32I8)
@@ -267,7 +265,7 @@ def _make_x8_q8_0(nt: int):
                         xv = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
                         if not vnni:
                             xv = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, signed])
-                        sums[i] = _dpbusd(builder, sums[i], codes, xv)
+                        sums[i] = _udot(builder, codes, xv, sums[i])
                 for i in range(nt):
                     isum = sums[i]
                     if vnni:
@@ -282,9 +280,7 @@ def _make_x8_q8_0(nt: int):
                         builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
                         builder.load(acc[i])]), acc[i])
             for i in range(nt):
-                off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
-                builder.store(builder.load(acc[i]), builder.bitcast(builder.gep(odata, [off]), v8f.as_pointer()),
-                              align=4)
+                _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
             return context.get_dummy_value()
 
         return sig, codegen
