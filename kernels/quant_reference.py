@@ -425,12 +425,16 @@ class QuantizedWeight:
         activations: how the kernels multiply it: ``"float32"`` activations (the default: the
             products of the dequantized values) or ``"int8"`` (activations quantized per 32 values,
             integer dot products, where the CPU kernels have them: ``--activation-quantization``).
+        packed: ``None``, or ``(rows, kernel type id)``: the same rows in the layout a kernel table
+            reads them in (the CPU table's ``prepare_weight``: with int8 activations, Q4_K, Q6_K and
+            Q8_0 rows interleaved by 8, ``kernels/cpu/quant_x8.py``); then the kernels read only
+            those, and ``data`` stays the GGUF rows (``dequantize``).
     Raises:
         UnsupportedQuantType: ``qtype`` is not supported.
         ValueError: ``data`` is not C-contiguous uint8 ``[N, row_bytes(qtype, K)]``.
     """
 
-    __slots__ = ("data", "qtype", "shape", "activations")
+    __slots__ = ("data", "qtype", "shape", "activations", "packed")
 
     def __init__(self, data: np.ndarray, qtype, shape, activations: str = "float32"):
         q = quant_type(qtype)
@@ -445,6 +449,7 @@ class QuantizedWeight:
         data = data.view()
         data.flags.writeable = False   # one array type for the kernels (mapped files are read-only)
         self.data, self.qtype, self.shape, self.activations = data, q.id, (N, K), activations
+        self.packed = None
 
     ndim = 2
 
@@ -454,7 +459,8 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        """Bytes the kernels read (``packed``'s rows where set)."""
+        return int((self.data if self.packed is None else self.packed[0]).nbytes)
 
     def dequantize(self) -> np.ndarray:
         """The float32 ``[N, K]`` values (``dequantize``: bit-exact with gguf-py)."""

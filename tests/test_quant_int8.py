@@ -208,14 +208,17 @@ def test_int8_scratch_reuse_across_products():
     np.testing.assert_array_equal(out, ql.quant_linear(x, w1, q.id, activations="int8"))
 
 
-# ---- rows interleaved by 8 (kernels/cpu/quant_x8.py: Q4_K and Q8_0 with int8 activations) ---------
+# ---- rows interleaved by 8 (kernels/cpu/quant_x8.py: Q4_K, Q8_0 and Q6_K with int8 activations) ---
 # Its float32 arithmetic per term: Q4_K's d sc and dmin m exact (an 11-bit significand times a 6-bit
-# integer), Q8_0's integer sum exact after its codes' +128 is taken off in int32; one rounding for
+# integer), Q8_0's integer sum exact after its codes' +128 is taken off in int32, Q6_K's per 32
+# values sc_a (s_a - 32 h_a) + sc_b (s_b - 32 h_b) exact in int32 and below 2^24; one rounding for
 # the product with d_x, one multiply-add chain of K / 32 per row (no lanes), one final subtraction
 # (Q4_K): at most K / 32 + 2 roundings, inside part 3's K / 32 + 8, so _check's bounds hold as
 # they are.
 
-X8_TYPES = [qr.quant_type("Q4_K"), qr.quant_type("Q8_0")]
+X8_TYPES = [qr.quant_type("Q4_K"), qr.quant_type("Q8_0"), qr.quant_type("Q6_K")]
+X8_KINDS = {"Q4_K": ql.Q4_K_X8, "Q8_0": ql.Q8_0_X8, "Q6_K": ql.Q6_K_X8}
+X8_REPACK = {"Q4_K": qx8.repack_q4_k_x8, "Q8_0": qx8.repack_q8_0_x8, "Q6_K": qx8.repack_q6_k_x8}
 
 
 def _x8_values(packed: np.ndarray, q: qr.QuantType, N: int, K: int) -> np.ndarray:
@@ -229,6 +232,8 @@ def _x8_values(packed: np.ndarray, q: qr.QuantType, N: int, K: int) -> np.ndarra
         codes = (blk[:, :, 16:].reshape(G, nb, 8, 8, 4) ^ 0x80).view(np.int8)      # [G, nb, c, r, i]
         vals = d[:, :, None, :, None] * codes.astype(np.float32)
         return vals.transpose(0, 3, 1, 2, 4).reshape(N, K)
+    if q.name == "Q6_K":
+        return _x8_q6_k_values(packed, N, K)
     nb = K // 256
     blk = packed.reshape(G, nb, 1184)
     d = blk[:, :, 0:16].copy().view("<f2").astype(np.float32)            # [G, nb, r]
@@ -247,10 +252,41 @@ def _x8_values(packed: np.ndarray, q: qr.QuantType, N: int, K: int) -> np.ndarra
     return out.reshape(N, K)
 
 
+def _x8_q6_k_values(packed: np.ndarray, N: int, K: int) -> np.ndarray:
+    # repack_q6_k_x8's documented layout: d[8], sc[16][8], then 48 chunks of 32 bytes, for h in 0, 1:
+    # low bits of p = 2h chunks 0..3, high bits of h chunks 0..3, low bits 4..7, high bits 4..7, low
+    # bits of p = 2h + 1 chunks 0..7; row r's 4 bytes at 4r of each chunk
+    G, nb = N // 8, K // 256
+    blk = packed.reshape(G, nb, 1680)
+    chunks = blk[:, :, 144:].reshape(G, nb, 48, 8, 4)                     # [G, nb, chunk, r, i]
+    ql, qh = {}, {}
+    for h in range(2):
+        base = 24 * h
+        for c in range(4):
+            ql[2 * h, c], qh[h, c] = chunks[:, :, base + c], chunks[:, :, base + 4 + c]
+            ql[2 * h, 4 + c], qh[h, 4 + c] = chunks[:, :, base + 8 + c], chunks[:, :, base + 12 + c]
+        for c in range(8):
+            ql[2 * h + 1, c] = chunks[:, :, base + 16 + c]
+    codes = np.empty((G, nb, 8, 256), np.int32)                          # [G, nb, r, value]
+    for p in range(4):
+        for c in range(8):
+            for half in range(2):
+                v = 64 * p + 32 * half + 4 * c                            # values v .. v + 3
+                g = (v % 128) // 32
+                low = (ql[p, c] >> (4 * half)) & 15
+                high = (qh[p // 2, c] >> (2 * g)) & 3
+                codes[:, :, :, v:v + 4] = low | (high << 4)
+    d = blk[:, :, 0:16].copy().view("<f2").astype(np.float32)            # [G, nb, r]
+    sc = blk[:, :, 16:144].reshape(G, nb, 16, 8).view(np.int8).astype(np.float32)   # [G, nb, j, r]
+    d1 = (d[:, :, None, :] * sc).transpose(0, 1, 3, 2)                   # [G, nb, r, j]
+    vals = d1[..., None] * (codes - 32).astype(np.float32).reshape(G, nb, 8, 16, 16)
+    return vals.reshape(G, nb, 8, 256).transpose(0, 2, 1, 3).reshape(N, K)
+
+
 @pytest.mark.parametrize("q", X8_TYPES, ids=[q.name for q in X8_TYPES])
 def test_x8_layout_holds_the_weights_bit_for_bit(q):
     rng = np.random.default_rng(41 + q.id)
-    kind = ql.Q4_K_X8 if q.name == "Q4_K" else ql.Q8_0_X8
+    kind = X8_KINDS[q.name]
     for N, K in ((8, 256), (24, 768), (64, 2048)):
         w = random_weight(q, N, K, rng)
         packed, kt = ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))
@@ -262,14 +298,13 @@ def test_x8_layout_holds_the_weights_bit_for_bit(q):
     assert ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))[0] is w
     w = random_weight(q, 16, 256, rng)
     assert ql.kernel_layout(w, q.id)[0] is w
-    repack = qx8.repack_q4_k_x8 if q.name == "Q4_K" else qx8.repack_q8_0_x8
     with pytest.raises(ValueError, match="groups of 8"):
-        repack(random_weight(q, 12, 256, rng))
+        X8_REPACK[q.name](random_weight(q, 12, 256, rng))
 
 
 def test_x8_only_for_its_types():
     rng = np.random.default_rng(40)
-    for name in ("Q4_0", "Q4_1", "Q5_K", "Q6_K"):
+    for name in ("Q4_0", "Q4_1", "Q5_K"):
         q = qr.quant_type(name)
         w = random_weight(q, 16, 256, rng)
         assert ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))[0] is w
@@ -324,6 +359,37 @@ def test_x8_agrees_with_the_row_kernel(q):
     assert np.all(np.abs(_x8_product(x, w, q, 1).astype(np.float64) - rows) <= bound)
 
 
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("q", X8_TYPES, ids=[q.name for q in X8_TYPES])
+def test_an_interleaved_table_embeds_and_multiplies_as_its_gguf_rows(q, threads, monkeypatch):
+    # the CPU table's prepare_weight (the embedding table and lm_head, tied or not): with int8
+    # activations a new weight whose packed rows both embedding and linear read; the lookup is
+    # the GGUF rows dequantized, bit for bit; the product is the interleaved kernel's, for every
+    # token count (a batch's rows are each what they are alone: no float32 hand-over)
+    from folio.kernels.cpu.table import CPU_KERNELS
+    monkeypatch.setattr(ql, "_PARALLEL_MIN_WEIGHTS", 0)
+    rng = np.random.default_rng(59 + q.id)
+    N, K = 40, 512
+    w = random_weight(q, N, K, rng)
+    weight = qr.QuantizedWeight(w, q.id, (N, K), activations="int8")
+    prepared = CPU_KERNELS.prepare_weight(weight)
+    assert weight.packed is None and prepared.packed[1] == X8_KINDS[q.name]
+    assert prepared.nbytes == prepared.packed[0].nbytes
+    assert CPU_KERNELS.prepare_weight(qr.QuantizedWeight(w, q.id, (N, K))).packed is None   # float32 activations
+    ids = np.array([0, 39, 8, 7, 8, 23])
+    np.testing.assert_array_equal(CPU_KERNELS.embedding(ids, prepared), qr.dequantize(w, q.id).reshape(N, K)[ids])
+    with pytest.raises(ValueError, match="outside"):
+        CPU_KERNELS.embedding(np.array([N]), prepared)
+    with cpu_threads.numba_threads(threads):
+        for T in (1, 5, 33):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            got = CPU_KERNELS.linear(x, prepared)
+            np.testing.assert_array_equal(got, _x8_product(x, w, q, threads))
+            np.testing.assert_array_equal(got[T - 1:], CPU_KERNELS.linear(x[T - 1:], prepared))
+        with pytest.raises(ValueError, match="must be"):
+            CPU_KERNELS.linear(rng.standard_normal((2, K + 32)).astype(np.float32), prepared)
+
+
 @pytest.mark.parametrize("q", INT8_TYPES, ids=IDS)
 def test_int8_a_nan_activation_gives_nan_outputs_for_its_token_only(q):
     # as the float32 path: a NaN in a token's activations makes every output of that token NaN
@@ -334,7 +400,7 @@ def test_int8_a_nan_activation_gives_nan_outputs_for_its_token_only(q):
     x = rng.standard_normal((T, K)).astype(np.float32)
     x[1, 300] = np.nan
     products = [ql.quant_linear(x, w, q.id, activations="int8"), ql.quant_linear(x, w, q.id)]
-    if q.name in ("Q4_K", "Q8_0"):
+    if q.name in X8_KINDS:
         products.append(_x8_product(x, w, q, 1))
     for got in products:
         assert np.isnan(got[1]).all()
@@ -359,7 +425,7 @@ def test_the_avx2_build_of_the_integer_kernels_within_the_same_bounds(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert isa.returncode == 0 and isa.stdout.strip() == "avx2", isa.stdout + isa.stderr
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                        "x8 and not avx2 or nan_activation or decode_sizes"], env=env, capture_output=True,
+                        "x8 and not avx2 or nan_activation or decode_sizes or interleaved_table"], env=env, capture_output=True,
                        text=True, timeout=1200, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]

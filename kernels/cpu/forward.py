@@ -72,7 +72,8 @@ from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
 from .memory import release_mapped_pages
 from .quant_linear import (_check_weight, kernel_layout, kernel_row_bytes, quant_item_rows, quant_kernel_type,
-                           quant_linear, quant_linear_tasks, quant_scratch, quant_task_rows, quant_task_rows_f32)
+                           quant_linear, quant_linear_into, quant_linear_tasks, quant_scratch, quant_task_rows,
+                           quant_task_rows_f32)
 from ..quant_reference import QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
@@ -388,6 +389,23 @@ def quantized_linear(x, weight: QuantizedWeight, out=None):
     """
     data, (N, K) = weight.data, weight.shape
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if weight.packed is not None:   # the rows as the kernels read them (prepare_weight): checked there
+        data, kind = weight.packed
+        if x.ndim != 2 or x.shape[1] != K:
+            raise ValueError(f"x must be [T, {K}], got shape {x.shape}")
+        if out is None:
+            out = np.empty((x.shape[0], N), np.float32)
+        elif out.shape != (x.shape[0], N) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous float32 {(x.shape[0], N)}, got {out.dtype} {out.shape}")
+        if x.shape[0] == 0:
+            return out
+        tasks = quant_linear_tasks(N, K, num_threads())
+        with region_guard():
+            if tasks < 2:
+                quant_linear_into(x, data, kind, out, quant_scratch(1, x.shape[0], K), 1)
+            else:
+                _product_region(x, data.ctypes.data, kind, out, num_threads(), *_function_at(quant_task_rows, _ITEM_SIG))
+        return out
     if x.ndim != 2 or x.shape[1] != K or x.shape[0] == 0 or quant_linear_tasks(N, K, num_threads()) < 2 or \
             not (data.flags.c_contiguous and data.dtype == np.uint8 and data.shape[0] == N) or \
             not (out is None or out.shape == (x.shape[0], N) and out.dtype == np.float32 and out.flags.c_contiguous):
@@ -396,13 +414,15 @@ def quantized_linear(x, weight: QuantizedWeight, out=None):
     if out is None:
         out = np.empty((x.shape[0], N), np.float32)
     entry = quant_task_rows if weight.activations == "int8" else quant_task_rows_f32   # see product_item
-    f2 = types.Array(types.float32, 2, "C")
-    sig = (f2, types.Array(types.uint8, 2, "C"), types.int64, f2, types.int64, f2, types.uint64, types.int64,
-           types.int64)
     with region_guard():
         _product_region(x, data.ctypes.data, quant_kernel_type(weight.qtype, weight.activations), out, num_threads(),
-                        *_function_at(entry, sig))
+                        *_function_at(entry, _ITEM_SIG))
     return out
+
+
+_F2 = types.Array(types.float32, 2, "C")
+_ITEM_SIG = (_F2, types.Array(types.uint8, 2, "C"), types.int64, _F2, types.int64, _F2, types.uint64, types.int64,
+             types.int64)   # the products' entries (quant_task_rows, quant_task_rows_f32) as the regions call them
 
 
 @intrinsic

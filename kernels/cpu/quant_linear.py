@@ -99,13 +99,13 @@ from ..quant_reference import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_
 from . import quant_int8
 from .quant_fused import FUSED_MAX_TOKENS, fused_rows
 from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size, load_f16
-from .quant_x8 import X8_ROWS, repack_q4_k_x8, repack_q8_0_x8, x8_row_bytes, x8_rows
+from .quant_x8 import X8_ROWS, repack_q4_k_x8, repack_q6_k_x8, repack_q8_0_x8, x8_decode_rows, x8_row_bytes, x8_rows
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
            "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "int8_max_tokens", "ACTIVATIONS",
            "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS", "quant_task_rows_f32",
-           "Q4_K_X8", "Q8_0_X8", "kernel_layout", "kernel_row_bytes"]
+           "Q4_K_X8", "Q8_0_X8", "Q6_K_X8", "kernel_layout", "interleaved_embedding", "kernel_row_bytes"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
@@ -119,6 +119,7 @@ INT8_MAX_TOKENS = 16 if quant_int8.ISA == "avx512vnni" else 8   # more tokens: t
 INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens (see the module docstring)
 Q4_K_X8 = 2 * INT8_ACTIVATIONS + Q4_K   # kernel type id: Q4_K rows interleaved by 8, int8 activations (quant_x8)
 Q8_0_X8 = 2 * INT8_ACTIVATIONS + Q8_0   # the same for Q8_0
+Q6_K_X8 = 2 * INT8_ACTIVATIONS + Q6_K   # the same for Q6_K
 
 _FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot (FUSED_MAX_TOKENS; needs AVX2)
 
@@ -595,6 +596,8 @@ def kernel_layout(data: np.ndarray, kernel_type: int) -> tuple[np.ndarray, int]:
             return repack_q4_k_x8(data), Q4_K_X8
         if kernel_type == Q8_0 + INT8_ACTIVATIONS:
             return repack_q8_0_x8(data), Q8_0_X8
+        if kernel_type == Q6_K + INT8_ACTIVATIONS:
+            return repack_q6_k_x8(data), Q6_K_X8
     return data, kernel_type
 
 
@@ -696,10 +699,32 @@ def quant_embedding(table: np.ndarray, qtype, ids: np.ndarray, hidden_size: int)
         ValueError: a row size that does not match, or an id outside ``[0, vocab)``.
     """
     q = _check_weight(table, qtype, hidden_size)
-    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
-        bad = ids[(ids < 0) | (ids >= table.shape[0])][0]
-        raise ValueError(f"token id {bad} is outside the embedding table's {table.shape[0]} rows")
+    ids = _checked_ids(ids, table.shape[0])
     out = np.empty((ids.shape[0], hidden_size), _F32)
     _embedding_into(table, q.id, ids, out)
+    return out
+
+
+def _checked_ids(ids, rows: int) -> np.ndarray:
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= rows):
+        bad = ids[(ids < 0) | (ids >= rows)][0]
+        raise ValueError(f"token id {bad} is outside the embedding table's {rows} rows")
+    return ids
+
+
+def interleaved_embedding(packed: np.ndarray, qtype, ids: np.ndarray, hidden_size: int) -> np.ndarray:
+    """``quant_embedding`` of a table in ``kernel_layout``'s interleaved layout (``packed``, uint8
+    ``[vocab, row bytes]``, GGML type ``qtype``: Q4_K, Q6_K or Q8_0): float32 ``[T, hidden_size]``,
+    bit-identical to ``dequantize`` of the GGUF rows (``quant_x8.x8_decode_rows``).
+
+    Raises:
+        ValueError: an id outside ``[0, vocab)``, or a type without an interleaved layout.
+    """
+    q = quant_type(qtype)
+    if q.id not in (Q4_K, Q6_K, Q8_0):
+        raise ValueError(f"{q.name} has no interleaved layout")
+    ids = _checked_ids(ids, packed.shape[0])
+    out = np.empty((ids.shape[0], hidden_size), _F32)
+    x8_decode_rows(packed, q.id, ids, out)
     return out

@@ -63,18 +63,34 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant_reference import QUANT_TYPES, Q4_K, Q8_0, _k_scale_min
+from ..quant_reference import QUANT_TYPES, Q4_K, Q6_K, Q8_0, _k_scale_min
+from .memory import huge_page_zeros
 from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
-                         _scratch_layout, _splat, _udot, quantize_once)
+                         _scratch_layout, _splat, _udot, load_f16, quantize_once)
 
-__all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "repack_q4_k_x8", "repack_q8_0_x8", "x8_rows",
-           "x8_row_bytes"]
+__all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "X8_Q6_K_BLOCK_BYTES", "repack_q4_k_x8",
+           "repack_q8_0_x8", "repack_q6_k_x8", "x8_rows", "x8_row_bytes", "x8_decode_rows"]
 
 X8_ROWS = 8              # rows interleaved
 X8_BLOCK_BYTES = 1184    # Q4_K: bytes per group of 8 rows and 256-value superblock
 X8_Q8_0_BLOCK_BYTES = 272   # Q8_0: bytes per group of 8 rows and 32-value block (8 x 34, the same)
+X8_Q6_K_BLOCK_BYTES = 1680  # Q6_K: bytes per group of 8 rows and superblock (8 x 210, the same)
 _Q4K_BYTES = QUANT_TYPES[Q4_K].block_bytes   # 144
 _Q80_BYTES = QUANT_TYPES[Q8_0].block_bytes   # 34
+_Q6K_BYTES = QUANT_TYPES[Q6_K].block_bytes   # 210
+# where the interleaved Q6_K layout's 32-byte code chunks start in a group's superblock: in the
+# order the kernel first reads them, every first touch of a cache line at a higher address than the
+# last (measured, one token, one thread, from DRAM, Llama-3.2-1B's up projection: low bits then high
+# bits as two regions 6-8 G multiply-adds/s, low bits by p with the high bits after each pair
+# 16-22, this order 26-28; the row kernel 14-19)
+@njit(cache=True, inline="always")
+def _q6k_ql_at(p, c):
+    return 144 + 768 * (p // 2) + (512 + 128 * (c // 4) if p % 2 else 256 * (c // 4)) + 32 * (c % 4)
+
+
+@njit(cache=True, inline="always")
+def _q6k_qh_at(h, c):
+    return 144 + 768 * h + 128 + 256 * (c // 4) + 32 * (c % 4)
 
 
 @njit(cache=True)
@@ -84,17 +100,19 @@ def x8_row_bytes(K):
     return K // 256 * (X8_BLOCK_BYTES // X8_ROWS)
 
 
-def _groups(w: np.ndarray, name: str, block_bytes: int, group_bytes: int):
+def _groups(w: np.ndarray, name: str, block_bytes: int, group_bytes: int, d_at: int = 0):
     # (N, w's blocks as [G, nb, 8 rows, block_bytes], the output [G, nb, group_bytes] with the 8
-    # rows' f16 d in its first 16 bytes: both layouts start so)
+    # rows' f16 d (at byte d_at of a block) in its first 16 bytes: every layout starts so). The
+    # output is on transparent huge pages where the system allows (memory.huge_page_zeros: a
+    # decode step streams every weight once, a page walk per 2 MiB instead of per 4 KiB)
     N, rb = w.shape
     if N % X8_ROWS or rb % block_bytes:
         raise ValueError(f"{name} x8 needs rows in groups of {X8_ROWS} and whole {block_bytes}-byte blocks, "
                          f"got {w.shape}")
     G, nb = N // X8_ROWS, rb // block_bytes
     b = np.asarray(w).reshape(G, X8_ROWS, nb, block_bytes).transpose(0, 2, 1, 3)
-    out = np.empty((G, nb, group_bytes), np.uint8)
-    out[:, :, 0:16] = b[:, :, :, 0:2].reshape(G, nb, 16)
+    out = huge_page_zeros((G, nb, group_bytes), np.uint8)
+    out[:, :, 0:16] = b[:, :, :, d_at:d_at + 2].reshape(G, nb, 16)
     return N, b, out
 
 
@@ -129,6 +147,55 @@ def repack_q8_0_x8(w: np.ndarray) -> np.ndarray:
     G, nb = out.shape[:2]
     qs = b[:, :, :, 2:34].reshape(G, nb, X8_ROWS, 8, 4) ^ np.uint8(0x80)           # [G, nb, r, c, i]: q + 128
     out[:, :, 16:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)
+    return out.reshape(N, -1)
+
+
+def _q6_k_codes(b: np.ndarray) -> np.ndarray:
+    # Q6_K blocks [..., 210] -> their codes 0..63 in value order [..., 256] (value 32 g + l of
+    # half h: low 4 bits from ql[64 h + l + 32 (g & 1)], nibble g >> 1; high 2 from qh[32 h + l] >> 2 g)
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(lead + (2, 64))
+    qh = b[..., 128:192].reshape(lead + (2, 1, 32))
+    lo = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-2)
+    hi = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    return (lo | (hi << 4)).reshape(lead + (256,))
+
+
+def repack_q6_k_x8(w: np.ndarray) -> np.ndarray:
+    """Q6_K rows ``w`` (uint8 ``[N, K / 256 * 210]``) -> the interleaved Q6_K layout, uint8 ``[N, K /
+    256 * 210]`` (the same size; new memory): per group of 8 rows and superblock
+    (``X8_Q6_K_BLOCK_BYTES`` = 1680), with ``L`` / ``H`` a row's codes' low 4 / high 2 bits in value order:
+
+      ====== ========= ========================================================================
+      bytes  field     meaning
+      ====== ========= ========================================================================
+      0      d[8]      each row's f16 ``d``
+      16     sc[16][8] ``sc[j][r]``: 16-value sub-block ``j``'s int8 scale of row ``r``
+      144    codes     48 chunks of 32 bytes, row ``r``'s 4 bytes at ``4 r``: ``ql(p, c)`` for ``p``
+                       in 0..3, ``c`` in 0..7, byte ``i``: ``L[64 p + 4 c + i] | L[64 p + 32 + 4 c + i]
+                       << 4``; ``qh(h, c)`` for ``h`` in 0..1, byte ``i``: ``H[128 h + 32 g + 4 c + i] <<
+                       2 g`` for ``g`` in 0..3, or-ed. In the order the kernel first reads them: for
+                       ``h`` in 0, 1: ``ql(2 h, 0..3)``, ``qh(h, 0..3)``, ``ql(2 h, 4..7)``, ``qh(h,
+                       4..7)``, ``ql(2 h + 1, 0..7)`` (``_q6k_ql_at``, ``_q6k_qh_at``)
+      ====== ========= ========================================================================
+
+    Raises:
+        ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q6_K rows.
+    """
+    N, b, out = _groups(w, "Q6_K", _Q6K_BYTES, X8_Q6_K_BLOCK_BYTES, d_at=208)
+    G, nb = out.shape[:2]
+    out[:, :, 16:144] = b[:, :, :, 192:208].transpose(0, 1, 3, 2).reshape(G, nb, 128)
+    codes = _q6_k_codes(b)                                                 # [G, nb, r, 256]
+    low = (codes & 15).reshape(G, nb, X8_ROWS, 4, 2, 8, 4)                # [.., r, p, half, c, i]
+    ql = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 4, 256)
+    high = (codes >> 4).reshape(G, nb, X8_ROWS, 2, 4, 8, 4)               # [.., r, h, g, c, i]
+    qh = high[:, :, :, :, 0] | (high[:, :, :, :, 1] << 2) | (high[:, :, :, :, 2] << 4) | (high[:, :, :, :, 3] << 6)
+    qh = qh.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 2, 256)
+    for c in range(8):
+        for p in range(4):
+            out[:, :, _q6k_ql_at(p, c):_q6k_ql_at(p, c) + 32] = ql[:, :, p, 32 * c:32 * c + 32]
+        for h in range(2):
+            out[:, :, _q6k_qh_at(h, c):_q6k_qh_at(h, c) + 32] = qh[:, :, h, 32 * c:32 * c + 32]
     return out.reshape(N, -1)
 
 
@@ -289,9 +356,79 @@ def _make_x8_q8_0(nt: int):
     return intrinsic(impl)
 
 
+def _make_x8_q6_k(nt: int):
+    """``_make_x8``'s intrinsic for the interleaved Q6_K layout (``repack_q6_k_x8``): per 64 values
+    ``p`` and token, the 8 rows' integer sums of each 16-value sub-block (codes 0..63 by
+    ``vpdpbusd``; AVX2 ``vpmaddubsw`` pair sums at most ``2 * 63 * 127 < 2^15``), then per 32-value
+    activation block ``sc_a (s_a - 32 h_a) + sc_b (s_b - 32 h_b)`` in int32 (``h`` the
+    activations' half sums: the codes' ``-32``; exact, at most ``2 * 16 * 32 * 127 * 128 < 2^24``,
+    so its conversion is exact too), converted and multiplied-added with ``d_w d_x`` for the 8 rows:
+    the row kernel's terms (``quant_int8``'s Q6_K), summed in another order."""
+
+    def impl(typingctx, w, woff, s, t0, T, K, out, col):
+        sig = _x8_signature(w, s, out)
+        if sig is None:
+            return None
+
+        def codegen(context, builder, sg, args):
+            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
+            n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
+            v8f = ir.VectorType(_FL, 8)
+            v8b = ir.VectorType(_I8, 8)
+            zero_i = ir.Constant(_V8I32, [0] * 8)
+
+            def c8(v):
+                return ir.Constant(_V32I8, [v] * 32)
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
+            with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
+                b = loop.index
+                ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(X8_Q6_K_BLOCK_BYTES)))])
+                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
+                blk, xb = _token_blocks(builder, t0v, n32, builder.mul(b, _c64(8)), nt, xq0)
+                for p in range(4):
+                    for h in range(2):             # the low nibbles (block 2 p), the high ones (2 p + 1)
+                        j = 2 * p + h
+                        shift = 4 * (p % 2) + 2 * h    # where the values' two high bits sit in qh's bytes
+                        isum = [zero_i] * nt
+                        for half in range(2):      # 16-value sub-blocks 2 j, 2 j + 1
+                            sums = [zero_i] * nt
+                            for c in range(4 * half, 4 * half + 4):
+                                q = _load(builder, ob, _c64(_q6k_ql_at(p, c)), _V32I8)
+                                q = builder.and_(q if h == 0 else builder.lshr(q, c8(4)), c8(15))
+                                qh = _load(builder, ob, _c64(_q6k_qh_at(p // 2, c)), _V32I8)
+                                top = builder.shl(qh, c8(4 - shift)) if shift <= 4 else builder.lshr(qh, c8(shift - 4))
+                                codes = builder.or_(q, builder.and_(top, c8(0x30)))
+                                for i in range(nt):
+                                    x4 = _load(builder, sbytes, builder.add(xb[i], _c64(32 * j + 4 * c)), _I32)
+                                    sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
+                                                    sums[i])
+                            sc = builder.sext(_load(builder, ob, _c64(16 + 8 * (2 * j + half)), v8b), _V8I32)
+                            for i in range(nt):
+                                # the codes' -32: the activations' sum over this 16-value half, times 32
+                                hoff = builder.add(xb0, builder.add(builder.mul(builder.add(blk[i], _c64(j)), _c64(4)),
+                                                                    _c64(2 * half)))
+                                hs = builder.sext(_load(builder, sbytes, hoff, _I16), _I32)
+                                off = _splat(builder, builder.shl(hs, ir.Constant(_I32, 5)), _V8I32)
+                                isum[i] = builder.add(isum[i], builder.mul(sc, builder.sub(sums[i], off)))
+                        for i in range(nt):
+                            dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
+                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                                builder.sitofp(isum[i], v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
+                                builder.load(acc[i])]), acc[i])
+            for i in range(nt):
+                _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_x8_q6_k_{nt}"
+    return intrinsic(impl)
+
+
 _NT = 4
 _x8_q4_k_1, _x8_q4_k_4 = _make_x8(1), _make_x8(_NT)
 _x8_q8_0_1, _x8_q8_0_4 = _make_x8_q8_0(1), _make_x8_q8_0(_NT)
+_x8_q6_k_1, _x8_q6_k_4 = _make_x8_q6_k(1), _make_x8_q6_k(_NT)
 
 
 @njit(cache=True)
@@ -309,12 +446,71 @@ def x8_rows(x, w, qtype, out, col0, s, r0, r1):
         while T - t >= _NT:
             if qtype == Q4_K:
                 _x8_q4_k_4(w, woff, s, t, T, K, out, col0 + r)
+            elif qtype == Q6_K:
+                _x8_q6_k_4(w, woff, s, t, T, K, out, col0 + r)
             else:
                 _x8_q8_0_4(w, woff, s, t, T, K, out, col0 + r)
             t += _NT
         while t < T:
             if qtype == Q4_K:
                 _x8_q4_k_1(w, woff, s, t, T, K, out, col0 + r)
+            elif qtype == Q6_K:
+                _x8_q6_k_1(w, woff, s, t, T, K, out, col0 + r)
             else:
                 _x8_q8_0_1(w, woff, s, t, T, K, out, col0 + r)
             t += 1
+
+
+@njit(cache=True)
+def x8_decode_rows(w, qtype, ids, out):
+    """``out[t] = dequantize(row ids[t])`` of an interleaved weight ``w`` (``repack_q4_k_x8``'s,
+    ``repack_q8_0_x8``'s or ``repack_q6_k_x8``'s, GGML type ``qtype``): the embedding lookup of a
+    table the kernels read interleaved (a tied ``lm_head``). The reference's float32 operations in
+    its order (no fast-math): bit-identical with ``quant_reference.dequantize`` of the GGUF row.
+    ``ids`` in range (the caller checks); ``out`` float32 ``[T, K]``."""
+    K = out.shape[1]
+    flat = w.reshape(-1)
+    rb = w.shape[1]
+    for t in range(ids.shape[0]):
+        r = ids[t]
+        lane = r % X8_ROWS
+        g0 = (r - lane) * rb          # group r // 8 starts at row 8 (r // 8)'s slot
+        if qtype == Q8_0:
+            for j in range(K // 32):
+                o = g0 + j * X8_Q8_0_BLOCK_BYTES
+                d = load_f16(flat, o + 2 * lane)
+                for c in range(8):
+                    for i in range(4):
+                        q = np.int32(flat[o + 16 + 32 * c + 4 * lane + i]) - 128
+                        out[t, 32 * j + 4 * c + i] = d * np.float32(q)
+        elif qtype == Q4_K:
+            for b in range(K // 256):
+                o = g0 + b * X8_BLOCK_BYTES
+                d = load_f16(flat, o + 2 * lane)
+                dmin = load_f16(flat, o + 16 + 2 * lane)
+                for p in range(4):
+                    for h in range(2):
+                        j = 2 * p + h
+                        d1 = d * np.float32(flat[o + 32 + 8 * j + lane])
+                        m1 = dmin * np.float32(flat[o + 96 + 8 * j + lane])
+                        for c in range(8):
+                            for i in range(4):
+                                byte = np.int32(flat[o + 160 + (8 * p + c) * 32 + 4 * lane + i])
+                                q = (byte >> 4) if h else (byte & 15)
+                                out[t, 256 * b + 64 * p + 32 * h + 4 * c + i] = d1 * np.float32(q) - m1
+        else:   # Q6_K
+            for b in range(K // 256):
+                o = g0 + b * X8_Q6_K_BLOCK_BYTES
+                d = load_f16(flat, o + 2 * lane)
+                for p in range(4):
+                    for h in range(2):
+                        shift = 4 * (p % 2) + 2 * h
+                        for c in range(8):
+                            sub = (64 * p + 32 * h + 4 * c) // 16
+                            d1 = d * np.float32(np.int8(flat[o + 16 + 8 * sub + lane]))
+                            for i in range(4):
+                                lo = np.int32(flat[o + _q6k_ql_at(p, c) + 4 * lane + i])
+                                lo = (lo >> 4) if h else (lo & 15)
+                                hi = (np.int32(flat[o + _q6k_qh_at(p // 2, c) + 4 * lane + i]) >> shift) & 3
+                                q = (lo | (hi << 4)) - 32
+                                out[t, 256 * b + 64 * p + 32 * h + 4 * c + i] = d1 * np.float32(q)

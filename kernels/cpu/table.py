@@ -22,8 +22,8 @@ from .attention import paged_attention
 from .forward import decoder_layers, quantized_linear, stack_quantized
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear as _float_linear
-from .memory import huge_page_zeros
-from .quant_linear import quant_embedding
+from .memory import huge_page_zeros, release_mapped_pages
+from .quant_linear import interleaved_embedding, kernel_layout, quant_embedding, quant_kernel_type
 from .rows import (copy_blocks, fused_add_rms_norm, reshape_and_cache, rms_norm, rope_and_cache, rotary_embedding,
                    silu_and_mul)
 from .rows import embedding as _float_embedding
@@ -43,7 +43,8 @@ def embedding(ids, table, out=None):
     """Rows ``ids`` of ``table`` as float32 ``[T, hidden]`` (into ``out`` when given): a float32 table
     (``rows.embedding``) or a ``QuantizedWeight`` one (``quant_embedding``, the rows dequantized)."""
     if isinstance(table, QuantizedWeight):
-        rows_ = quant_embedding(table.data, table.qtype, ids, table.shape[1])
+        rows_ = quant_embedding(table.data, table.qtype, ids, table.shape[1]) if table.packed is None else \
+            interleaved_embedding(table.packed[0], table.qtype, ids, table.shape[1])
         if out is None:
             return rows_
         out[...] = rows_
@@ -52,8 +53,22 @@ def embedding(ids, table, out=None):
 
 
 def prepare_weight(w):
-    """A weight as the kernels read it: a ``QuantizedWeight`` as it is, else ``rows.prepare_weight``."""
-    return w if isinstance(w, QuantizedWeight) else _float_prepare_weight(w)
+    """A weight as the kernels read it (the embedding table, ``lm_head``): ``rows.prepare_weight``'s
+    float32 array, or a ``QuantizedWeight``, as it is, or with int8 activations in a type the
+    products read interleaved (``quant_linear.kernel_layout``: Q4_K, Q6_K, Q8_0, ``N % 8 == 0``) a
+    new one with those rows as ``packed``, which both ``linear`` and ``embedding`` then read (a
+    tied table is copied once); the GGUF rows' pages of a mapped file are handed back
+    (``memory.release_mapped_pages``), as the layers' are (``forward.QuantizedStack``)."""
+    if not isinstance(w, QuantizedWeight):
+        return _float_prepare_weight(w)
+    if w.activations == "int8" and w.packed is None:
+        data, kind = kernel_layout(w.data, quant_kernel_type(w.qtype, w.activations))
+        if data is not w.data:
+            out = QuantizedWeight(w.data, w.qtype, w.shape, w.activations)
+            out.packed = (data, kind)
+            release_mapped_pages(w.data)
+            return out
+    return w
 
 __all__ = [
     "paged_attention",
