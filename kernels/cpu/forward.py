@@ -70,8 +70,7 @@ from .attention import attention_item, attention_scratch, attention_into, finish
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
-from .memory import release_mapped_pages
-from .quant_linear import (_check_weight, kernel_layout, kernel_row_bytes, quant_item_rows, quant_kernel_type,
+from .quant_linear import (INT8_ACTIVATIONS, _check_weight, kernel_layout, kernel_row_bytes, quant_item_rows, quant_kernel_type,
                            quant_linear, quant_linear_into, quant_linear_tasks, quant_scratch, quant_task_rows,
                            quant_task_rows_f32)
 from ..quant_reference import QuantizedWeight
@@ -164,7 +163,7 @@ def _quantized(w):
 def _product_items(T, w, plan):
     if _quantized(w):
         def impl(T, w, plan):
-            rows = quant_item_rows(T, plan[0])    # plan[0]: the product's K
+            rows = quant_item_rows(T, plan[0], plan[1] != 0)    # plan: the product's K, interleaved
             n = 0
             for s in range(w.shape[1]):
                 n += (w[0, s, _S_ROWS] + rows - 1) // rows
@@ -180,7 +179,7 @@ def _product_item(x, w, layer, out, plan, i, qscratch, task, int8):
 
         def impl(x, w, layer, out, plan, i, qscratch, task, int8):
             K = x.shape[1]
-            rows = quant_item_rows(x.shape[0], K)
+            rows = quant_item_rows(x.shape[0], K, plan[1] != 0)
             for s in range(w.shape[1]):
                 N = w[layer, s, _S_ROWS]
                 n = (N + rows - 1) // rows
@@ -352,12 +351,12 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
 @njit(parallel=_prange_only(), cache=True, nogil=True)
 def _product_region(x, address, qtype, out, n_tasks, entry, key):
     # out = x @ W.T, W the out.shape[1] rows of GGUF blocks (kernel type qtype) at address, in one
-    # region: items of quant_item_rows(T, K) rows claimed from a counter, each computed by the
+    # region: items of quant_item_rows(T, K, interleaved) rows claimed from a counter, each computed by the
     # products' entry (quant_task_rows_f32, or quant_task_rows: called at its address, as
     # _layers_region calls _phase_item), as quant_linear_into's items: its rows bit for bit
     T, K = x.shape
     N = out.shape[1]
-    rows = quant_item_rows(T, K)
+    rows = quant_item_rows(T, K, qtype >= 2 * INT8_ACTIVATIONS)
     n = (N + rows - 1) // rows
     data = carray(_u8_at(address), (N, _row_bytes(qtype, K)))
     claims = np.zeros(1, np.int64)
@@ -525,6 +524,8 @@ class QuantizedStack:
             pages are handed back (``memory.release_mapped_pages``: peak RSS stays near the file's
             size; a later read maps them again).
         int8: whether int8 activations were asked for some segment (``QuantizedWeight.activations``).
+        interleaved: whether some segment is read interleaved (the product's items are then
+            larger: ``quant_item_rows``).
     """
 
     def __init__(self, layers):
@@ -539,14 +540,14 @@ class QuantizedStack:
                                  f"{[w.shape for w in layers[0]]}")
             column = 0
             for s, w in enumerate(segments):
-                data, kind = kernel_layout(w.data, quant_kernel_type(w.qtype, w.activations))
+                data, kind = kernel_layout(w.data, quant_kernel_type(w.qtype, w.activations), release=True)
                 if data is not w.data:
                     packed.append(data)
-                    release_mapped_pages(w.data)
                 table[li, s] = data.ctypes.data, kind, w.shape[0], column
                 column += w.shape[0]
         self.table, self.shape, self.weights, self.packed = table, (sum(rows), K), layers, packed
         self.int8 = any(w.activations == "int8" for segments in layers for w in segments)
+        self.interleaved = bool((table[:, :, 1] >= 2 * INT8_ACTIVATIONS).any())
 
 
 def stack_quantized(layers) -> QuantizedStack:
@@ -610,6 +611,7 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
     if quantized:   # every product's plan is its segments' row blocks (product_items) of rows of K values
         lin = np.zeros((4, 3), np.int64)
         lin[:, 0] = hid, b["attn"].shape[1] * b["attn"].shape[2], hid, b["act"].shape[1]
+        lin[:, 1] = [weights[name].interleaved for name in products]
         int8 = True if any(weights[name].int8 for name in products) else None   # see product_item
     else:
         lin = np.array([linear_plan(T, weights[name].shape[1:], threads) for name in products], dtype=np.int64)

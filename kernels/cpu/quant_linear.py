@@ -110,6 +110,7 @@ __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_emb
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
 _ITEM_WEIGHTS = 1 << 15        # and about this many weights per item (quant_item_rows)
+_ITEM_WEIGHTS_X8 = 1 << 17     # an interleaved weight's items (quant_x8): longer streams
 QUANT_GEMV_MAX_TOKENS = 32     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
 QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each task's scratch)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
@@ -460,17 +461,24 @@ def quant_rows(x, w, qtype, out, col0, buf, r0, r1):
 
 
 @njit(cache=True)
-def quant_item_rows(T, K):
+def quant_item_rows(T, K, interleaved):
     """Weight rows per work item of a product of ``T`` tokens and rows of ``K`` values: for
     decode-sized steps about ``_ITEM_WEIGHTS`` weights (``QUANT_BLOCK_ROWS`` to
-    ``QUANT_SCRATCH_ROWS`` rows, a multiple of 4: each item's claim and call cost ~0.1-0.2 us, a
+    ``QUANT_SCRATCH_ROWS`` rows, a multiple of 8: each item's claim and call cost ~0.1-0.2 us, a
     tenth of a 16-row item of the default model's 576-value rows; measured there on one thread,
     16 -> 48 rows: 16-17 -> 14 ms per decode step), ``QUANT_SCRATCH_ROWS`` for the sgemm tiles
-    (a larger tile amortises the call and its packing of ``x``)."""
+    (a larger tile amortises the call and its packing of ``x``). An ``interleaved`` weight's
+    (``kernel_layout``'s ``*_X8`` kinds) decode-sized items are about ``_ITEM_WEIGHTS_X8`` weights:
+    each item is one stream of memory the hardware prefetcher must pick up again (the two tasks'
+    items alternate), and streaming is all a decode step's product does (measured, Llama-3.2-1B
+    Q4_K_M with int8 activations, 2 threads, in-process decode at a 512-token context: 49 -> 35-37
+    ms per step from 2^15 to 2^17 weights, the same at 2^18; the default model's float32 path,
+    whose products are a tenth the size, lost 10% at 2^17: fewer items to balance two threads)."""
     if T > QUANT_GEMV_MAX_TOKENS:
         return QUANT_SCRATCH_ROWS
+    per_item = _ITEM_WEIGHTS_X8 if interleaved else _ITEM_WEIGHTS
     # a multiple of 8: an interleaved weight's items are whole groups of X8_ROWS rows
-    return min(QUANT_SCRATCH_ROWS, max(QUANT_BLOCK_ROWS, _ITEM_WEIGHTS // max(K, 1) // X8_ROWS * X8_ROWS))
+    return min(QUANT_SCRATCH_ROWS, max(QUANT_BLOCK_ROWS, per_item // max(K, 1) // X8_ROWS * X8_ROWS))
 
 
 @njit(cache=True)
@@ -559,7 +567,7 @@ def quant_kernel_type(qtype, activations: str = "float32") -> int:
 @njit(parallel=True, cache=True)
 def _quant_linear_parallel(x, w, qtype, out, scratch, n_tasks, counter):
     N = w.shape[0]
-    rows = quant_item_rows(x.shape[0], x.shape[1])
+    rows = quant_item_rows(x.shape[0], x.shape[1], qtype >= 2 * INT8_ACTIVATIONS)
     n_items = (N + rows - 1) // rows
     for task in prange(n_tasks):
         while True:
@@ -581,33 +589,33 @@ def quant_linear_into(x, w, qtype, out, scratch, tasks):
     if tasks > 1:
         _quant_linear_parallel(x, w, qtype, out, scratch, tasks, np.zeros(1, np.int64))
     else:
-        rows = quant_item_rows(x.shape[0], x.shape[1])
+        rows = quant_item_rows(x.shape[0], x.shape[1], qtype >= 2 * INT8_ACTIVATIONS)
         for r in range(0, w.shape[0], rows):
             quant_task_rows(x, w, qtype, out, 0, scratch, 0, r, min(w.shape[0], r + rows))
 
 
-def kernel_layout(data: np.ndarray, kernel_type: int) -> tuple[np.ndarray, int]:
+def kernel_layout(data: np.ndarray, kernel_type: int, release: bool = False) -> tuple[np.ndarray, int]:
     """The weight rows ``data`` (uint8 ``[N, row_bytes]``, GGUF blocks) and kernel type id
-    ``kernel_type`` (``quant_kernel_type``'s) as the layer products take them: Q4_K and Q8_0 with
-    int8 activations and ``N % 8 == 0`` interleaved by 8 (``quant_x8.repack_q4_k_x8`` /
-    ``repack_q8_0_x8``: new memory, ids ``Q4_K_X8`` / ``Q8_0_X8``), every other weight as it is."""
+    ``kernel_type`` (``quant_kernel_type``'s) as the products take them: Q4_K, Q6_K and Q8_0 with
+    int8 activations and ``N % 8 == 0`` interleaved by 8 (``quant_x8.repack_*_x8``: new memory, ids
+    ``Q4_K_X8`` / ``Q6_K_X8`` / ``Q8_0_X8``), every other weight as it is. ``release``: where it is
+    copied, hand ``data``'s pages back if it is a read-only mapped file (the caller reads only the
+    copy; ``memory.release_mapped_pages``), as the copy is made."""
     if data.shape[0] % X8_ROWS == 0:
-        if kernel_type == Q4_K + INT8_ACTIVATIONS:
-            return repack_q4_k_x8(data), Q4_K_X8
-        if kernel_type == Q8_0 + INT8_ACTIVATIONS:
-            return repack_q8_0_x8(data), Q8_0_X8
-        if kernel_type == Q6_K + INT8_ACTIVATIONS:
-            return repack_q6_k_x8(data), Q6_K_X8
+        repack = {Q4_K + INT8_ACTIVATIONS: (repack_q4_k_x8, Q4_K_X8), Q6_K + INT8_ACTIVATIONS: (repack_q6_k_x8, Q6_K_X8),
+                  Q8_0 + INT8_ACTIVATIONS: (repack_q8_0_x8, Q8_0_X8)}.get(kernel_type)
+        if repack is not None:
+            return repack[0](data, release=release), repack[1]
     return data, kernel_type
 
 
 @njit(cache=True)
 def kernel_row_bytes(kernel_type, K):
-    """Bytes per weight row of a kernel type id (``quant_kernel_type``'s, ``Q4_K_X8`` or ``Q8_0_X8``) for rows of
-    ``K`` values; compiled code only."""
+    """Bytes per weight row of a kernel type id (``quant_kernel_type``'s, or ``kernel_layout``'s
+    ``*_X8``) for rows of ``K`` values; compiled code only."""
     if kernel_type == Q4_K_X8:
         return x8_row_bytes(K)
-    t = kernel_type % INT8_ACTIVATIONS   # Q8_0_X8's rows: Q8_0's size
+    t = kernel_type % INT8_ACTIVATIONS   # Q6_K_X8's and Q8_0_X8's rows: their type's size
     return K // _BLOCK_SIZES[t, 0] * _BLOCK_SIZES[t, 1]
 
 

@@ -64,7 +64,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant_reference import QUANT_TYPES, Q4_K, Q6_K, Q8_0, _k_scale_min
-from .memory import huge_page_zeros
+from .memory import huge_page_zeros, release_mapped_pages
 from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
                          _scratch_layout, _splat, _udot, load_f16, quantize_once)
 
@@ -100,54 +100,71 @@ def x8_row_bytes(K):
     return K // 256 * (X8_BLOCK_BYTES // X8_ROWS)
 
 
-def _groups(w: np.ndarray, name: str, block_bytes: int, group_bytes: int, d_at: int = 0):
-    # (N, w's blocks as [G, nb, 8 rows, block_bytes], the output [G, nb, group_bytes] with the 8
-    # rows' f16 d (at byte d_at of a block) in its first 16 bytes: every layout starts so). The
-    # output is on transparent huge pages where the system allows (memory.huge_page_zeros: a
-    # decode step streams every weight once, a page walk per 2 MiB instead of per 4 KiB)
+_CHUNK_BYTES = 4 << 20   # source bytes repacked at a time: the temporaries stay a few times that
+
+
+def _repack(w: np.ndarray, name: str, block_bytes: int, group_bytes: int, d_at: int, fill, release: bool):
+    # the output [G, nb, group_bytes] as [N, nb * group_bytes], filled about _CHUNK_BYTES of w at a
+    # time: the 8 rows' f16 d (at byte d_at of a block) in a group block's first 16 bytes (every
+    # layout starts so), the rest by fill(blocks [g, nb, 8 rows, block_bytes], out [g, nb,
+    # group_bytes]). The output is on transparent huge pages where the system allows
+    # (memory.huge_page_zeros: a decode step streams every weight once). With release, the source
+    # rows' pages of a read-only mapped file are handed back as they are done
+    # (memory.release_mapped_pages): at most a chunk of them resident beside the copy
     N, rb = w.shape
     if N % X8_ROWS or rb % block_bytes:
         raise ValueError(f"{name} x8 needs rows in groups of {X8_ROWS} and whole {block_bytes}-byte blocks, "
                          f"got {w.shape}")
     G, nb = N // X8_ROWS, rb // block_bytes
-    b = np.asarray(w).reshape(G, X8_ROWS, nb, block_bytes).transpose(0, 2, 1, 3)
     out = huge_page_zeros((G, nb, group_bytes), np.uint8)
-    out[:, :, 0:16] = b[:, :, :, d_at:d_at + 2].reshape(G, nb, 16)
-    return N, b, out
+    step = max(1, _CHUNK_BYTES // (X8_ROWS * rb))
+    for g0 in range(0, G, step):
+        g1 = min(G, g0 + step)
+        rows = w[X8_ROWS * g0:X8_ROWS * g1]
+        b = np.asarray(rows).reshape(g1 - g0, X8_ROWS, nb, block_bytes).transpose(0, 2, 1, 3)
+        o = out[g0:g1]
+        o[:, :, 0:16] = b[:, :, :, d_at:d_at + 2].reshape(g1 - g0, nb, 16)
+        fill(b, o)
+        if release:
+            release_mapped_pages(rows)
+    if release:
+        release_mapped_pages(w)   # the pages the chunks shared
+    return out.reshape(N, -1)
 
 
-def repack_q4_k_x8(w: np.ndarray) -> np.ndarray:
+def repack_q4_k_x8(w: np.ndarray, release: bool = False) -> np.ndarray:
     """Q4_K rows ``w`` (uint8 ``[N, K / 256 * 144]``, GGUF's blocks) -> the interleaved layout above,
     uint8 ``[N, x8_row_bytes(K)]`` (row ``8 g``'s slot starts group ``g``; C-contiguous, new memory).
+    ``release``: hand ``w``'s pages back where it is a read-only mapped file (``_repack``).
 
     Raises:
         ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q4_K rows.
     """
-    N, b, out = _groups(w, "Q4_K", _Q4K_BYTES, X8_BLOCK_BYTES)
-    G, nb = out.shape[:2]
-    out[:, :, 16:32] = b[:, :, :, 2:4].reshape(G, nb, 16)
-    sc, m = _k_scale_min(np.ascontiguousarray(b[:, :, :, 4:16]).reshape(-1, 12))   # [G nb r, j]
-    out[:, :, 32:96] = sc.reshape(G, nb, X8_ROWS, 8).transpose(0, 1, 3, 2).reshape(G, nb, 64)
-    out[:, :, 96:160] = m.reshape(G, nb, X8_ROWS, 8).transpose(0, 1, 3, 2).reshape(G, nb, 64)
-    qs = b[:, :, :, 16:144].reshape(G, nb, X8_ROWS, 4, 8, 4)                       # [G, nb, r, p, c, i]
-    out[:, :, 160:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)
-    return out.reshape(N, -1)
+    def fill(b, out):
+        G, nb = out.shape[:2]
+        out[:, :, 16:32] = b[:, :, :, 2:4].reshape(G, nb, 16)
+        sc, m = _k_scale_min(np.ascontiguousarray(b[:, :, :, 4:16]).reshape(-1, 12))   # [G nb r, j]
+        out[:, :, 32:96] = sc.reshape(G, nb, X8_ROWS, 8).transpose(0, 1, 3, 2).reshape(G, nb, 64)
+        out[:, :, 96:160] = m.reshape(G, nb, X8_ROWS, 8).transpose(0, 1, 3, 2).reshape(G, nb, 64)
+        qs = b[:, :, :, 16:144].reshape(G, nb, X8_ROWS, 4, 8, 4)                       # [G, nb, r, p, c, i]
+        out[:, :, 160:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)
+    return _repack(w, "Q4_K", _Q4K_BYTES, X8_BLOCK_BYTES, 0, fill, release)
 
 
-def repack_q8_0_x8(w: np.ndarray) -> np.ndarray:
+def repack_q8_0_x8(w: np.ndarray, release: bool = False) -> np.ndarray:
     """Q8_0 rows ``w`` (uint8 ``[N, K / 32 * 34]``) -> the interleaved Q8_0 layout, uint8 ``[N, K / 32 *
     34]`` (the same size; new memory): per group of 8 rows and 32-value block, the 8 rows' f16 ``d``
     (16 bytes), then for ``c`` in 0..7 32 bytes, row ``r``'s codes ``4 c .. 4 c + 3`` plus 128 (as
-    unsigned bytes, for ``vpdpbusd``) at ``4 r``.
+    unsigned bytes, for ``vpdpbusd``) at ``4 r``. ``release``: as ``repack_q4_k_x8``'s.
 
     Raises:
         ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q8_0 rows.
     """
-    N, b, out = _groups(w, "Q8_0", _Q80_BYTES, X8_Q8_0_BLOCK_BYTES)
-    G, nb = out.shape[:2]
-    qs = b[:, :, :, 2:34].reshape(G, nb, X8_ROWS, 8, 4) ^ np.uint8(0x80)           # [G, nb, r, c, i]: q + 128
-    out[:, :, 16:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)
-    return out.reshape(N, -1)
+    def fill(b, out):
+        G, nb = out.shape[:2]
+        qs = b[:, :, :, 2:34].reshape(G, nb, X8_ROWS, 8, 4) ^ np.uint8(0x80)           # [G, nb, r, c, i]: q + 128
+        out[:, :, 16:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)
+    return _repack(w, "Q8_0", _Q80_BYTES, X8_Q8_0_BLOCK_BYTES, 0, fill, release)
 
 
 def _q6_k_codes(b: np.ndarray) -> np.ndarray:
@@ -161,7 +178,7 @@ def _q6_k_codes(b: np.ndarray) -> np.ndarray:
     return (lo | (hi << 4)).reshape(lead + (256,))
 
 
-def repack_q6_k_x8(w: np.ndarray) -> np.ndarray:
+def repack_q6_k_x8(w: np.ndarray, release: bool = False) -> np.ndarray:
     """Q6_K rows ``w`` (uint8 ``[N, K / 256 * 210]``) -> the interleaved Q6_K layout, uint8 ``[N, K /
     256 * 210]`` (the same size; new memory): per group of 8 rows and superblock
     (``X8_Q6_K_BLOCK_BYTES`` = 1680), with ``L`` / ``H`` a row's codes' low 4 / high 2 bits in value order:
@@ -179,10 +196,15 @@ def repack_q6_k_x8(w: np.ndarray) -> np.ndarray:
                        4..7)``, ``ql(2 h + 1, 0..7)`` (``_q6k_ql_at``, ``_q6k_qh_at``)
       ====== ========= ========================================================================
 
+    ``release``: as ``repack_q4_k_x8``'s.
+
     Raises:
         ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole Q6_K rows.
     """
-    N, b, out = _groups(w, "Q6_K", _Q6K_BYTES, X8_Q6_K_BLOCK_BYTES, d_at=208)
+    return _repack(w, "Q6_K", _Q6K_BYTES, X8_Q6_K_BLOCK_BYTES, 208, _fill_q6_k, release)
+
+
+def _fill_q6_k(b, out):
     G, nb = out.shape[:2]
     out[:, :, 16:144] = b[:, :, :, 192:208].transpose(0, 1, 3, 2).reshape(G, nb, 128)
     codes = _q6_k_codes(b)                                                 # [G, nb, r, 256]
@@ -196,7 +218,6 @@ def repack_q6_k_x8(w: np.ndarray) -> np.ndarray:
             out[:, :, _q6k_ql_at(p, c):_q6k_ql_at(p, c) + 32] = ql[:, :, p, 32 * c:32 * c + 32]
         for h in range(2):
             out[:, :, _q6k_qh_at(h, c):_q6k_qh_at(h, c) + 32] = qh[:, :, h, 32 * c:32 * c + 32]
-    return out.reshape(N, -1)
 
 
 def _x8_signature(w, s, out):

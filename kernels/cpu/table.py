@@ -22,7 +22,7 @@ from .attention import paged_attention
 from .forward import decoder_layers, quantized_linear, stack_quantized
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear as _float_linear
-from .memory import huge_page_zeros, release_mapped_pages
+from .memory import huge_page_zeros
 from .quant_linear import interleaved_embedding, kernel_layout, quant_embedding, quant_kernel_type
 from .rows import (copy_blocks, fused_add_rms_norm, reshape_and_cache, rms_norm, rope_and_cache, rotary_embedding,
                    silu_and_mul)
@@ -62,11 +62,10 @@ def prepare_weight(w):
     if not isinstance(w, QuantizedWeight):
         return _float_prepare_weight(w)
     if w.activations == "int8" and w.packed is None:
-        data, kind = kernel_layout(w.data, quant_kernel_type(w.qtype, w.activations))
+        data, kind = kernel_layout(w.data, quant_kernel_type(w.qtype, w.activations), release=True)
         if data is not w.data:
             out = QuantizedWeight(w.data, w.qtype, w.shape, w.activations)
             out.packed = (data, kind)
-            release_mapped_pages(w.data)
             return out
     return w
 
