@@ -302,6 +302,23 @@ def test_x8_layout_holds_the_weights_bit_for_bit(q):
         X8_REPACK[q.name](random_weight(q, 12, 256, rng))
 
 
+@pytest.mark.parametrize("q", X8_TYPES, ids=[q.name for q in X8_TYPES])
+def test_x8_repack_in_chunks_from_a_mapped_file_is_the_same_layout(q, tmp_path, monkeypatch):
+    # the repack works through the source a chunk at a time and, asked to, hands a read-only
+    # mapping's pages back as it goes: one group per chunk gives the layout of one chunk in all,
+    # and the mapped source's data is unchanged afterwards
+    rng = np.random.default_rng(61 + q.id)
+    w = random_weight(q, 48, 512, rng)
+    whole = ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))[0]
+    path = tmp_path / "w.bin"
+    w.tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="r", shape=w.shape)
+    monkeypatch.setattr(qx8, "_CHUNK_BYTES", 1)
+    chunked = ql.kernel_layout(mapped, ql.quant_kernel_type(q.id, "int8"), release=True)[0]
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(mapped, w)
+
+
 def test_x8_only_for_its_types():
     rng = np.random.default_rng(40)
     for name in ("Q4_0", "Q4_1", "Q5_K"):
