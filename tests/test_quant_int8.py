@@ -216,9 +216,10 @@ def test_int8_scratch_reuse_across_products():
 # (Q4_K): at most K / 32 + 2 roundings, inside part 3's K / 32 + 8, so _check's bounds hold as
 # they are.
 
-X8_TYPES = [qr.quant_type("Q4_K"), qr.quant_type("Q8_0"), qr.quant_type("Q6_K")]
-X8_KINDS = {"Q4_K": ql.Q4_K_X8, "Q8_0": ql.Q8_0_X8, "Q6_K": ql.Q6_K_X8}
-X8_REPACK = {"Q4_K": qx8.repack_q4_k_x8, "Q8_0": qx8.repack_q8_0_x8, "Q6_K": qx8.repack_q6_k_x8}
+X8_TYPES = [qr.quant_type(name) for name in ("Q4_K", "Q8_0", "Q6_K", "Q4_0", "Q4_1")]
+X8_KINDS = {"Q4_K": ql.Q4_K_X8, "Q8_0": ql.Q8_0_X8, "Q6_K": ql.Q6_K_X8, "Q4_0": ql.Q4_0_X8, "Q4_1": ql.Q4_1_X8}
+X8_REPACK = {"Q4_K": qx8.repack_q4_k_x8, "Q8_0": qx8.repack_q8_0_x8, "Q6_K": qx8.repack_q6_k_x8,
+             "Q4_0": lambda w: qx8.repack_q4_x8(w, qr.Q4_0), "Q4_1": lambda w: qx8.repack_q4_x8(w, qr.Q4_1)}
 
 
 def _x8_values(packed: np.ndarray, q: qr.QuantType, N: int, K: int) -> np.ndarray:
@@ -234,6 +235,21 @@ def _x8_values(packed: np.ndarray, q: qr.QuantType, N: int, K: int) -> np.ndarra
         return vals.transpose(0, 3, 1, 2, 4).reshape(N, K)
     if q.name == "Q6_K":
         return _x8_q6_k_values(packed, N, K)
+    if q.name in ("Q4_0", "Q4_1"):
+        # d[8], Q4_1's m[8], then 4 chunks of 32 bytes: row r's 4 bytes at 4r, byte i of chunk c
+        # holding value 4c + i (low nibble) and 16 + 4c + i (high nibble)
+        nb, gb = K // 32, 144 if q.name == "Q4_0" else 160
+        blk = packed.reshape(G, nb, gb)
+        d = blk[:, :, 0:16].copy().view("<f2").astype(np.float32)            # [G, nb, r]
+        qs = blk[:, :, gb - 128:].reshape(G, nb, 4, 8, 4)                    # [G, nb, c, r, i]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=2).transpose(0, 3, 1, 2, 4).reshape(G, 8, nb, 32)
+        dd = d.transpose(0, 2, 1)[..., None]                                  # [G, r, nb, 1]
+        if q.name == "Q4_0":
+            vals = dd * (codes.astype(np.int8) - 8).astype(np.float32)
+        else:
+            m = blk[:, :, 16:32].copy().view("<f2").astype(np.float32).transpose(0, 2, 1)[..., None]
+            vals = dd * codes.astype(np.float32) + m
+        return vals.reshape(N, K)
     nb = K // 256
     blk = packed.reshape(G, nb, 1184)
     d = blk[:, :, 0:16].copy().view("<f2").astype(np.float32)            # [G, nb, r]
@@ -321,7 +337,7 @@ def test_x8_repack_in_chunks_from_a_mapped_file_is_the_same_layout(q, tmp_path, 
 
 def test_x8_only_for_its_types():
     rng = np.random.default_rng(40)
-    for name in ("Q4_0", "Q4_1", "Q5_K"):
+    for name in ("Q5_K",):
         q = qr.quant_type(name)
         w = random_weight(q, 16, 256, rng)
         assert ql.kernel_layout(w, ql.quant_kernel_type(q.id, "int8"))[0] is w

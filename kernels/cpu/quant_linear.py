@@ -28,10 +28,11 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
   Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
   relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
-  so it is an option, never the default. Q4_K and Q8_0 weights of the layers with int8
-  activations are interleaved by 8 rows when the stacks are built (``kernel_layout``, kernel
-  types ``Q4_K_X8`` / ``Q8_0_X8``, ``quant_x8.py``): no horizontal sums, faster than the row
-  kernel at every size, and it takes every token count.
+  so it is an option, never the default. Q4_K, Q6_K and Q8_0 weights with int8 activations (the
+  layers' when the stacks are built, lm_head's and the embedding table's in the CPU table's
+  ``prepare_weight``) are interleaved by 8 rows (``kernel_layout``, kernel types ``Q4_K_X8`` /
+  ``Q6_K_X8`` / ``Q8_0_X8``, ``quant_x8.py``): no horizontal sums, faster than the row kernel at
+  every size, and it takes every token count.
 
 Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0
 Q4_K Q6_K Q4_1 --rows 1 4 8 16 --threads 1 2 --rounds 2 --activations float32 int8``; AMD EPYC Zen 4,
@@ -99,13 +100,14 @@ from ..quant_reference import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_
 from . import quant_int8
 from .quant_fused import FUSED_MAX_TOKENS, fused_rows
 from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size, load_f16
-from .quant_x8 import X8_ROWS, repack_q4_k_x8, repack_q6_k_x8, repack_q8_0_x8, x8_decode_rows, x8_row_bytes, x8_rows
+from .quant_x8 import (X8_ROWS, repack_q4_k_x8, repack_q4_x8, repack_q6_k_x8, repack_q8_0_x8, x8_decode_rows,
+                       x8_row_bytes, x8_rows)
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
            "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "int8_max_tokens", "ACTIVATIONS",
            "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS", "quant_task_rows_f32",
-           "Q4_K_X8", "Q8_0_X8", "Q6_K_X8", "kernel_layout", "interleaved_embedding", "kernel_row_bytes"]
+           "Q4_K_X8", "Q8_0_X8", "Q6_K_X8", "Q4_0_X8", "Q4_1_X8", "X8_TYPES", "kernel_layout", "interleaved_embedding", "kernel_row_bytes"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
@@ -121,6 +123,9 @@ INT8_MAX_TOKENS_Q6_K = 4      # Q6_K's integer products: up to this many tokens 
 Q4_K_X8 = 2 * INT8_ACTIVATIONS + Q4_K   # kernel type id: Q4_K rows interleaved by 8, int8 activations (quant_x8)
 Q8_0_X8 = 2 * INT8_ACTIVATIONS + Q8_0   # the same for Q8_0
 Q6_K_X8 = 2 * INT8_ACTIVATIONS + Q6_K   # the same for Q6_K
+Q4_0_X8 = 2 * INT8_ACTIVATIONS + Q4_0   # the same for Q4_0
+Q4_1_X8 = 2 * INT8_ACTIVATIONS + Q4_1   # the same for Q4_1
+X8_TYPES = (Q4_K, Q6_K, Q8_0, Q4_0, Q4_1)   # the types with an interleaved layout (kernel_layout)
 
 _FUSED = quant_int8.ISA is not None   # quant_fused's decode-and-dot (FUSED_MAX_TOKENS; needs AVX2)
 
@@ -596,16 +601,23 @@ def quant_linear_into(x, w, qtype, out, scratch, tasks):
 
 def kernel_layout(data: np.ndarray, kernel_type: int, release: bool = False) -> tuple[np.ndarray, int]:
     """The weight rows ``data`` (uint8 ``[N, row_bytes]``, GGUF blocks) and kernel type id
-    ``kernel_type`` (``quant_kernel_type``'s) as the products take them: Q4_K, Q6_K and Q8_0 with
-    int8 activations and ``N % 8 == 0`` interleaved by 8 (``quant_x8.repack_*_x8``: new memory, ids
-    ``Q4_K_X8`` / ``Q6_K_X8`` / ``Q8_0_X8``), every other weight as it is. ``release``: where it is
+    ``kernel_type`` (``quant_kernel_type``'s) as the products take them: Q4_K, Q6_K, Q8_0, Q4_0 and
+    Q4_1 with int8 activations and ``N % 8 == 0`` interleaved by 8 (``quant_x8.repack_*_x8``: new
+    memory, ids ``*_X8`` = the type's id plus ``2 * INT8_ACTIVATIONS``), every other weight as it is. ``release``: where it is
     copied, hand ``data``'s pages back if it is a read-only mapped file (the caller reads only the
     copy; ``memory.release_mapped_pages``), as the copy is made."""
     if data.shape[0] % X8_ROWS == 0:
-        repack = {Q4_K + INT8_ACTIVATIONS: (repack_q4_k_x8, Q4_K_X8), Q6_K + INT8_ACTIVATIONS: (repack_q6_k_x8, Q6_K_X8),
-                  Q8_0 + INT8_ACTIVATIONS: (repack_q8_0_x8, Q8_0_X8)}.get(kernel_type)
-        if repack is not None:
-            return repack[0](data, release=release), repack[1]
+        t = kernel_type - INT8_ACTIVATIONS
+        if t in X8_TYPES:
+            if t == Q4_K:
+                packed = repack_q4_k_x8(data, release=release)
+            elif t == Q6_K:
+                packed = repack_q6_k_x8(data, release=release)
+            elif t == Q8_0:
+                packed = repack_q8_0_x8(data, release=release)
+            else:
+                packed = repack_q4_x8(data, t, release=release)
+            return packed, kernel_type + INT8_ACTIVATIONS
     return data, kernel_type
 
 
@@ -723,14 +735,14 @@ def _checked_ids(ids, rows: int) -> np.ndarray:
 
 def interleaved_embedding(packed: np.ndarray, qtype, ids: np.ndarray, hidden_size: int) -> np.ndarray:
     """``quant_embedding`` of a table in ``kernel_layout``'s interleaved layout (``packed``, uint8
-    ``[vocab, row bytes]``, GGML type ``qtype``: Q4_K, Q6_K or Q8_0): float32 ``[T, hidden_size]``,
+    ``[vocab, row bytes]``, GGML type ``qtype``, one of ``X8_TYPES``): float32 ``[T, hidden_size]``,
     bit-identical to ``dequantize`` of the GGUF rows (``quant_x8.x8_decode_rows``).
 
     Raises:
         ValueError: an id outside ``[0, vocab)``, or a type without an interleaved layout.
     """
     q = quant_type(qtype)
-    if q.id not in (Q4_K, Q6_K, Q8_0):
+    if q.id not in X8_TYPES:
         raise ValueError(f"{q.name} has no interleaved layout")
     ids = _checked_ids(ids, packed.shape[0])
     out = np.empty((ids.shape[0], hidden_size), _F32)

@@ -1,6 +1,7 @@
-"""Q4_K and Q8_0 weight rows interleaved by 8, multiplied with int8 activations: the integer path's
-layout for these types in the layers (``--activation-quantization int8``), as llama.cpp's CPU
-"repack" buffers (``block_q4_Kx8``, ``block_q8_0x4``).
+"""Q4_K, Q6_K and Q8_0 weight rows interleaved by 8, multiplied with int8 activations: the integer
+path's layout for these types (the layers, lm_head and the embedding table with
+``--activation-quantization int8``), as llama.cpp's CPU "repack" buffers (``block_q4_Kx8``,
+``block_q8_0x4``).
 
 ``quant_int8``'s Q4_K kernel reads one row at a time: each 256-bit integer product holds 32 values
 of one row, so a token's 8 block sums of a superblock must be summed across lanes (``_hsum8``) and
@@ -19,6 +20,15 @@ int32 with the activations' block sums, so the integer sum is exact as in the ro
 (``vpmaddubsw``, whose int16 pair sums saturate: ``2 * 255 * 127 > 2^15 - 1``) the codes are taken
 back to signed bytes in registers and multiplied as ``|w|`` times ``x`` with ``w``'s sign
 (``vpsignb``), as the row kernel does (pair sums at most ``2 * 128 * 127``).
+
+Q6_K (``repack_q6_k_x8``, the same size as the GGUF rows; its table there): per 16-value
+sub-block and token the 8 rows' integer sums of codes 0..63, then per 32 values ``sc_a (s_a - 32
+h_a) + sc_b (s_b - 32 h_b)`` in int32 with the activations' half sums ``h`` (exact, below 2^24),
+one conversion and one multiply-add with ``d_w d_x``. Its code chunks are stored in the order the
+kernel first reads them (every first touch of a cache line above the last: 26-28 G
+multiply-adds/s from DRAM on one thread, against 6-8 with the low and high bits as two regions).
+``x8_decode_rows`` reads a row back out of any of the three layouts (the embedding lookup of an
+interleaved table), bit-exact with ``dequantize``.
 
 Q4_K layout (``repack_q4_k_x8``): per group of 8 rows (``N % 8 == 0``) and superblock, ``X8_BLOCK_BYTES``
 = 1184 bytes (the 8 rows' 8 x 144 = 1152, plus the scales and mins decoded to bytes):
@@ -63,21 +73,25 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant_reference import QUANT_TYPES, Q4_K, Q6_K, Q8_0, _k_scale_min
+from ..quant_reference import QUANT_TYPES, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, _k_scale_min
 from .memory import huge_page_zeros, release_mapped_pages
 from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
                          _scratch_layout, _splat, _udot, load_f16, quantize_once)
 
-__all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "X8_Q6_K_BLOCK_BYTES", "repack_q4_k_x8",
-           "repack_q8_0_x8", "repack_q6_k_x8", "x8_rows", "x8_row_bytes", "x8_decode_rows"]
+__all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "X8_Q6_K_BLOCK_BYTES", "X8_Q4_0_BLOCK_BYTES",
+           "X8_Q4_1_BLOCK_BYTES", "repack_q4_k_x8", "repack_q8_0_x8", "repack_q6_k_x8", "repack_q4_x8", "x8_rows", "x8_row_bytes", "x8_decode_rows"]
 
 X8_ROWS = 8              # rows interleaved
 X8_BLOCK_BYTES = 1184    # Q4_K: bytes per group of 8 rows and 256-value superblock
 X8_Q8_0_BLOCK_BYTES = 272   # Q8_0: bytes per group of 8 rows and 32-value block (8 x 34, the same)
 X8_Q6_K_BLOCK_BYTES = 1680  # Q6_K: bytes per group of 8 rows and superblock (8 x 210, the same)
+X8_Q4_0_BLOCK_BYTES = 144   # Q4_0: bytes per group of 8 rows and 32-value block (8 x 18, the same)
+X8_Q4_1_BLOCK_BYTES = 160   # Q4_1: the same (8 x 20)
 _Q4K_BYTES = QUANT_TYPES[Q4_K].block_bytes   # 144
 _Q80_BYTES = QUANT_TYPES[Q8_0].block_bytes   # 34
 _Q6K_BYTES = QUANT_TYPES[Q6_K].block_bytes   # 210
+_Q40_BYTES = QUANT_TYPES[Q4_0].block_bytes   # 18
+_Q41_BYTES = QUANT_TYPES[Q4_1].block_bytes   # 20
 # where the interleaved Q6_K layout's 32-byte code chunks start in a group's superblock: in the
 # order the kernel first reads them, every first touch of a cache line at a higher address than the
 # last (measured, one token, one thread, from DRAM, Llama-3.2-1B's up projection: low bits then high
@@ -165,6 +179,28 @@ def repack_q8_0_x8(w: np.ndarray, release: bool = False) -> np.ndarray:
         qs = b[:, :, :, 2:34].reshape(G, nb, X8_ROWS, 8, 4) ^ np.uint8(0x80)           # [G, nb, r, c, i]: q + 128
         out[:, :, 16:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)
     return _repack(w, "Q8_0", _Q80_BYTES, X8_Q8_0_BLOCK_BYTES, 0, fill, release)
+
+
+def repack_q4_x8(w: np.ndarray, qtype: int, release: bool = False) -> np.ndarray:
+    """Q4_0 or Q4_1 rows ``w`` (uint8 ``[N, K / 32 * 18]`` / ``* 20``) -> their interleaved layout, the
+    same size (new memory): per group of 8 rows and 32-value block, the 8 rows' f16 ``d``, Q4_1's 8
+    f16 ``m``, then for ``c`` in 0..3 32 bytes, row ``r``'s ``qs[4 c : 4 c + 4]`` at ``4 r`` (low
+    nibbles values ``4 c + i``, high nibbles ``16 + 4 c + i``, as GGUF packs them). ``release``: as
+    ``repack_q4_k_x8``'s.
+
+    Raises:
+        ValueError: ``N`` is not a multiple of 8 or ``w`` is not whole blocks of the type.
+    """
+    q1 = qtype == Q4_1
+    bb, gb, qs0 = (_Q41_BYTES, X8_Q4_1_BLOCK_BYTES, 4) if q1 else (_Q40_BYTES, X8_Q4_0_BLOCK_BYTES, 2)
+
+    def fill(b, out):
+        G, nb = out.shape[:2]
+        if q1:
+            out[:, :, 16:32] = b[:, :, :, 2:4].reshape(G, nb, 16)
+        qs = b[:, :, :, qs0:qs0 + 16].reshape(G, nb, X8_ROWS, 4, 4)                  # [G, nb, r, c, i]
+        out[:, :, gb - 128:] = qs.transpose(0, 1, 3, 2, 4).reshape(G, nb, 128)
+    return _repack(w, "Q4_1" if q1 else "Q4_0", bb, gb, 0, fill, release)
 
 
 def _q6_k_codes(b: np.ndarray) -> np.ndarray:
@@ -377,6 +413,72 @@ def _make_x8_q8_0(nt: int):
     return intrinsic(impl)
 
 
+def _make_x8_q4(nt: int, q1: bool):
+    """``_make_x8``'s intrinsic for the interleaved Q4_0 / Q4_1 layouts (``repack_q4_x8``): per
+    32-value block and token, 8 ``vpdpbusd`` of codes 0..15 with 4 broadcast activation codes (AVX2
+    pair sums at most ``2 * 15 * 127``); Q4_0's ``-8`` as ``- 8 sum q_x`` in int32 (exact), then
+    one conversion and one multiply-add with ``d_w d_x``; Q4_1's ``m`` as ``m (d_x sum q_x)``, one
+    multiply-add into a second accumulator, added at the end."""
+
+    def impl(typingctx, w, woff, s, t0, T, K, out, col):
+        sig = _x8_signature(w, s, out)
+        if sig is None:
+            return None
+
+        def codegen(context, builder, sg, args):
+            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
+            n32, xd0, xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
+            v8f = ir.VectorType(_FL, 8)
+            zero_i = ir.Constant(_V8I32, [0] * 8)
+            m15 = ir.Constant(_V32I8, [15] * 32)
+            gb, q0 = (X8_Q4_1_BLOCK_BYTES, 32) if q1 else (X8_Q4_0_BLOCK_BYTES, 16)
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
+            corr = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)] if q1 else []
+            with cgutils.for_range(builder, n32) as loop:
+                j = loop.index
+                ob = builder.gep(wp, [builder.add(woffv, builder.mul(j, _c64(gb)))])
+                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
+                blk, xb = _token_blocks(builder, t0v, n32, j, nt, xq0)
+                sums = [zero_i] * nt
+                for c in range(4):
+                    q = _load(builder, ob, _c64(q0 + 32 * c), _V16I16)
+                    lo = builder.and_(builder.bitcast(q, _V32I8), m15)
+                    hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8), m15)
+                    for i in range(nt):
+                        for codes, at in ((lo, 4 * c), (hi, 16 + 4 * c)):
+                            x4 = _load(builder, sbytes, builder.add(xb[i], _c64(at)), _I32)
+                            sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
+                                            sums[i])
+                for i in range(nt):
+                    isum = sums[i]
+                    if not q1:   # the codes' -8: minus 8 times the block's activation codes' sum (its halves)
+                        halves = _load(builder, sbytes, builder.add(xb0, builder.mul(blk[i], _c64(4))),
+                                       ir.VectorType(_I16, 2))
+                        qsum = builder.add(builder.sext(builder.extract_element(halves, ir.Constant(_I32, 0)), _I32),
+                                           builder.sext(builder.extract_element(halves, ir.Constant(_I32, 1)), _I32))
+                        isum = builder.sub(isum, _splat(builder, builder.shl(qsum, ir.Constant(_I32, 3)), _V8I32))
+                    dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
+                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                        builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
+                        builder.load(acc[i])]), acc[i])
+                    if q1:
+                        mv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
+                        sx = _load(builder, sf, builder.add(xs0, blk[i]), _FL)
+                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                            mv, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
+            for i in range(nt):
+                total = builder.load(acc[i])
+                if q1:
+                    total = builder.fadd(total, builder.load(corr[i]))
+                _store8(builder, odata, ncols, t0v, colv, i, total)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"_x8_q4_{1 if q1 else 0}_{nt}"
+    return intrinsic(impl)
+
+
 def _make_x8_q6_k(nt: int):
     """``_make_x8``'s intrinsic for the interleaved Q6_K layout (``repack_q6_k_x8``): per 64 values
     ``p`` and token, the 8 rows' integer sums of each 16-value sub-block (codes 0..63 by
@@ -450,6 +552,8 @@ _NT = 4
 _x8_q4_k_1, _x8_q4_k_4 = _make_x8(1), _make_x8(_NT)
 _x8_q8_0_1, _x8_q8_0_4 = _make_x8_q8_0(1), _make_x8_q8_0(_NT)
 _x8_q6_k_1, _x8_q6_k_4 = _make_x8_q6_k(1), _make_x8_q6_k(_NT)
+_x8_q4_0_1, _x8_q4_0_4 = _make_x8_q4(1, False), _make_x8_q4(_NT, False)
+_x8_q4_1_1, _x8_q4_1_4 = _make_x8_q4(1, True), _make_x8_q4(_NT, True)
 
 
 @njit(cache=True)
@@ -469,6 +573,10 @@ def x8_rows(x, w, qtype, out, col0, s, r0, r1):
                 _x8_q4_k_4(w, woff, s, t, T, K, out, col0 + r)
             elif qtype == Q6_K:
                 _x8_q6_k_4(w, woff, s, t, T, K, out, col0 + r)
+            elif qtype == Q4_1:
+                _x8_q4_1_4(w, woff, s, t, T, K, out, col0 + r)
+            elif qtype == Q4_0:
+                _x8_q4_0_4(w, woff, s, t, T, K, out, col0 + r)
             else:
                 _x8_q8_0_4(w, woff, s, t, T, K, out, col0 + r)
             t += _NT
@@ -477,6 +585,10 @@ def x8_rows(x, w, qtype, out, col0, s, r0, r1):
                 _x8_q4_k_1(w, woff, s, t, T, K, out, col0 + r)
             elif qtype == Q6_K:
                 _x8_q6_k_1(w, woff, s, t, T, K, out, col0 + r)
+            elif qtype == Q4_1:
+                _x8_q4_1_1(w, woff, s, t, T, K, out, col0 + r)
+            elif qtype == Q4_0:
+                _x8_q4_0_1(w, woff, s, t, T, K, out, col0 + r)
             else:
                 _x8_q8_0_1(w, woff, s, t, T, K, out, col0 + r)
             t += 1
@@ -504,6 +616,22 @@ def x8_decode_rows(w, qtype, ids, out):
                     for i in range(4):
                         q = np.int32(flat[o + 16 + 32 * c + 4 * lane + i]) - 128
                         out[t, 32 * j + 4 * c + i] = d * np.float32(q)
+        elif qtype == Q4_0 or qtype == Q4_1:
+            gb = X8_Q4_1_BLOCK_BYTES if qtype == Q4_1 else X8_Q4_0_BLOCK_BYTES
+            for j in range(K // 32):
+                o = g0 + j * gb
+                d = load_f16(flat, o + 2 * lane)
+                m = load_f16(flat, o + 16 + 2 * lane) if qtype == Q4_1 else np.float32(0.0)
+                for c in range(4):
+                    for i in range(4):
+                        byte = np.int32(flat[o + gb - 128 + 32 * c + 4 * lane + i])
+                        for h in range(2):
+                            q = (byte >> 4) if h else (byte & 15)
+                            k = 32 * j + 16 * h + 4 * c + i
+                            if qtype == Q4_1:
+                                out[t, k] = d * np.float32(q) + m
+                            else:
+                                out[t, k] = d * np.float32(q - 8)
         elif qtype == Q4_K:
             for b in range(K // 256):
                 o = g0 + b * X8_BLOCK_BYTES
