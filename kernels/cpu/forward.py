@@ -513,14 +513,13 @@ class QuantizedStack:
     Attributes:
         table: int64 ``[num_layers, S, 4]``: per layer, the ``S`` weight segments written side by
             side into the product's output (q, k, v for qkv; gate, up for gate_up), each as (data
-            address, kernel type id: ``quant_kernel_type(qtype, activations)``, or ``Q4_K_X8`` /
-            ``Q6_K_X8`` / ``Q8_0_X8`` for such a segment with int8 activations, rows, first output
-            column).
+            address, kernel type id: ``quant_kernel_type(qtype, activations)``, or
+            ``kernel_layout``'s ``*_X8`` for an interleaved segment, rows, first output column).
         shape: ``(N, K)``: the product's output columns (the segments' rows together) and inputs.
         weights: the ``QuantizedWeight`` segments per layer, kept alive (the table holds only
             their addresses).
         packed: the segments the kernels read in another layout (``quant_linear.kernel_layout``:
-            Q4_K, Q6_K and Q8_0 rows interleaved by 8 for int8 activations), kept alive likewise. Their GGUF
+            the interleaved types' rows (quant_x8) for int8 activations), kept alive likewise. Their GGUF
             rows are then not read by the layers; where they are pages of a mapped file, those
             pages are handed back (``memory.release_mapped_pages``: peak RSS stays near the file's
             size; a later read maps them again).

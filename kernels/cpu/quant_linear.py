@@ -28,10 +28,10 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
   Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
   relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
-  so it is an option, never the default. Q4_K, Q6_K and Q8_0 weights with int8 activations (the
+  so it is an option, never the default. Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weights with int8 activations (the
   layers' when the stacks are built, lm_head's and the embedding table's in the CPU table's
-  ``prepare_weight``) are interleaved by 8 rows (``kernel_layout``, kernel types ``Q4_K_X8`` /
-  ``Q6_K_X8`` / ``Q8_0_X8``, ``quant_x8.py``): no horizontal sums, faster than the row kernel at
+  ``prepare_weight``) are interleaved by 8 rows (``kernel_layout``, kernel types ``*_X8``,
+  ``quant_x8.py``): no horizontal sums, faster than the row kernel at
   every size, and it takes every token count.
 
 Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0

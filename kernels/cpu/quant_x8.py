@@ -1,5 +1,5 @@
-"""Q4_K, Q6_K and Q8_0 weight rows interleaved by 8, multiplied with int8 activations: the integer
-path's layout for these types (the layers, lm_head and the embedding table with
+"""Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weight rows interleaved by 8, multiplied with int8 activations:
+the integer path's layout for these types (the layers, lm_head and the embedding table with
 ``--activation-quantization int8``), as llama.cpp's CPU "repack" buffers (``block_q4_Kx8``,
 ``block_q8_0x4``).
 
@@ -27,7 +27,9 @@ h_a) + sc_b (s_b - 32 h_b)`` in int32 with the activations' half sums ``h`` (exa
 one conversion and one multiply-add with ``d_w d_x``. Its code chunks are stored in the order the
 kernel first reads them (every first touch of a cache line above the last: 26-28 G
 multiply-adds/s from DRAM on one thread, against 6-8 with the low and high bits as two regions).
-``x8_decode_rows`` reads a row back out of any of the three layouts (the embedding lookup of an
+Q4_0 / Q4_1 (``repack_q4_x8``, the same sizes): the 8 rows' ``d`` (and ``m``), then each row's 16
+code bytes as GGUF packs them, 4 bytes per row side by side; Q4_0's ``-8`` taken off in int32.
+``x8_decode_rows`` reads a row back out of any of these layouts (the embedding lookup of an
 interleaved table), bit-exact with ``dequantize``.
 
 Q4_K layout (``repack_q4_k_x8``): per group of 8 rows (``N % 8 == 0``) and superblock, ``X8_BLOCK_BYTES``
