@@ -77,7 +77,7 @@ from numba.extending import intrinsic
 
 from ..quant_reference import QUANT_TYPES, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, _k_scale_min
 from .memory import huge_page_zeros, release_mapped_pages
-from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
+from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8F, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
                          _scratch_layout, _splat, _udot, load_f16, quantize_once)
 
 __all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "X8_Q6_K_BLOCK_BYTES", "X8_Q4_0_BLOCK_BYTES",
@@ -291,10 +291,9 @@ def _store8(builder, odata, ncols, t0v, colv, i, value):
     builder.store(value, builder.bitcast(builder.gep(odata, [off]), value.type.as_pointer()), align=4)
 
 
-def _make_x8(nt: int):
-    """An intrinsic ``(w, woff, s, t0, T, K, out, col)``: the 8 interleaved rows at byte ``woff`` of
-    ``w`` times tokens ``t0 .. t0 + nt - 1`` of the activations in scratch ``s`` (``T`` tokens of
-    ``K`` values); stores token ``t``'s 8 results at ``out[t, col : col + 8]``."""
+def _x8_intrinsic(name: str, emit):
+    """An intrinsic ``(w, woff, s, t0, T, K, out, col)`` (``_x8_signature``) whose code is
+    ``emit(builder, *_x8_args(...))``: each interleaved layout's kernel is its ``emit``."""
 
     def impl(typingctx, w, woff, s, t0, T, K, out, col):
         sig = _x8_signature(w, s, out)
@@ -302,56 +301,86 @@ def _make_x8(nt: int):
             return None
 
         def codegen(context, builder, sg, args):
-            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
-            n32, xd0, xs0, xq0, _xb0 = _scratch_layout(builder, Tv, Kv)
-            v8f = ir.VectorType(_FL, 8)
-            v8b = ir.VectorType(_I8, 8)
-            zero_i = ir.Constant(_V8I32, [0] * 8)
-            m15 = ir.Constant(_V32I8, [15] * 32)
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
-            corr = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
-            with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
-                b = loop.index
-                ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(X8_BLOCK_BYTES)))])
-                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
-                dminv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
-                # token i's first activation block of this superblock
-                blk, xb = _token_blocks(builder, t0v, n32, builder.mul(b, _c64(8)), nt, xq0)
-                for p in range(4):
-                    lo_sums, hi_sums = [zero_i] * nt, [zero_i] * nt
-                    for c in range(8):
-                        q = _load(builder, ob, _c64(160 + (8 * p + c) * 32), _V16I16)
-                        lo = builder.and_(builder.bitcast(q, _V32I8), m15)
-                        hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8),
-                                          m15)
-                        for i in range(nt):
-                            xl = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 4 * c)), _I32)
-                            xh = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 32 + 4 * c)), _I32)
-                            # codes 0..15: AVX2's pair sums |2 * 15 * 127| < 2^15
-                            lo_sums[i] = _udot(builder, lo, builder.bitcast(_splat(builder, xl, _V8I32), _V32I8),
-                                               lo_sums[i])
-                            hi_sums[i] = _udot(builder, hi, builder.bitcast(_splat(builder, xh, _V8I32), _V32I8),
-                                               hi_sums[i])
-                    for h, sums in ((0, lo_sums), (1, hi_sums)):
-                        j = 2 * p + h
-                        dsc = builder.fmul(dv, builder.uitofp(_load(builder, ob, _c64(32 + 8 * j), v8b), v8f))
-                        dm = builder.fmul(dminv, builder.uitofp(_load(builder, ob, _c64(96 + 8 * j), v8b), v8f))
-                        for i in range(nt):
-                            dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
-                            sx = _load(builder, sf, builder.add(xs0, builder.add(blk[i], _c64(j))), _FL)
-                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                                builder.sitofp(sums[i], v8f), builder.fmul(dsc, _splat(builder, dx, v8f)),
-                                builder.load(acc[i])]), acc[i])
-                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                                dm, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
-            for i in range(nt):
-                _store8(builder, odata, ncols, t0v, colv, i, builder.fsub(builder.load(acc[i]), builder.load(corr[i])))
+            emit(builder, *_x8_args(context, builder, sg, args))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    impl.__name__ = f"_x8_q4_k_{nt}"
+    impl.__name__ = name
     return intrinsic(impl)
+
+
+def _accumulators(builder, n):
+    # n <8 x float> accumulators, zero
+    return [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(n)]
+
+
+def _group_block(builder, wp, woffv, index, group_bytes):
+    # (the group's block ``index``: an i8 pointer, its 8 rows' f16 d as <8 x float>)
+    ob = builder.gep(wp, [builder.add(woffv, builder.mul(index, _c64(group_bytes)))])
+    return ob, builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), _V8F)
+
+
+def _minus_code_sum(builder, sbytes, xb0, blk, isum, shift):
+    # isum - (sum of activation block blk's codes << shift), splat over the 8 lanes: a code offset
+    # (Q8_0's +128: shift 7; Q4_0's -8 as +8: shift 3) taken off exactly in int32
+    halves = _load(builder, sbytes, builder.add(xb0, builder.mul(blk, _c64(4))), ir.VectorType(_I16, 2))
+    qsum = builder.add(builder.sext(builder.extract_element(halves, ir.Constant(_I32, 0)), _I32),
+                       builder.sext(builder.extract_element(halves, ir.Constant(_I32, 1)), _I32))
+    return builder.sub(isum, _splat(builder, builder.shl(qsum, ir.Constant(_I32, shift)), _V8I32))
+
+
+def _make_x8(nt: int):
+    """An intrinsic ``(w, woff, s, t0, T, K, out, col)``: the 8 interleaved rows at byte ``woff`` of
+    ``w`` times tokens ``t0 .. t0 + nt - 1`` of the activations in scratch ``s`` (``T`` tokens of
+    ``K`` values); stores token ``t``'s 8 results at ``out[t, col : col + 8]``."""
+
+    def emit(builder, wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv):
+        n32, xd0, xs0, xq0, _xb0 = _scratch_layout(builder, Tv, Kv)
+        v8f = _V8F
+        v8b = ir.VectorType(_I8, 8)
+        zero_i = ir.Constant(_V8I32, [0] * 8)
+        m15 = ir.Constant(_V32I8, [15] * 32)
+        acc = _accumulators(builder, nt)
+        corr = _accumulators(builder, nt)
+        with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
+            b = loop.index
+            ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(X8_BLOCK_BYTES)))])
+            dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
+            dminv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
+            # token i's first activation block of this superblock
+            blk, xb = _token_blocks(builder, t0v, n32, builder.mul(b, _c64(8)), nt, xq0)
+            for p in range(4):
+                lo_sums, hi_sums = [zero_i] * nt, [zero_i] * nt
+                for c in range(8):
+                    q = _load(builder, ob, _c64(160 + (8 * p + c) * 32), _V16I16)
+                    lo = builder.and_(builder.bitcast(q, _V32I8), m15)
+                    hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8),
+                                      m15)
+                    for i in range(nt):
+                        xl = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 4 * c)), _I32)
+                        xh = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 32 + 4 * c)), _I32)
+                        # codes 0..15: AVX2's pair sums |2 * 15 * 127| < 2^15
+                        lo_sums[i] = _udot(builder, lo, builder.bitcast(_splat(builder, xl, _V8I32), _V32I8),
+                                           lo_sums[i])
+                        hi_sums[i] = _udot(builder, hi, builder.bitcast(_splat(builder, xh, _V8I32), _V32I8),
+                                           hi_sums[i])
+                for h, sums in ((0, lo_sums), (1, hi_sums)):
+                    j = 2 * p + h
+                    dsc = builder.fmul(dv, builder.uitofp(_load(builder, ob, _c64(32 + 8 * j), v8b), v8f))
+                    dm = builder.fmul(dminv, builder.uitofp(_load(builder, ob, _c64(96 + 8 * j), v8b), v8f))
+                    for i in range(nt):
+                        dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
+                        sx = _load(builder, sf, builder.add(xs0, builder.add(blk[i], _c64(j))), _FL)
+                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                            builder.sitofp(sums[i], v8f), builder.fmul(dsc, _splat(builder, dx, v8f)),
+                            builder.load(acc[i])]), acc[i])
+                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                            dm, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
+        for i in range(nt):
+            _store8(builder, odata, ncols, t0v, colv, i, builder.fsub(builder.load(acc[i]), builder.load(corr[i])))
+
+    return _x8_intrinsic(f"_x8_q4_k_{nt}", emit)
 
 
 def _make_x8_q8_0(nt: int):
@@ -360,59 +389,44 @@ def _make_x8_q8_0(nt: int):
     (the activations' two half sums, exact in int32), converted and multiplied-added with ``d_w
     d_x`` for the 8 rows."""
 
-    def impl(typingctx, w, woff, s, t0, T, K, out, col):
-        sig = _x8_signature(w, s, out)
-        if sig is None:
-            return None
-
-        def codegen(context, builder, sg, args):
-            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
-            n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
-            v8f = ir.VectorType(_FL, 8)
-            zero_i = ir.Constant(_V8I32, [0] * 8)
-            vnni = ISA == "avx512vnni"
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
-            with cgutils.for_range(builder, n32) as loop:
-                j = loop.index
-                ob = builder.gep(wp, [builder.add(woffv, builder.mul(j, _c64(X8_Q8_0_BLOCK_BYTES)))])
-                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
-                blk, xb = _token_blocks(builder, t0v, n32, j, nt, xq0)
-                sums = [zero_i] * nt
-                for c in range(8):
-                    codes = _load(builder, ob, _c64(16 + 32 * c), _V32I8)
-                    if not vnni:
-                        # AVX2: vpmaddubsw saturates its int16 pair sums, and 2 * 255 * 127 > 2^15 - 1:
-                        # the signed codes instead, |w| times x with w's sign (vpsignb), as the row
-                        # kernel and llama.cpp's mul_sum_i8_pairs (2 * 128 * 127 < 2^15)
-                        signed = builder.xor(codes, ir.Constant(_V32I8, [-128] * 32))
-                        codes = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [signed, signed])
-                    for i in range(nt):
-                        x4 = _load(builder, sbytes, builder.add(xb[i], _c64(4 * c)), _I32)
-                        xv = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
-                        if not vnni:
-                            xv = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, signed])
-                        sums[i] = _udot(builder, codes, xv, sums[i])
+    def emit(builder, wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv):
+        n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
+        v8f = _V8F
+        zero_i = ir.Constant(_V8I32, [0] * 8)
+        vnni = ISA == "avx512vnni"
+        acc = _accumulators(builder, nt)
+        with cgutils.for_range(builder, n32) as loop:
+            j = loop.index
+            ob, dv = _group_block(builder, wp, woffv, j, X8_Q8_0_BLOCK_BYTES)
+            blk, xb = _token_blocks(builder, t0v, n32, j, nt, xq0)
+            sums = [zero_i] * nt
+            for c in range(8):
+                codes = _load(builder, ob, _c64(16 + 32 * c), _V32I8)
+                if not vnni:
+                    # AVX2: vpmaddubsw saturates its int16 pair sums, and 2 * 255 * 127 > 2^15 - 1:
+                    # the signed codes instead, |w| times x with w's sign (vpsignb), as the row
+                    # kernel and llama.cpp's mul_sum_i8_pairs (2 * 128 * 127 < 2^15)
+                    signed = builder.xor(codes, ir.Constant(_V32I8, [-128] * 32))
+                    codes = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [signed, signed])
                 for i in range(nt):
-                    isum = sums[i]
-                    if vnni:
-                        # the codes' +128: minus 128 times the block's activation codes' sum (its halves)
-                        halves = _load(builder, sbytes, builder.add(xb0, builder.mul(blk[i], _c64(4))),
-                                       ir.VectorType(_I16, 2))
-                        qsum = builder.add(builder.sext(builder.extract_element(halves, ir.Constant(_I32, 0)), _I32),
-                                           builder.sext(builder.extract_element(halves, ir.Constant(_I32, 1)), _I32))
-                        isum = builder.sub(sums[i], _splat(builder, builder.shl(qsum, ir.Constant(_I32, 7)), _V8I32))
-                    dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
-                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                        builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
-                        builder.load(acc[i])]), acc[i])
+                    x4 = _load(builder, sbytes, builder.add(xb[i], _c64(4 * c)), _I32)
+                    xv = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
+                    if not vnni:
+                        xv = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, signed])
+                    sums[i] = _udot(builder, codes, xv, sums[i])
             for i in range(nt):
-                _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
-            return context.get_dummy_value()
+                isum = sums[i]
+                if vnni:
+                    # the codes' +128: minus 128 times the block's activation codes' sum (its halves)
+                    isum = _minus_code_sum(builder, sbytes, xb0, blk[i], isum, 7)
+                dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
+                builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                    builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
+                    builder.load(acc[i])]), acc[i])
+        for i in range(nt):
+            _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
 
-        return sig, codegen
-
-    impl.__name__ = f"_x8_q8_0_{nt}"
-    return intrinsic(impl)
+    return _x8_intrinsic(f"_x8_q8_0_{nt}", emit)
 
 
 def _make_x8_q4(nt: int, q1: bool):
@@ -422,63 +436,48 @@ def _make_x8_q4(nt: int, q1: bool):
     one conversion and one multiply-add with ``d_w d_x``; Q4_1's ``m`` as ``m (d_x sum q_x)``, one
     multiply-add into a second accumulator, added at the end."""
 
-    def impl(typingctx, w, woff, s, t0, T, K, out, col):
-        sig = _x8_signature(w, s, out)
-        if sig is None:
-            return None
-
-        def codegen(context, builder, sg, args):
-            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
-            n32, xd0, xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
-            v8f = ir.VectorType(_FL, 8)
-            zero_i = ir.Constant(_V8I32, [0] * 8)
-            m15 = ir.Constant(_V32I8, [15] * 32)
-            gb, q0 = (X8_Q4_1_BLOCK_BYTES, 32) if q1 else (X8_Q4_0_BLOCK_BYTES, 16)
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
-            corr = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)] if q1 else []
-            with cgutils.for_range(builder, n32) as loop:
-                j = loop.index
-                ob = builder.gep(wp, [builder.add(woffv, builder.mul(j, _c64(gb)))])
-                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
-                blk, xb = _token_blocks(builder, t0v, n32, j, nt, xq0)
-                sums = [zero_i] * nt
-                for c in range(4):
-                    q = _load(builder, ob, _c64(q0 + 32 * c), _V16I16)
-                    lo = builder.and_(builder.bitcast(q, _V32I8), m15)
-                    hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8), m15)
-                    for i in range(nt):
-                        for codes, at in ((lo, 4 * c), (hi, 16 + 4 * c)):
-                            x4 = _load(builder, sbytes, builder.add(xb[i], _c64(at)), _I32)
-                            sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
-                                            sums[i])
+    def emit(builder, wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv):
+        n32, xd0, xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
+        v8f = _V8F
+        zero_i = ir.Constant(_V8I32, [0] * 8)
+        m15 = ir.Constant(_V32I8, [15] * 32)
+        gb, q0 = (X8_Q4_1_BLOCK_BYTES, 32) if q1 else (X8_Q4_0_BLOCK_BYTES, 16)
+        acc = _accumulators(builder, nt)
+        corr = _accumulators(builder, nt) if q1 else []
+        with cgutils.for_range(builder, n32) as loop:
+            j = loop.index
+            ob, dv = _group_block(builder, wp, woffv, j, gb)
+            blk, xb = _token_blocks(builder, t0v, n32, j, nt, xq0)
+            sums = [zero_i] * nt
+            for c in range(4):
+                q = _load(builder, ob, _c64(q0 + 32 * c), _V16I16)
+                lo = builder.and_(builder.bitcast(q, _V32I8), m15)
+                hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8), m15)
                 for i in range(nt):
-                    isum = sums[i]
-                    if not q1:   # the codes' -8: minus 8 times the block's activation codes' sum (its halves)
-                        halves = _load(builder, sbytes, builder.add(xb0, builder.mul(blk[i], _c64(4))),
-                                       ir.VectorType(_I16, 2))
-                        qsum = builder.add(builder.sext(builder.extract_element(halves, ir.Constant(_I32, 0)), _I32),
-                                           builder.sext(builder.extract_element(halves, ir.Constant(_I32, 1)), _I32))
-                        isum = builder.sub(isum, _splat(builder, builder.shl(qsum, ir.Constant(_I32, 3)), _V8I32))
-                    dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
-                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                        builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
-                        builder.load(acc[i])]), acc[i])
-                    if q1:
-                        mv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
-                        sx = _load(builder, sf, builder.add(xs0, blk[i]), _FL)
-                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                            mv, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
+                    for codes, at in ((lo, 4 * c), (hi, 16 + 4 * c)):
+                        x4 = _load(builder, sbytes, builder.add(xb[i], _c64(at)), _I32)
+                        sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
+                                        sums[i])
             for i in range(nt):
-                total = builder.load(acc[i])
+                isum = sums[i]
+                if not q1:   # the codes' -8: minus 8 times the block's activation codes' sum (its halves)
+                    isum = _minus_code_sum(builder, sbytes, xb0, blk[i], isum, 3)
+                dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
+                builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                    builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
+                    builder.load(acc[i])]), acc[i])
                 if q1:
-                    total = builder.fadd(total, builder.load(corr[i]))
-                _store8(builder, odata, ncols, t0v, colv, i, total)
-            return context.get_dummy_value()
+                    mv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
+                    sx = _load(builder, sf, builder.add(xs0, blk[i]), _FL)
+                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                        mv, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
+        for i in range(nt):
+            total = builder.load(acc[i])
+            if q1:
+                total = builder.fadd(total, builder.load(corr[i]))
+            _store8(builder, odata, ncols, t0v, colv, i, total)
 
-        return sig, codegen
-
-    impl.__name__ = f"_x8_q4_{1 if q1 else 0}_{nt}"
-    return intrinsic(impl)
+    return _x8_intrinsic(f"_x8_q4_{1 if q1 else 0}_{nt}", emit)
 
 
 def _make_x8_q6_k(nt: int):
@@ -490,64 +489,54 @@ def _make_x8_q6_k(nt: int):
     so its conversion is exact too), converted and multiplied-added with ``d_w d_x`` for the 8 rows:
     the row kernel's terms (``quant_int8``'s Q6_K), summed in another order."""
 
-    def impl(typingctx, w, woff, s, t0, T, K, out, col):
-        sig = _x8_signature(w, s, out)
-        if sig is None:
-            return None
+    def emit(builder, wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv):
+        n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
+        v8f = _V8F
+        v8b = ir.VectorType(_I8, 8)
+        zero_i = ir.Constant(_V8I32, [0] * 8)
 
-        def codegen(context, builder, sg, args):
-            wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv = _x8_args(context, builder, sg, args)
-            n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
-            v8f = ir.VectorType(_FL, 8)
-            v8b = ir.VectorType(_I8, 8)
-            zero_i = ir.Constant(_V8I32, [0] * 8)
-
-            def c8(v):
-                return ir.Constant(_V32I8, [v] * 32)
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(nt)]
-            with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
-                b = loop.index
-                ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(X8_Q6_K_BLOCK_BYTES)))])
-                dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
-                blk, xb = _token_blocks(builder, t0v, n32, builder.mul(b, _c64(8)), nt, xq0)
-                for p in range(4):
-                    for h in range(2):             # the low nibbles (block 2 p), the high ones (2 p + 1)
-                        j = 2 * p + h
-                        shift = 4 * (p % 2) + 2 * h    # where the values' two high bits sit in qh's bytes
-                        isum = [zero_i] * nt
-                        for half in range(2):      # 16-value sub-blocks 2 j, 2 j + 1
-                            sums = [zero_i] * nt
-                            for c in range(4 * half, 4 * half + 4):
-                                q = _load(builder, ob, _c64(_q6k_ql_at(p, c)), _V32I8)
-                                q = builder.and_(q if h == 0 else builder.lshr(q, c8(4)), c8(15))
-                                qh = _load(builder, ob, _c64(_q6k_qh_at(p // 2, c)), _V32I8)
-                                top = builder.shl(qh, c8(4 - shift)) if shift <= 4 else builder.lshr(qh, c8(shift - 4))
-                                codes = builder.or_(q, builder.and_(top, c8(0x30)))
-                                for i in range(nt):
-                                    x4 = _load(builder, sbytes, builder.add(xb[i], _c64(32 * j + 4 * c)), _I32)
-                                    sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
-                                                    sums[i])
-                            sc = builder.sext(_load(builder, ob, _c64(16 + 8 * (2 * j + half)), v8b), _V8I32)
+        def c8(v):
+            return ir.Constant(_V32I8, [v] * 32)
+        acc = _accumulators(builder, nt)
+        with cgutils.for_range(builder, builder.udiv(n32, _c64(8))) as loop:
+            b = loop.index
+            ob = builder.gep(wp, [builder.add(woffv, builder.mul(b, _c64(X8_Q6_K_BLOCK_BYTES)))])
+            dv = builder.fpext(_load(builder, ob, _c64(0), ir.VectorType(_HALF, 8)), v8f)
+            blk, xb = _token_blocks(builder, t0v, n32, builder.mul(b, _c64(8)), nt, xq0)
+            for p in range(4):
+                for h in range(2):             # the low nibbles (block 2 p), the high ones (2 p + 1)
+                    j = 2 * p + h
+                    shift = 4 * (p % 2) + 2 * h    # where the values' two high bits sit in qh's bytes
+                    isum = [zero_i] * nt
+                    for half in range(2):      # 16-value sub-blocks 2 j, 2 j + 1
+                        sums = [zero_i] * nt
+                        for c in range(4 * half, 4 * half + 4):
+                            q = _load(builder, ob, _c64(_q6k_ql_at(p, c)), _V32I8)
+                            q = builder.and_(q if h == 0 else builder.lshr(q, c8(4)), c8(15))
+                            qh = _load(builder, ob, _c64(_q6k_qh_at(p // 2, c)), _V32I8)
+                            top = builder.shl(qh, c8(4 - shift)) if shift <= 4 else builder.lshr(qh, c8(shift - 4))
+                            codes = builder.or_(q, builder.and_(top, c8(0x30)))
                             for i in range(nt):
-                                # the codes' -32: the activations' sum over this 16-value half, times 32
-                                hoff = builder.add(xb0, builder.add(builder.mul(builder.add(blk[i], _c64(j)), _c64(4)),
-                                                                    _c64(2 * half)))
-                                hs = builder.sext(_load(builder, sbytes, hoff, _I16), _I32)
-                                off = _splat(builder, builder.shl(hs, ir.Constant(_I32, 5)), _V8I32)
-                                isum[i] = builder.add(isum[i], builder.mul(sc, builder.sub(sums[i], off)))
+                                x4 = _load(builder, sbytes, builder.add(xb[i], _c64(32 * j + 4 * c)), _I32)
+                                sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
+                                                sums[i])
+                        sc = builder.sext(_load(builder, ob, _c64(16 + 8 * (2 * j + half)), v8b), _V8I32)
                         for i in range(nt):
-                            dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
-                            builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                                builder.sitofp(isum[i], v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
-                                builder.load(acc[i])]), acc[i])
-            for i in range(nt):
-                _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
-            return context.get_dummy_value()
+                            # the codes' -32: the activations' sum over this 16-value half, times 32
+                            hoff = builder.add(xb0, builder.add(builder.mul(builder.add(blk[i], _c64(j)), _c64(4)),
+                                                                _c64(2 * half)))
+                            hs = builder.sext(_load(builder, sbytes, hoff, _I16), _I32)
+                            off = _splat(builder, builder.shl(hs, ir.Constant(_I32, 5)), _V8I32)
+                            isum[i] = builder.add(isum[i], builder.mul(sc, builder.sub(sums[i], off)))
+                    for i in range(nt):
+                        dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
+                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
+                            builder.sitofp(isum[i], v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
+                            builder.load(acc[i])]), acc[i])
+        for i in range(nt):
+            _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
 
-        return sig, codegen
-
-    impl.__name__ = f"_x8_q6_k_{nt}"
-    return intrinsic(impl)
+    return _x8_intrinsic(f"_x8_q6_k_{nt}", emit)
 
 
 _NT = 4
