@@ -458,7 +458,8 @@ def test_the_avx2_build_of_the_integer_kernels_within_the_same_bounds(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert isa.returncode == 0 and isa.stdout.strip() == "avx2", isa.stdout + isa.stderr
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                        "x8 and not avx2 or nan_activation or decode_sizes or interleaved_table"], env=env, capture_output=True,
+                        "x8 and not avx2 or nan_activation or decode_sizes or interleaved_table"],
+                       env=env, capture_output=True,
                        text=True, timeout=1200, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]

@@ -70,9 +70,9 @@ from .attention import attention_item, attention_scratch, attention_into, finish
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
-from .quant_linear import (INT8_ACTIVATIONS, _check_weight, kernel_layout, kernel_row_bytes, quant_item_rows, quant_kernel_type,
-                           quant_linear, quant_linear_into, quant_linear_tasks, quant_scratch, quant_task_rows,
-                           quant_task_rows_f32)
+from .quant_linear import (INT8_ACTIVATIONS, _check_weight, kernel_layout, kernel_row_bytes, quant_item_rows,
+                           quant_kernel_type, quant_linear, quant_linear_into, quant_linear_tasks, quant_scratch,
+                           quant_task_rows, quant_task_rows_f32)
 from ..quant_reference import QuantizedWeight
 from . import rows
 from .rows import (_fused_add_rms_norm_rows, _rms_norm_rows, _rope_and_cache_rows, _silu_and_mul_rows,
@@ -351,8 +351,8 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
 @njit(parallel=_prange_only(), cache=True, nogil=True)
 def _product_region(x, address, qtype, out, n_tasks, entry, key):
     # out = x @ W.T, W the out.shape[1] rows of GGUF blocks (kernel type qtype) at address, in one
-    # region: items of quant_item_rows(T, K, interleaved) rows claimed from a counter, each computed by the
-    # products' entry (quant_task_rows_f32, or quant_task_rows: called at its address, as
+    # region: items of quant_item_rows(T, K, interleaved) rows claimed from a counter, each computed
+    # by the products' entry (quant_task_rows_f32, or quant_task_rows: called at its address, as
     # _layers_region calls _phase_item), as quant_linear_into's items: its rows bit for bit
     T, K = x.shape
     N = out.shape[1]
@@ -403,7 +403,8 @@ def quantized_linear(x, weight: QuantizedWeight, out=None):
             if tasks < 2:
                 quant_linear_into(x, data, kind, out, quant_scratch(1, x.shape[0], K), 1)
             else:
-                _product_region(x, data.ctypes.data, kind, out, num_threads(), *_function_at(quant_task_rows, _ITEM_SIG))
+                _product_region(x, data.ctypes.data, kind, out, num_threads(),
+                                *_function_at(quant_task_rows, _ITEM_SIG))
         return out
     if x.ndim != 2 or x.shape[1] != K or x.shape[0] == 0 or quant_linear_tasks(N, K, num_threads()) < 2 or \
             not (data.flags.c_contiguous and data.dtype == np.uint8 and data.shape[0] == N) or \

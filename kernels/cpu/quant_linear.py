@@ -107,7 +107,8 @@ from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, re
 __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_embedding", "decode_row", "quant_rows",
            "quant_item_rows", "quant_scratch", "quant_task_rows", "quant_kernel_type", "int8_max_tokens", "ACTIVATIONS",
            "KERNEL_TYPES", "QUANT_BLOCK_ROWS", "QUANT_SCRATCH_ROWS", "QUANT_GEMV_MAX_TOKENS", "quant_task_rows_f32",
-           "Q4_K_X8", "Q8_0_X8", "Q6_K_X8", "Q4_0_X8", "Q4_1_X8", "X8_TYPES", "kernel_layout", "interleaved_embedding", "kernel_row_bytes"]
+           "Q4_K_X8", "Q8_0_X8", "Q6_K_X8", "Q4_0_X8", "Q4_1_X8", "X8_TYPES", "kernel_layout", "interleaved_embedding",
+           "kernel_row_bytes"]
 
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
@@ -601,11 +602,11 @@ def quant_linear_into(x, w, qtype, out, scratch, tasks):
 
 def kernel_layout(data: np.ndarray, kernel_type: int, release: bool = False) -> tuple[np.ndarray, int]:
     """The weight rows ``data`` (uint8 ``[N, row_bytes]``, GGUF blocks) and kernel type id
-    ``kernel_type`` (``quant_kernel_type``'s) as the products take them: Q4_K, Q6_K, Q8_0, Q4_0 and
-    Q4_1 with int8 activations and ``N % 8 == 0`` interleaved by 8 (``quant_x8.repack_*_x8``: new
-    memory, ids ``*_X8`` = the type's id plus ``2 * INT8_ACTIVATIONS``), every other weight as it is. ``release``: where it is
-    copied, hand ``data``'s pages back if it is a read-only mapped file (the caller reads only the
-    copy; ``memory.release_mapped_pages``), as the copy is made."""
+    ``kernel_type`` (``quant_kernel_type``'s) as the products take them: ``X8_TYPES`` with int8
+    activations and ``N % 8 == 0`` interleaved by 8 (``quant_x8.repack_*``: new memory, ids ``*_X8``
+    = the type's id plus ``2 * INT8_ACTIVATIONS``), every other weight as it is. ``release``: where
+    it is copied, hand ``data``'s pages back if it is a read-only mapped file (the caller reads only
+    the copy; ``memory.release_mapped_pages``), as the copy is made."""
     if data.shape[0] % X8_ROWS == 0:
         t = kernel_type - INT8_ACTIVATIONS
         if t in X8_TYPES:

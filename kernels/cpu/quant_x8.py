@@ -81,7 +81,8 @@ from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8F, _V8I32, _V16I16, _V3
                          _scratch_layout, _splat, _udot, load_f16, quantize_once)
 
 __all__ = ["X8_ROWS", "X8_BLOCK_BYTES", "X8_Q8_0_BLOCK_BYTES", "X8_Q6_K_BLOCK_BYTES", "X8_Q4_0_BLOCK_BYTES",
-           "X8_Q4_1_BLOCK_BYTES", "repack_q4_k_x8", "repack_q8_0_x8", "repack_q6_k_x8", "repack_q4_x8", "x8_rows", "x8_row_bytes", "x8_decode_rows"]
+           "X8_Q4_1_BLOCK_BYTES", "repack_q4_k_x8", "repack_q8_0_x8", "repack_q6_k_x8", "repack_q4_x8", "x8_rows",
+           "x8_row_bytes", "x8_decode_rows"]
 
 X8_ROWS = 8              # rows interleaved
 X8_BLOCK_BYTES = 1184    # Q4_K: bytes per group of 8 rows and 256-value superblock

@@ -55,7 +55,7 @@ def embedding(ids, table, out=None):
 def prepare_weight(w):
     """A weight as the kernels read it (the embedding table, ``lm_head``): ``rows.prepare_weight``'s
     float32 array, or a ``QuantizedWeight``, as it is, or with int8 activations in a type the
-    products read interleaved (``quant_linear.kernel_layout``: Q4_K, Q6_K, Q8_0, ``N % 8 == 0``) a
+    products read interleaved (``quant_linear.kernel_layout``: ``X8_TYPES``, ``N % 8 == 0``) a
     new one with those rows as ``packed``, which both ``linear`` and ``embedding`` then read (a
     tied table is copied once); the GGUF rows' pages of a mapped file are handed back
     (``memory.release_mapped_pages``), as the layers' are (``forward.QuantizedStack``)."""
