@@ -28,6 +28,20 @@ def test_every_cached_kernel_carries_the_shared_stamp():
         assert fn._cache._impl.locator.get_source_stamp() == stamp, fn
 
 
+def test_a_kernel_module_imported_first_carries_the_stamp():
+    # in a fresh interpreter whose first kernel import is a module that does not import threads
+    # (quant_x8, quant_int8): its kernels too carry the shared stamp, not Numba's own of their file
+    import subprocess
+    import sys
+    code = ("from folio.kernels.cpu import quant_x8, quant_int8, jit_cache\n"
+            "stamp = ('folio-cpu-kernels', jit_cache.sources_digest())\n"
+            "for fn in (quant_x8.x8_rows, quant_x8.x8_decode_rows, quant_int8.quantize_once):\n"
+            "    assert fn._cache._impl.locator.get_source_stamp() == stamp, fn\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr[-2000:]
+
+
 def test_functions_outside_the_kernels_keep_numba_locators(tmp_path):
     src = tmp_path / "other_module.py"
     src.write_text("from numba import njit\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")

@@ -22,7 +22,7 @@ Numba's own comes a last resort for the kernels, a private temporary folder of t
 (``_ProcessCacheLocator``): where nothing else is writable (a read-only install whose user has no
 writable home) Numba would raise when a kernel is defined. A user's
 own ``NUMBA_CACHE_LOCATOR_CLASSES`` replaces the list and this with it. Imported (and installed)
-by ``threads.py``, which every CPU kernel module imports before defining a kernel.
+by this package's ``__init__`` (and ``threads.py``), so before any kernel module defines a kernel.
 
 Source: Numba's documentation, "Cache invalidation" (numba.readthedocs.io, notes on caching:
 changes in other files are not tracked) and ``numba/core/caching.py``.
