@@ -133,7 +133,11 @@ class LlamaForCausalLM:
                                  c.hidden_size, c.intermediate_size)
         self._check(weights, "model.embed_tokens.weight", (c.vocab_size, hid))
         prep, xp = kernels.prepare_weight, kernels.xp
-        self.embed_tokens = prep(weights["model.embed_tokens.weight"])
+        embed = weights["model.embed_tokens.weight"]
+        # an untied table in a GGUF type is only looked up (a few rows per step), so it stays as
+        # stored (a mapped file's rows paged in on demand); a tied one is lm_head's too: prepared
+        # as the products read it (the CPU table's prepare_weight may copy it)
+        self.embed_tokens = embed if isinstance(embed, QuantizedWeight) and not c.tie_word_embeddings else prep(embed)
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else prep(
             self._check(weights, "lm_head.weight", (c.vocab_size, hid)))
         self.norm = prep(self._check(weights, "model.norm.weight", (hid,)))

@@ -287,6 +287,31 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
         loader.load_model(str(path), device="cpu", dtype="float32", activation_quantization="int8")
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_interleaves_lm_head_and_a_tied_table_only(tied):
+    # with int8 activations the CPU table gives lm_head an interleaved copy (vocab 96: groups of 8);
+    # a tied embedding table is that same weight (looked up from the copy); an untied one is only
+    # looked up, so it stays as stored (no copy: a mapped file's rows are read on demand). Either
+    # way the lookup is the stored values, bit for bit, and a step runs
+    from folio.kernels.cpu.quant_linear import quant_kernel_type
+    config = ModelConfig(**dict(SMALL, vocab_size=96, tie_word_embeddings=tied))
+    stored, values = _weights_of_type(config, "Q8_0")
+    for w in stored.values():
+        if isinstance(w, qr.QuantizedWeight):
+            w.activations = "int8"
+    model = LlamaForCausalLM(config, stored, get_kernels("cpu"))
+    integer = quant_kernel_type(qr.Q8_0, "int8") != qr.Q8_0   # the CPU has integer dot products
+    assert (model.lm_head.packed is not None) == integer
+    if tied:
+        assert model.embed_tokens is model.lm_head
+    else:
+        assert model.embed_tokens is stored["model.embed_tokens.weight"] and model.embed_tokens.packed is None
+    ids = np.array([0, 95, 7, 8, 40])
+    np.testing.assert_array_equal(get_kernels("cpu").embedding(ids, model.embed_tokens),
+                                  values["model.embed_tokens.weight"][ids])
+    assert np.isfinite(run_paged(model, config, ids, 1)).all()
+
+
 def test_a_gguf_of_the_same_name_and_size_serves_its_own_weights(tmp_path, monkeypatch):
     # the import folder was reused by file name and size: a second file of one name and size (two
     # fine-tunes, another imatrix) served the first one's weights, and a file replaced in place kept
