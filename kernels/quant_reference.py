@@ -426,8 +426,8 @@ class QuantizedWeight:
             products of the dequantized values) or ``"int8"`` (activations quantized per 32 values,
             integer dot products, where the CPU kernels have them: ``--activation-quantization``).
         packed: ``None``, or ``(rows, kernel type id)``: the same rows in the layout a kernel table
-            reads them in (the CPU table's ``prepare_weight``: with int8 activations, Q4_K, Q6_K and
-            Q8_0 rows interleaved by 8, ``kernels/cpu/quant_x8.py``); then the kernels read only
+            reads them in (the CPU table's ``prepare_weight``: with int8 activations, Q4_K, Q6_K,
+            Q8_0, Q4_0 and Q4_1 rows interleaved by 8, ``kernels/cpu/quant_x8.py``); then the kernels read only
             those, and ``data`` stays the GGUF rows (``dequantize``).
     Raises:
         UnsupportedQuantType: ``qtype`` is not supported.

@@ -208,7 +208,7 @@ def test_int8_scratch_reuse_across_products():
     np.testing.assert_array_equal(out, ql.quant_linear(x, w1, q.id, activations="int8"))
 
 
-# ---- rows interleaved by 8 (kernels/cpu/quant_x8.py: Q4_K, Q8_0 and Q6_K with int8 activations) ---
+# ---- rows interleaved by 8 (kernels/cpu/quant_x8.py: X8_TYPES with int8 activations) --------------
 # Its float32 arithmetic per term: Q4_K's d sc and dmin m exact (an 11-bit significand times a 6-bit
 # integer), Q8_0's integer sum exact after its codes' +128 is taken off in int32, Q6_K's per 32
 # values sc_a (s_a - 32 h_a) + sc_b (s_b - 32 h_b) exact in int32 and below 2^24; one rounding for

@@ -208,7 +208,7 @@ _S_ADDRESS, _S_TYPE, _S_ROWS, _S_COLUMN = range(4)
 
 @njit(cache=True)
 def _row_bytes(qtype, K):
-    # qtype: a kernel type id (a GGML id, plus INT8_ACTIVATIONS for the integer path, or Q4_K_X8 / Q8_0_X8)
+    # qtype: a kernel type id (a GGML id, plus INT8_ACTIVATIONS for the integer path, or kernel_layout's *_X8)
     return kernel_row_bytes(qtype, K)
 
 

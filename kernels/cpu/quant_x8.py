@@ -551,8 +551,8 @@ _x8_q4_1_1, _x8_q4_1_4 = _make_x8_q4(1, True), _make_x8_q4(_NT, True)
 @njit(cache=True)
 def x8_rows(x, w, qtype, out, col0, s, r0, r1):
     """``out[:, col0 + r] ~= x @ dequantize(row r).T`` for ``r0 <= r < r1`` (multiples of 8) of the
-    interleaved weight ``w`` of GGML type ``qtype`` (Q4_K: ``repack_q4_k_x8``'s ``[N,
-    x8_row_bytes(K)]``; Q8_0: ``repack_q8_0_x8``'s), through int8 activations quantized into the
+    interleaved weight ``w`` of GGML type ``qtype`` (``repack_*``'s: Q4_K's ``[N, x8_row_bytes(K)]``,
+    the others their type's row size), through int8 activations quantized into the
     scratch row ``s`` as ``quant_int8.int8_rows`` does (once per task and product: the same key)."""
     T, K = x.shape
     quantize_once(x, w, s)
@@ -588,9 +588,9 @@ def x8_rows(x, w, qtype, out, col0, s, r0, r1):
 
 @njit(cache=True)
 def x8_decode_rows(w, qtype, ids, out):
-    """``out[t] = dequantize(row ids[t])`` of an interleaved weight ``w`` (``repack_q4_k_x8``'s,
-    ``repack_q8_0_x8``'s or ``repack_q6_k_x8``'s, GGML type ``qtype``): the embedding lookup of a
-    table the kernels read interleaved (a tied ``lm_head``). The reference's float32 operations in
+    """``out[t] = dequantize(row ids[t])`` of an interleaved weight ``w`` (a ``repack_*``'s, GGML type
+    ``qtype``): the embedding lookup of a table the kernels read interleaved (one tied to
+    ``lm_head``). The reference's float32 operations in
     its order (no fast-math): bit-identical with ``quant_reference.dequantize`` of the GGUF row.
     ``ids`` in range (the caller checks); ``out`` float32 ``[T, K]``."""
     K = out.shape[1]

@@ -150,7 +150,7 @@ def _quantized_jobs(int8: bool) -> tuple:
             "matrix products from GGUF blocks, parallel region (lm_head)"),
         Job("quant_linear", "_embedding_into", "U2r i64 I1 F2", "rest", 3, "embedding rows from GGUF blocks"),
     ) + ((Job("quant_x8", "x8_decode_rows", "U2 i64 I1 F2", "rest", 2,
-              "embedding rows from an interleaved table (a tied lm_head)"),) if int8 else ())
+              "embedding rows from an interleaved table (tied to lm_head)"),) if int8 else ())
 
 
 _VARIANT_JOBS = {
