@@ -163,10 +163,11 @@ def _quantized(w):
 def _product_items(T, w, plan):
     if _quantized(w):
         def impl(T, w, plan):
-            rows = quant_item_rows(T, plan[0], plan[1] != 0)    # plan: the product's K, interleaved
-            n = 0
+            n = 0   # plan: the product's K, whether interleaved, the region's tasks
             for s in range(w.shape[1]):
-                n += (w[0, s, _S_ROWS] + rows - 1) // rows
+                N = w[0, s, _S_ROWS]
+                rows = quant_item_rows(T, plan[0], N, plan[1] != 0, plan[2])
+                n += (N + rows - 1) // rows
             return n if T > 0 else 0
         return impl
     return lambda T, w, plan: linear_items(T, w.shape[1], plan[0], plan[1], plan[2])
@@ -179,9 +180,9 @@ def _product_item(x, w, layer, out, plan, i, qscratch, task, int8):
 
         def impl(x, w, layer, out, plan, i, qscratch, task, int8):
             K = x.shape[1]
-            rows = quant_item_rows(x.shape[0], K, plan[1] != 0)
             for s in range(w.shape[1]):
                 N = w[layer, s, _S_ROWS]
+                rows = quant_item_rows(x.shape[0], K, N, plan[1] != 0, plan[2])
                 n = (N + rows - 1) // rows
                 if i < n:
                     qtype = w[layer, s, _S_TYPE]
@@ -351,12 +352,12 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
 @njit(parallel=_prange_only(), cache=True, nogil=True)
 def _product_region(x, address, qtype, out, n_tasks, entry, key):
     # out = x @ W.T, W the out.shape[1] rows of GGUF blocks (kernel type qtype) at address, in one
-    # region: items of quant_item_rows(T, K, interleaved) rows claimed from a counter, each computed
+    # region: items of quant_item_rows(T, K, N, interleaved, n_tasks) rows claimed from a counter, each computed
     # by the products' entry (quant_task_rows_f32, or quant_task_rows: called at its address, as
     # _layers_region calls _phase_item), as quant_linear_into's items: its rows bit for bit
     T, K = x.shape
     N = out.shape[1]
-    rows = quant_item_rows(T, K, qtype >= 2 * INT8_ACTIVATIONS)
+    rows = quant_item_rows(T, K, N, qtype >= 2 * INT8_ACTIVATIONS, n_tasks)
     n = (N + rows - 1) // rows
     data = carray(_u8_at(address), (N, _row_bytes(qtype, K)))
     claims = np.zeros(1, np.int64)
@@ -613,6 +614,7 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
         lin = np.zeros((4, 3), np.int64)
         lin[:, 0] = hid, b["attn"].shape[1] * b["attn"].shape[2], hid, b["act"].shape[1]
         lin[:, 1] = [weights[name].interleaved for name in products]
+        lin[:, 2] = threads
         int8 = True if any(weights[name].int8 for name in products) else None   # see product_item
     else:
         lin = np.array([linear_plan(T, weights[name].shape[1:], threads) for name in products], dtype=np.int64)

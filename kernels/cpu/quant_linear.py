@@ -113,7 +113,8 @@ __all__ = ["quant_linear", "quant_linear_into", "quant_linear_tasks", "quant_emb
 _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
 _ITEM_WEIGHTS = 1 << 15        # and about this many weights per item (quant_item_rows)
-_ITEM_WEIGHTS_X8 = 1 << 17     # an interleaved weight's items (quant_x8): longer streams
+_ITEM_WEIGHTS_X8 = 1 << 21     # an interleaved weight's items (quant_x8): longer streams
+_X8_ITEMS_PER_TASK = 2         # but at least this many per task and product (quant_item_rows)
 QUANT_GEMV_MAX_TOKENS = 32     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
 QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each task's scratch)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
@@ -467,24 +468,31 @@ def quant_rows(x, w, qtype, out, col0, buf, r0, r1):
 
 
 @njit(cache=True)
-def quant_item_rows(T, K, interleaved):
-    """Weight rows per work item of a product of ``T`` tokens and rows of ``K`` values: for
-    decode-sized steps about ``_ITEM_WEIGHTS`` weights (``QUANT_BLOCK_ROWS`` to
-    ``QUANT_SCRATCH_ROWS`` rows, a multiple of 8: each item's claim and call cost ~0.1-0.2 us, a
+def quant_item_rows(T, K, N, interleaved, tasks):
+    """Weight rows per work item of a product of ``T`` tokens and ``N`` rows of ``K`` values, shared
+    by ``tasks`` tasks: for decode-sized steps about ``_ITEM_WEIGHTS`` weights (``QUANT_BLOCK_ROWS``
+    to ``QUANT_SCRATCH_ROWS`` rows, a multiple of 8: each item's claim and call cost ~0.1-0.2 us, a
     tenth of a 16-row item of the default model's 576-value rows; measured there on one thread,
-    16 -> 48 rows: 16-17 -> 14 ms per decode step), ``QUANT_SCRATCH_ROWS`` for the sgemm tiles
-    (a larger tile amortises the call and its packing of ``x``). An ``interleaved`` weight's
-    (``kernel_layout``'s ``*_X8`` kinds) decode-sized items are about ``_ITEM_WEIGHTS_X8`` weights:
-    each item is one stream of memory the hardware prefetcher must pick up again (the two tasks'
-    items alternate), and streaming is all a decode step's product does (measured, Llama-3.2-1B
-    Q4_K_M with int8 activations, 2 threads, in-process decode at a 512-token context: 49 -> 35-37
-    ms per step from 2^15 to 2^17 weights, the same at 2^18; the default model's float32 path,
-    whose products are a tenth the size, lost 10% at 2^17: fewer items to balance two threads)."""
+    16 -> 48 rows: 16-17 -> 14 ms per decode step), ``QUANT_SCRATCH_ROWS`` for the sgemm tiles (a
+    larger tile amortises the call and its packing of ``x``).
+
+    An ``interleaved`` weight's (``kernel_layout``'s ``*_X8`` kinds) decode-sized items are about
+    ``_ITEM_WEIGHTS_X8`` weights (whole groups of ``X8_ROWS`` rows; ``x8_rows`` needs no scratch
+    rows), but at least ``_X8_ITEMS_PER_TASK`` items per task, so that the tasks still share every
+    product. A decode step's products do nothing but stream their weights, and each item is one
+    stream that the hardware prefetchers must pick up again (the tasks' items alternate in memory),
+    so long items are what counts, as llama.cpp's repacked products take 4 chunks per thread.
+    Measured (Llama-3.2-1B shape Q4_K_M, int8 activations, 2 threads, in one process alternating,
+    decode at a 512-token context, ms per token, median of 6): 2^17 weights 41; 2^20 33-35; 2^21
+    with 2 items per task 33.5; the rows of one task's quarter of each product 33.7. (Before, the
+    items were also capped at ``QUANT_SCRATCH_ROWS`` rows, so ~2^17 weights at this shape.)"""
     if T > QUANT_GEMV_MAX_TOKENS:
         return QUANT_SCRATCH_ROWS
-    per_item = _ITEM_WEIGHTS_X8 if interleaved else _ITEM_WEIGHTS
-    # a multiple of 8: an interleaved weight's items are whole groups of X8_ROWS rows
-    return min(QUANT_SCRATCH_ROWS, max(QUANT_BLOCK_ROWS, per_item // max(K, 1) // X8_ROWS * X8_ROWS))
+    if interleaved:
+        rows = _ITEM_WEIGHTS_X8 // max(K, 1)
+        share = (N + _X8_ITEMS_PER_TASK * tasks - 1) // (_X8_ITEMS_PER_TASK * max(tasks, 1))
+        return max(X8_ROWS, min(rows, share + X8_ROWS - 1) // X8_ROWS * X8_ROWS)
+    return min(QUANT_SCRATCH_ROWS, max(QUANT_BLOCK_ROWS, _ITEM_WEIGHTS // max(K, 1) // X8_ROWS * X8_ROWS))
 
 
 @njit(cache=True)
@@ -573,7 +581,7 @@ def quant_kernel_type(qtype, activations: str = "float32") -> int:
 @njit(parallel=True, cache=True)
 def _quant_linear_parallel(x, w, qtype, out, scratch, n_tasks, counter):
     N = w.shape[0]
-    rows = quant_item_rows(x.shape[0], x.shape[1], qtype >= 2 * INT8_ACTIVATIONS)
+    rows = quant_item_rows(x.shape[0], x.shape[1], N, qtype >= 2 * INT8_ACTIVATIONS, n_tasks)
     n_items = (N + rows - 1) // rows
     for task in prange(n_tasks):
         while True:
@@ -595,7 +603,7 @@ def quant_linear_into(x, w, qtype, out, scratch, tasks):
     if tasks > 1:
         _quant_linear_parallel(x, w, qtype, out, scratch, tasks, np.zeros(1, np.int64))
     else:
-        rows = quant_item_rows(x.shape[0], x.shape[1], qtype >= 2 * INT8_ACTIVATIONS)
+        rows = quant_item_rows(x.shape[0], x.shape[1], w.shape[0], qtype >= 2 * INT8_ACTIVATIONS, 1)
         for r in range(0, w.shape[0], rows):
             quant_task_rows(x, w, qtype, out, 0, scratch, 0, r, min(w.shape[0], r + rows))
 

@@ -139,7 +139,7 @@ def _quantized_jobs(int8: bool) -> tuple:
     return (
         Job("quant_linear", "quant_task_rows" if int8 else "quant_task_rows_f32", "F2 U2 i64 F2 i64 F2 u64 i64 i64",
             "linear", 11 if int8 else 8.5, "matrix products from GGUF blocks"),
-        Job("quant_linear", "quant_item_rows", "i64 i64 b1", "linear", 0.1, "matrix products: rows per item"),
+        Job("quant_linear", "quant_item_rows", "i64 i64 i64 b1 i64", "linear", 0.1, "matrix products: rows per item"),
         Job("quant_linear", "quant_scratch", "i64 i64 i64", "linear", 0.1, "matrix products: scratch"),
         Job("forward", "_row_bytes", "i64 i64", "linear", 0.1, "GGUF row sizes"),
         Job("forward", "_phase_item", _PHASE_ITEM.format(W=_QUANT_WEIGHTS, A=a), "layers", 11,
