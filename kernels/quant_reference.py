@@ -429,27 +429,68 @@ class QuantizedWeight:
             reads them in (the CPU table's ``prepare_weight``: with int8 activations, Q4_K, Q6_K,
             Q8_0, Q4_0 and Q4_1 rows interleaved by 8, ``kernels/cpu/quant_x8.py``); then the kernels read only
             those, and ``data`` stays the GGUF rows (``dequantize``).
+
+    A weight made by ``QuantizedWeight.lazy`` holds no rows until ``data`` is first read, and
+    ``release_rows`` drops them again (they are made afresh on the next read): the GGUF loader's q
+    and k, whose rows are a copy in another order, so that a kernel table that reads only
+    ``packed`` does not hold them twice.
     Raises:
         UnsupportedQuantType: ``qtype`` is not supported.
         ValueError: ``data`` is not C-contiguous uint8 ``[N, row_bytes(qtype, K)]``.
     """
 
-    __slots__ = ("data", "qtype", "shape", "activations", "packed")
+    __slots__ = ("_data", "_make", "qtype", "shape", "activations", "packed")
 
     def __init__(self, data: np.ndarray, qtype, shape, activations: str = "float32"):
         q = quant_type(qtype)
         N, K = (int(n) for n in shape)
+        if activations not in ("float32", "int8"):
+            raise ValueError(f"activations must be float32 or int8, got {activations!r}")
+        self.qtype, self.shape, self.activations = q.id, (N, K), activations
+        self.packed, self._make, self._data = None, None, None
+        if data is not None:
+            self._data = self._checked(data)
+
+    @classmethod
+    def lazy(cls, make, qtype, shape, activations: str = "float32") -> "QuantizedWeight":
+        """A weight whose rows ``make()`` returns (an array as ``data`` takes) when ``data`` is
+        first read, and again after ``release_rows``.
+
+        Raises:
+            UnsupportedQuantType, ValueError: as the constructor (``make``'s array is checked when
+                it is made).
+        """
+        w = cls(None, qtype, shape, activations)
+        w._make = make
+        return w
+
+    def _checked(self, data) -> np.ndarray:
+        N, K = self.shape
+        q = quant_type(self.qtype)
         if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.shape == (N, row_bytes(q, K))
                 and data.flags.c_contiguous):
             raise ValueError(f"a {q.name} weight of shape ({N}, {K}) must be C-contiguous uint8 "
                              f"[{N}, {row_bytes(q, K)}], got {getattr(data, 'dtype', type(data))} "
                              f"{getattr(data, 'shape', '')}")
-        if activations not in ("float32", "int8"):
-            raise ValueError(f"activations must be float32 or int8, got {activations!r}")
         data = data.view()
         data.flags.writeable = False   # one array type for the kernels (mapped files are read-only)
-        self.data, self.qtype, self.shape, self.activations = data, q.id, (N, K), activations
-        self.packed = None
+        return data
+
+    @property
+    def data(self) -> np.ndarray:
+        """uint8 ``[N, row_bytes(qtype, K)]``: the GGUF rows (see the class's attributes)."""
+        if self._data is None:
+            self._data = self._checked(self._make())
+        return self._data
+
+    def release_rows(self) -> bool:
+        """Drop ``data`` where it can be made again (a ``lazy`` weight): what a kernel table calls
+        once it holds its own layout of the rows and no kernel reads these any more (the next read
+        of ``data`` makes them afresh). Returns whether they were dropped."""
+        if self._make is None:
+            return False
+        self._data = None
+        return True
 
     ndim = 2
 

@@ -8,7 +8,10 @@ their Hugging Face names: each matrix a ``QuantizedWeight`` whose bytes are a vi
 rows), and folio's rotary kernels use Hugging Face's (halves of each head), so those two are read
 into memory with their rows put back in Hugging Face order (a permutation of whole rows: the
 blocks are unchanged). They are read with file reads, not through the mapping, so their mapped
-pages are never touched and not counted twice in the resident set.
+pages are never touched and not counted twice in the resident set, and only when first read
+(``QuantizedWeight.lazy``): a kernel table that keeps its own layout of them (the CPU's
+interleaved rows for int8 activations) drops the copy once that is made (``release_rows``), so
+it is never held beside it, nor all layers' copies at once.
 
 Everything is checked before a byte of weight data is read: the architecture, every tensor's
 presence, shape and type (a type outside ``quant_reference.QUANT_TYPES`` is refused with
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +123,7 @@ def load_gguf_weights(path, config: ModelConfig) -> dict:
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     _advise_willneed(mapped)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    out = {}
+    out, source = {}, None
     for hf_name, (g, t, q, nbytes) in plan.items():
         shape = t.shape
         if len(shape) == 1:
@@ -126,17 +131,42 @@ def load_gguf_weights(path, config: ModelConfig) -> dict:
                                                 dtype=np.float32).reshape(shape)
             continue
         kind = hf_name.rsplit(".", 2)[-2]
-        if kind in heads:   # rows back into Hugging Face's rotary order, read past the mapping
-            raw = np.empty((shape[0], nbytes // shape[0]), np.uint8)
-            with open(path, "rb") as f:
-                f.seek(t.offset)
-                if f.readinto(raw) != raw.nbytes:
-                    raise ValueError(f"{path} is truncated in tensor {g}")
-            data = unpermute_rows(raw, heads[kind])
+        if kind in heads:   # rows back into Hugging Face's rotary order: a copy, made when first read
+            if source is None:
+                source = _OpenFile(path)
+            out[hf_name] = QuantizedWeight.lazy(_RotaryRows(source, g, t.offset, shape[0], nbytes, heads[kind]),
+                                                q.id, shape)
         else:   # a read-only view of the mapping (np.asarray: a plain ndarray, the map its base)
-            data = np.asarray(mapped[t.offset:t.offset + nbytes]).reshape(shape[0], -1)
-        out[hf_name] = QuantizedWeight(data, q.id, shape)
+            out[hf_name] = QuantizedWeight(np.asarray(mapped[t.offset:t.offset + nbytes]).reshape(shape[0], -1),
+                                           q.id, shape)
     return out
+
+
+class _OpenFile:
+    # the GGUF file, open for reading while a weight may read from it: the same file even where
+    # the path is later replaced (as the mapping is)
+    def __init__(self, path: Path):
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+
+class _RotaryRows:
+    # make() of a lazy q / k weight: its rows read from the file (with file reads, not through the
+    # mapping, so that no mapped page is touched and counted twice in the resident set) and put
+    # back in Hugging Face's order
+    def __init__(self, source: _OpenFile, name: str, offset: int, rows: int, nbytes: int, n_heads: int):
+        self.source, self.name, self.offset, self.rows, self.nbytes, self.n_heads = \
+            source, name, offset, rows, nbytes, n_heads
+
+    def __call__(self) -> np.ndarray:
+        raw = np.empty((self.rows, self.nbytes // self.rows), np.uint8)
+        view, done = memoryview(raw).cast("B"), 0
+        while done < self.nbytes:
+            n = os.preadv(self.source.fd, [view[done:]], self.offset + done)
+            if n <= 0:
+                raise ValueError(f"{self.source.path} is truncated in tensor {self.name}")
+            done += n
+        return unpermute_rows(raw, self.n_heads)
 
 
 def _advise_willneed(mapped: np.memmap) -> None:

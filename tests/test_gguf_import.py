@@ -181,8 +181,10 @@ def _q4_k_bytes(rng, rows, cols):
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, *, pre="smollm", tok_model="gpt2", tied=True, rope_scaling=None, add_bos=False, seed=0):
-    """A 2-layer Llama GGUF with mixed tensor types. Returns (expected HF float32 weights, config)."""
+def write_tiny_gguf(path, *, pre="smollm", tok_model="gpt2", tied=True, rope_scaling=None, add_bos=False, seed=0,
+                    qk_type=None):
+    """A 2-layer Llama GGUF with mixed tensor types (q F32 and k F16, or both ``qk_type``).
+    Returns (expected HF float32 weights, config)."""
     rng = np.random.default_rng(seed)
     tokens, types = _vocab()
     vocab = len(tokens)
@@ -230,10 +232,16 @@ def write_tiny_gguf(path, *, pre="smollm", tok_model="gpt2", tied=True, rope_sca
         put(b + "attn_norm.weight", p + "input_layernorm.weight", 1 + 0.1 * rng.standard_normal(H))
         q = rng.standard_normal((HEADS * D, H)).astype(np.float32)
         k = rng.standard_normal((KV * D, H)).astype(np.float32)
-        w.add_tensor(b + "attn_q.weight", _permute(q, HEADS))  # F32: the permutation is checked exactly
-        w.add_tensor(b + "attn_k.weight", _permute(k, KV).astype(np.float16))
-        expect[p + "self_attn.q_proj.weight"] = q
-        expect[p + "self_attn.k_proj.weight"] = k.astype(np.float16).astype(np.float32)
+        if qk_type is None:
+            w.add_tensor(b + "attn_q.weight", _permute(q, HEADS))  # F32: the permutation is checked exactly
+            w.add_tensor(b + "attn_k.weight", _permute(k, KV).astype(np.float16))
+            expect[p + "self_attn.q_proj.weight"] = q
+            expect[p + "self_attn.k_proj.weight"] = k.astype(np.float16).astype(np.float32)
+        else:   # blocks lie within rows: quantizing the permuted rows permutes the quantized ones
+            for gname, hfname, m, n in (("attn_q", "q_proj", q, HEADS), ("attn_k", "k_proj", k, KV)):
+                w.add_tensor(b + gname + ".weight", gguf.quants.quantize(_permute(m, n), qk_type), raw_dtype=qk_type)
+                expect[p + f"self_attn.{hfname}.weight"] = \
+                    gguf.quants.dequantize(gguf.quants.quantize(m, qk_type), qk_type).reshape(m.shape)
         put(b + "attn_v.weight", p + "self_attn.v_proj.weight", rng.standard_normal((KV * D, H)), Q.Q4_0)
         put(b + "attn_output.weight", p + "self_attn.o_proj.weight", rng.standard_normal((H, HEADS * D)), Q.Q4_1)
         put(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + 0.1 * rng.standard_normal(H))

@@ -312,6 +312,45 @@ def test_int8_interleaves_lm_head_and_a_tied_table_only(tied):
     assert np.isfinite(run_paged(model, config, ids, 1)).all()
 
 
+def test_q_and_k_are_copies_made_when_read_and_dropped_once_interleaved(tmp_path):
+    # q and k are the GGUF loader's one copy (rows back in Hugging Face order): made when first
+    # read, and with int8 activations dropped again once the CPU table holds its interleaved rows
+    # (they were held twice: +89 MB on the 1B Q8_0 file, +377 MB on the 8B Q4_K_M). Float32
+    # activations: the copies are kept and the model is the dense reference's (derived bound);
+    # int8: the model computes what one whose copies were never dropped computes, bit for bit, and
+    # the rows read again are the file's values
+    from folio.kernels.cpu.quant_linear import quant_kernel_type
+    path = tmp_path / "qk.gguf"
+    expect = write_tiny_gguf(path, tied=False, qk_type=qr.Q8_0)
+    config = ModelConfig.from_pretrained(resolve_model(path))
+    names = [f"model.layers.{i}.self_attn.{k}_proj.weight" for i in range(config.num_hidden_layers) for k in "qk"]
+    assert all(load_gguf_weights(path, config)[n]._data is None for n in names)   # nothing read yet
+    ids = np.random.default_rng(3).integers(0, config.vocab_size, size=12)
+
+    def qk(model):
+        return [s for layer in model.layers for s in layer.qkv_proj[:2]]
+
+    f32, _, _ = loader.load_model(str(path), device="cpu")
+    assert [s.type_name for s in qk(f32)] == ["Q8_0"] * len(names) and all(s._data is not None for s in qk(f32))
+    stats = {}
+    want = dense_llama_logits(config, expect, ids, stats)
+    np.testing.assert_allclose(run_paged(f32, config, ids, 12), want, rtol=0, atol=tiny_atol(config, want, stats))
+
+    int8, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="int8")
+    integer = quant_kernel_type(qr.Q8_0, "int8") != qr.Q8_0   # the CPU has integer dot products
+    assert all((s._data is None) == integer for s in qk(int8))
+    kept = load_gguf_weights(path, config)
+    for n, w in kept.items():
+        if isinstance(w, qr.QuantizedWeight):
+            kept[n] = qr.QuantizedWeight(np.array(w.data), w.qtype, w.shape,
+                                         "float32" if w.type_name in ("F32", "F16", "BF16") else "int8")
+    reference = LlamaForCausalLM(config, kept, get_kernels("cpu"))
+    assert all(s._data is not None for s in qk(reference))
+    np.testing.assert_array_equal(run_paged(int8, config, ids, 12), run_paged(reference, config, ids, 12))
+    for s, n in zip(qk(int8), names):
+        np.testing.assert_array_equal(s.dequantize(), expect[n], err_msg=n)   # made again where dropped
+
+
 def test_a_gguf_of_the_same_name_and_size_serves_its_own_weights(tmp_path, monkeypatch):
     # the import folder was reused by file name and size: a second file of one name and size (two
     # fine-tunes, another imatrix) served the first one's weights, and a file replaced in place kept

@@ -524,7 +524,8 @@ class QuantizedStack:
             the interleaved types' rows (quant_x8) for int8 activations), kept alive likewise. Their GGUF
             rows are then not read by the layers; where they are pages of a mapped file, those
             pages are handed back (``memory.release_mapped_pages``: peak RSS stays near the file's
-            size; a later read maps them again).
+            size; a later read maps them again), and rows that are a copy to begin with (the GGUF
+            loader's q and k, ``QuantizedWeight.lazy``) are dropped (``release_rows``).
         int8: whether int8 activations were asked for some segment (``QuantizedWeight.activations``).
         interleaved: whether some segment is read interleaved (the product's items are then
             larger: ``quant_item_rows``).
@@ -545,6 +546,7 @@ class QuantizedStack:
                 data, kind = kernel_layout(w.data, quant_kernel_type(w.qtype, w.activations), release=True)
                 if data is not w.data:
                     packed.append(data)
+                    w.release_rows()   # rows made in another order (the GGUF loader's q, k): not kept twice
                 table[li, s] = data.ctypes.data, kind, w.shape[0], column
                 column += w.shape[0]
         self.table, self.shape, self.weights, self.packed = table, (sum(rows), K), layers, packed
