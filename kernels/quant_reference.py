@@ -479,9 +479,10 @@ class QuantizedWeight:
     @property
     def data(self) -> np.ndarray:
         """uint8 ``[N, row_bytes(qtype, K)]``: the GGUF rows (see the class's attributes)."""
-        if self._data is None:
-            self._data = self._checked(self._make())
-        return self._data
+        data = self._data   # read once: a release_rows on another thread cannot make this None
+        if data is None:
+            data = self._data = self._checked(self._make())
+        return data
 
     def release_rows(self) -> bool:
         """Drop ``data`` where it can be made again (a ``lazy`` weight): what a kernel table calls
@@ -500,8 +501,11 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the kernels read (``packed``'s rows where set)."""
-        return int((self.data if self.packed is None else self.packed[0]).nbytes)
+        """Bytes the kernels read (``packed``'s rows where set); a ``lazy`` weight's rows are not made
+        to tell."""
+        if self.packed is not None:
+            return int(self.packed[0].nbytes)
+        return self.shape[0] * row_bytes(quant_type(self.qtype), self.shape[1])
 
     def dequantize(self) -> np.ndarray:
         """The float32 ``[N, K]`` values (``dequantize``: bit-exact with gguf-py)."""

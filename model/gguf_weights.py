@@ -149,6 +149,12 @@ class _OpenFile:
         self.path, self.fd = path, os.open(path, os.O_RDONLY)
         weakref.finalize(self, os.close, self.fd)
 
+    def __deepcopy__(self, memo):   # a copy of a weight reads the same open file
+        return self
+
+    def __reduce__(self):   # another process opens the path again (a descriptor number means nothing there)
+        return _OpenFile, (self.path,)
+
 
 class _RotaryRows:
     # make() of a lazy q / k weight: its rows read from the file (with file reads, not through the
@@ -164,7 +170,8 @@ class _RotaryRows:
         while done < self.nbytes:
             n = os.preadv(self.source.fd, [view[done:]], self.offset + done)
             if n <= 0:
-                raise ValueError(f"{self.source.path} is truncated in tensor {self.name}")
+                raise ValueError(f"{self.source.path} is shorter than when it was loaded: tensor {self.name} is "
+                                 f"cut off (the file changed since; load the model again)")
             done += n
         return unpermute_rows(raw, self.n_heads)
 

@@ -9,7 +9,9 @@ them (``test_gguf_import.write_tiny_gguf``).
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 import gguf
 import numpy as np
@@ -347,8 +349,15 @@ def test_q_and_k_are_copies_made_when_read_and_dropped_once_interleaved(tmp_path
     reference = LlamaForCausalLM(config, kept, get_kernels("cpu"))
     assert all(s._data is not None for s in qk(reference))
     np.testing.assert_array_equal(run_paged(int8, config, ids, 12), run_paged(reference, config, ids, 12))
+    int8.weight_bytes()   # sizes are told without making the rows again
+    assert all((s._data is None) == integer for s in qk(int8))
     for s, n in zip(qk(int8), names):
         np.testing.assert_array_equal(s.dequantize(), expect[n], err_msg=n)   # made again where dropped
+    # a copy reads the same file; a pickled weight (another process) opens its path again
+    s = qk(int8)[0]
+    s.release_rows()
+    for other in (copy.deepcopy(s), pickle.loads(pickle.dumps(s))):
+        np.testing.assert_array_equal(other.dequantize(), expect[names[0]])
 
 
 def test_a_gguf_of_the_same_name_and_size_serves_its_own_weights(tmp_path, monkeypatch):
