@@ -217,3 +217,19 @@ def test_precompile_lanes_keep_each_group_in_one_process_after_what_it_waits_for
                 assert g not in precompile.AFTER.get(g, ())
                 for d in precompile.AFTER.get(g, ()):
                     assert d in lane[:i] or d not in lane, (n, lane, g)
+
+
+def test_int8_activations_of_float_weights_are_refused_before_compiling(monkeypatch):
+    # `--dtype float32 --activation-quantization int8`: the load refuses it, and nothing is compiled
+    # first (the trial saw the refusal only after an 11 s kernel compile)
+    from folio.runtime.common.config import EngineConfig
+    from folio.runtime.worker import precompile
+    monkeypatch.setattr(precompile, "needed", lambda device: True)
+    monkeypatch.setattr(precompile, "in_cache", lambda *a, **k: False)   # as on a fresh machine
+    monkeypatch.setattr(precompile, "precompile_with_progress", lambda *a, **k: pytest.fail("compiled first"))
+    cfg = EngineConfig(device="cpu", dtype="float32", activation_quantization="int8")
+    assert precompile.weights_variant(cfg.model, cfg.dtype) == "float32"
+    assert precompile.precompile_for(cfg, lambda s: None) is None
+    with pytest.raises(ValueError, match="activation-quantization"):
+        from folio import LLM
+        LLM(dtype="float32", activation_quantization="int8")

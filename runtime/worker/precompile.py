@@ -490,11 +490,15 @@ def precompile_for(config, say: Callable[[str], None], stream=None) -> dict | No
     """``precompile_with_progress`` for an engine of ``config`` (an ``EngineConfig``) in this
     process (``folio.LLM``, ``folio generate``), when its worker runs the CPU kernels on two or
     more threads and the kernels of its weight layout are not all in Numba's cache (checked here,
-    without compiling or spawning anything); else None at once."""
+    without compiling or spawning anything); else None at once, and None where the model's load
+    will refuse the configuration (int8 activations of float32 weights: the error comes before a
+    kernel is compiled)."""
     if not needed(config.device):
         return None
     variant = weights_variant(config.model, config.dtype, config.quantization, config.load_format,
                               config.activation_quantization)
+    if variant == "float32" and config.activation_quantization is not None:
+        return None   # int8 activations of float weights: the load refuses them (model.loader), compile nothing
     if all(in_cache(job, config.kv_cache_dtype) for job in jobs(variant)):
         return None
     return precompile_with_progress(say, stream, variant=variant, kv_cache_dtype=config.kv_cache_dtype)
