@@ -442,14 +442,16 @@ class QuantizedWeight:
     __slots__ = ("_data", "_make", "qtype", "shape", "activations", "packed")
 
     def __init__(self, data: np.ndarray, qtype, shape, activations: str = "float32"):
+        self._describe(qtype, shape, activations)
+        self._data = self._checked(data)
+
+    def _describe(self, qtype, shape, activations):
         q = quant_type(qtype)
         N, K = (int(n) for n in shape)
         if activations not in ("float32", "int8"):
             raise ValueError(f"activations must be float32 or int8, got {activations!r}")
         self.qtype, self.shape, self.activations = q.id, (N, K), activations
         self.packed, self._make, self._data = None, None, None
-        if data is not None:
-            self._data = self._checked(data)
 
     @classmethod
     def lazy(cls, make, qtype, shape, activations: str = "float32") -> "QuantizedWeight":
@@ -460,7 +462,8 @@ class QuantizedWeight:
             UnsupportedQuantType, ValueError: as the constructor (``make``'s array is checked when
                 it is made).
         """
-        w = cls(None, qtype, shape, activations)
+        w = cls.__new__(cls)
+        w._describe(qtype, shape, activations)
         w._make = make
         return w
 
