@@ -114,7 +114,7 @@ _F32 = np.float32
 QUANT_BLOCK_ROWS = 16          # weight rows per work item of a decode-sized product, at least
 _ITEM_WEIGHTS = 1 << 15        # and about this many weights per item (quant_item_rows)
 _ITEM_WEIGHTS_X8 = 1 << 21     # an interleaved weight's items (quant_x8): longer streams
-_X8_ITEMS_PER_TASK = 2         # but at least this many per task and product (quant_item_rows)
+_X8_ITEMS_PER_TASK = 2         # but no longer than a product's rows split this many per task (quant_item_rows)
 QUANT_GEMV_MAX_TOKENS = 32     # up to this many tokens decode-and-dot (_rows), more: decoded tiles + sgemm
 QUANT_SCRATCH_ROWS = 64        # weight rows per sgemm tile (and rows of each task's scratch)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # smaller weights: the calling thread (as linear.py)
@@ -478,8 +478,8 @@ def quant_item_rows(T, K, N, interleaved, tasks):
 
     An ``interleaved`` weight's (``kernel_layout``'s ``*_X8`` kinds) decode-sized items are about
     ``_ITEM_WEIGHTS_X8`` weights (whole groups of ``X8_ROWS`` rows; ``x8_rows`` needs no scratch
-    rows), but at least ``_X8_ITEMS_PER_TASK`` items per task, so that the tasks still share every
-    product. A decode step's products do nothing but stream their weights, and each item is one
+    rows), but no longer than the product's rows split ``_X8_ITEMS_PER_TASK`` per task (rounded up
+    to groups of 8: about that many items per task), so that the tasks still share every product. A decode step's products do nothing but stream their weights, and each item is one
     stream that the hardware prefetchers must pick up again (the tasks' items alternate in memory),
     so long items are what counts, as llama.cpp's repacked products take 4 chunks per thread.
     Measured (Llama-3.2-1B shape Q4_K_M, int8 activations, 2 threads, in one process alternating,
