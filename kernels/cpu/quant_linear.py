@@ -479,9 +479,10 @@ def quant_item_rows(T, K, N, interleaved, tasks):
     An ``interleaved`` weight's (``kernel_layout``'s ``*_X8`` kinds) decode-sized items are about
     ``_ITEM_WEIGHTS_X8`` weights (whole groups of ``X8_ROWS`` rows; ``x8_rows`` needs no scratch
     rows), but no longer than the product's rows split ``_X8_ITEMS_PER_TASK`` per task (rounded up
-    to groups of 8: about that many items per task), so that the tasks still share every product. A decode step's products do nothing but stream their weights, and each item is one
-    stream that the hardware prefetchers must pick up again (the tasks' items alternate in memory),
-    so long items are what counts, as llama.cpp's repacked products take 4 chunks per thread.
+    to groups of 8: about that many items per task), so that the tasks still share every product.
+    A decode step's products do nothing but stream their weights, and each item is one stream that
+    the hardware prefetchers must pick up again (the tasks' items alternate in memory), so long
+    items are what counts, as llama.cpp's repacked products take 4 chunks per thread.
     Measured (Llama-3.2-1B shape Q4_K_M, int8 activations, 2 threads, in one process alternating,
     decode at a 512-token context, ms per token, median of 6): 2^17 weights 41; 2^20 33-35; 2^21
     with 2 items per task 33.5; the rows of one task's quarter of each product 33.7. (Before, the
