@@ -286,6 +286,21 @@ def _token_blocks(builder, t0v, n32, first, nt, xq0):
     return blk, [builder.add(xq0, builder.mul(b, _c64(INT8_BLOCK))) for b in blk]
 
 
+def _x4(builder, sbytes, at):
+    # the 4 activation codes at byte ``at`` of the scratch, broadcast to the 8 rows' lanes (vpbroadcastd)
+    return builder.bitcast(_splat(builder, _load(builder, sbytes, at, _I32), _V8I32), _V32I8)
+
+
+def _fma_into(builder, acc, a, b):
+    # acc (an <8 x float> slot) = fma(a, b, acc)
+    builder.store(_call(builder, "llvm.fma.v8f32", _V8F, [a, b, builder.load(acc)]), acc)
+
+
+def _add_block(builder, acc, isum, d, dx):
+    # acc += float(isum) * (d * d_x): a block's 8 integer row sums, scaled by the rows' d and the token's d_x
+    _fma_into(builder, acc, builder.sitofp(isum, _V8F), builder.fmul(d, _splat(builder, dx, _V8F)))
+
+
 def _store8(builder, odata, ncols, t0v, colv, i, value):
     # the 8 rows' results of token t0 + i (<8 x float>) at out[t0 + i, col : col + 8]
     off = builder.add(builder.mul(builder.add(t0v, _c64(i)), ncols), colv)
@@ -359,13 +374,11 @@ def _make_x8(nt: int):
                     hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8),
                                       m15)
                     for i in range(nt):
-                        xl = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 4 * c)), _I32)
-                        xh = _load(builder, sbytes, builder.add(xb[i], _c64(64 * p + 32 + 4 * c)), _I32)
+                        xl = _x4(builder, sbytes, builder.add(xb[i], _c64(64 * p + 4 * c)))
+                        xh = _x4(builder, sbytes, builder.add(xb[i], _c64(64 * p + 32 + 4 * c)))
                         # codes 0..15: AVX2's pair sums |2 * 15 * 127| < 2^15
-                        lo_sums[i] = _udot(builder, lo, builder.bitcast(_splat(builder, xl, _V8I32), _V32I8),
-                                           lo_sums[i])
-                        hi_sums[i] = _udot(builder, hi, builder.bitcast(_splat(builder, xh, _V8I32), _V32I8),
-                                           hi_sums[i])
+                        lo_sums[i] = _udot(builder, lo, xl, lo_sums[i])
+                        hi_sums[i] = _udot(builder, hi, xh, hi_sums[i])
                 for h, sums in ((0, lo_sums), (1, hi_sums)):
                     j = 2 * p + h
                     dsc = builder.fmul(dv, builder.uitofp(_load(builder, ob, _c64(32 + 8 * j), v8b), v8f))
@@ -373,11 +386,8 @@ def _make_x8(nt: int):
                     for i in range(nt):
                         dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
                         sx = _load(builder, sf, builder.add(xs0, builder.add(blk[i], _c64(j))), _FL)
-                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                            builder.sitofp(sums[i], v8f), builder.fmul(dsc, _splat(builder, dx, v8f)),
-                            builder.load(acc[i])]), acc[i])
-                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                            dm, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
+                        _add_block(builder, acc[i], sums[i], dsc, dx)
+                        _fma_into(builder, corr[i], dm, _splat(builder, sx, v8f))
         for i in range(nt):
             _store8(builder, odata, ncols, t0v, colv, i, builder.fsub(builder.load(acc[i]), builder.load(corr[i])))
 
@@ -392,7 +402,6 @@ def _make_x8_q8_0(nt: int):
 
     def emit(builder, wp, woffv, sf, sbytes, t0v, Tv, Kv, odata, ncols, colv):
         n32, xd0, _xs0, xq0, xb0 = _scratch_layout(builder, Tv, Kv)
-        v8f = _V8F
         zero_i = ir.Constant(_V8I32, [0] * 8)
         vnni = ISA == "avx512vnni"
         acc = _accumulators(builder, nt)
@@ -410,8 +419,7 @@ def _make_x8_q8_0(nt: int):
                     signed = builder.xor(codes, ir.Constant(_V32I8, [-128] * 32))
                     codes = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [signed, signed])
                 for i in range(nt):
-                    x4 = _load(builder, sbytes, builder.add(xb[i], _c64(4 * c)), _I32)
-                    xv = builder.bitcast(_splat(builder, x4, _V8I32), _V32I8)
+                    xv = _x4(builder, sbytes, builder.add(xb[i], _c64(4 * c)))
                     if not vnni:
                         xv = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, [xv, signed])
                     sums[i] = _udot(builder, codes, xv, sums[i])
@@ -420,10 +428,7 @@ def _make_x8_q8_0(nt: int):
                 if vnni:
                     # the codes' +128: minus 128 times the block's activation codes' sum (its halves)
                     isum = _minus_code_sum(builder, sbytes, xb0, blk[i], isum, 7)
-                dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
-                builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                    builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
-                    builder.load(acc[i])]), acc[i])
+                _add_block(builder, acc[i], isum, dv, _load(builder, sf, builder.add(xd0, blk[i]), _FL))
         for i in range(nt):
             _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
 
@@ -456,22 +461,17 @@ def _make_x8_q4(nt: int, q1: bool):
                 hi = builder.and_(builder.bitcast(builder.lshr(q, ir.Constant(_V16I16, [4] * 16)), _V32I8), m15)
                 for i in range(nt):
                     for codes, at in ((lo, 4 * c), (hi, 16 + 4 * c)):
-                        x4 = _load(builder, sbytes, builder.add(xb[i], _c64(at)), _I32)
-                        sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
+                        sums[i] = _udot(builder, codes, _x4(builder, sbytes, builder.add(xb[i], _c64(at))),
                                         sums[i])
             for i in range(nt):
                 isum = sums[i]
                 if not q1:   # the codes' -8: minus 8 times the block's activation codes' sum (its halves)
                     isum = _minus_code_sum(builder, sbytes, xb0, blk[i], isum, 3)
-                dx = _load(builder, sf, builder.add(xd0, blk[i]), _FL)
-                builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                    builder.sitofp(isum, v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
-                    builder.load(acc[i])]), acc[i])
+                _add_block(builder, acc[i], isum, dv, _load(builder, sf, builder.add(xd0, blk[i]), _FL))
                 if q1:
                     mv = builder.fpext(_load(builder, ob, _c64(16), ir.VectorType(_HALF, 8)), v8f)
                     sx = _load(builder, sf, builder.add(xs0, blk[i]), _FL)
-                    builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                        mv, _splat(builder, sx, v8f), builder.load(corr[i])]), corr[i])
+                    _fma_into(builder, corr[i], mv, _splat(builder, sx, v8f))
         for i in range(nt):
             total = builder.load(acc[i])
             if q1:
@@ -518,9 +518,8 @@ def _make_x8_q6_k(nt: int):
                             top = builder.shl(qh, c8(4 - shift)) if shift <= 4 else builder.lshr(qh, c8(shift - 4))
                             codes = builder.or_(q, builder.and_(top, c8(0x30)))
                             for i in range(nt):
-                                x4 = _load(builder, sbytes, builder.add(xb[i], _c64(32 * j + 4 * c)), _I32)
-                                sums[i] = _udot(builder, codes, builder.bitcast(_splat(builder, x4, _V8I32), _V32I8),
-                                                sums[i])
+                                x4 = _x4(builder, sbytes, builder.add(xb[i], _c64(32 * j + 4 * c)))
+                                sums[i] = _udot(builder, codes, x4, sums[i])
                         sc = builder.sext(_load(builder, ob, _c64(16 + 8 * (2 * j + half)), v8b), _V8I32)
                         for i in range(nt):
                             # the codes' -32: the activations' sum over this 16-value half, times 32
@@ -531,9 +530,7 @@ def _make_x8_q6_k(nt: int):
                             isum[i] = builder.add(isum[i], builder.mul(sc, builder.sub(sums[i], off)))
                     for i in range(nt):
                         dx = _load(builder, sf, builder.add(xd0, builder.add(blk[i], _c64(j))), _FL)
-                        builder.store(_call(builder, "llvm.fma.v8f32", v8f, [
-                            builder.sitofp(isum[i], v8f), builder.fmul(dv, _splat(builder, dx, v8f)),
-                            builder.load(acc[i])]), acc[i])
+                        _add_block(builder, acc[i], isum[i], dv, dx)
         for i in range(nt):
             _store8(builder, odata, ncols, t0v, colv, i, builder.load(acc[i]))
 
