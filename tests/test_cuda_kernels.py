@@ -371,7 +371,7 @@ class _FakeKernel:
         self.max_dynamic_shared_size_bytes = 48 * 1024
         self.calls = []
 
-    def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
         # CuPy's RawKernel signature exactly (tests/test_cupy_conformance.py): shared_mem keyword-only
         self.calls.append(shared_mem)
 

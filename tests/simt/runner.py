@@ -172,20 +172,20 @@ class SimtKernel:
             raise TypeError(f"{where}: scalar dtype {a.dtype} does not match parameter type {code}")
         return _CTYPE[code](a.item())
 
-    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None, enable_cooperative_groups=False):
-        """CuPy's signature exactly (``RawKernel.__call__(grid, block, args, **kwargs)`` forwarding to
+    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):
+        """CuPy's signature exactly: ``RawKernel.__call__(grid, block, args, **kwargs)`` forwards to
         ``Function.__call__(tuple grid, tuple block, args, size_t shared_mem=0, stream=None,
-        enable_cooperative_groups=False)``): a 4th positional argument is a TypeError, and grid / block
-        must be tuples, as CuPy's typed parameters require (tests/test_cupy_conformance.py checks this
-        signature against the installed CuPy). ``stream`` is accepted and ignored (one host "stream");
-        cooperative launches are refused."""
+        enable_cooperative_groups=False)`` and passes ``enable_cooperative_groups`` itself (from the
+        kernel's attribute), so a caller may give only ``shared_mem`` and ``stream``: giving
+        ``enable_cooperative_groups`` too is a TypeError on a real GPU (the first H200 run found a
+        test wrapper doing so), as is a 4th positional argument. grid / block must be tuples, as
+        CuPy's typed parameters require (tests/test_cupy_conformance.py checks this signature
+        against the installed CuPy). ``stream`` is accepted and ignored (one host "stream")."""
         if not isinstance(grid, tuple) or not isinstance(block, tuple):
             raise TypeError(f"{self.name}: grid and block must be tuples (CuPy declares them `tuple`), got "
                             f"{type(grid).__name__} / {type(block).__name__}")
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"{self.name}: args must be a tuple or list, got {type(args).__name__}")
-        if enable_cooperative_groups:
-            raise SimtError(f"{self.name}: cooperative launches are not emulated")
         grid = grid + (1,) * (3 - len(grid))
         block = block + (1,) * (3 - len(block))
         if len(args) != len(self.signature):

@@ -33,10 +33,11 @@ class _Gpu:
     def get_function(self, name):
         cupy, f = self.cupy, self.mod.get_function(name)
 
-        def call(grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
+        def call(grid, block, args, *, shared_mem=0, stream=None):
+            # RawKernel.__call__ sets enable_cooperative_groups itself (from the kernel's
+            # attribute): passing it again is a TypeError on a real GPU
             dev = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
-            f(grid, block, dev, shared_mem=shared_mem, stream=stream,
-              enable_cooperative_groups=enable_cooperative_groups)
+            f(grid, block, dev, shared_mem=shared_mem, stream=stream)
             for a, d in zip(args, dev):
                 if isinstance(a, np.ndarray):
                     a[...] = d.get()
