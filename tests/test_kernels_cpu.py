@@ -73,6 +73,10 @@ DECODE_REGIMES = {
     "head_dim_80_block_size_32": lambda: paged_attention_case(65, [(300, 1), (64, 2), (33, 1)], num_heads=6,
                                                               num_kv_heads=3, head_dim=80, block_size=32),
     "head_dim_24": lambda: paged_attention_case(66, [(200, 1), (40, 3)], num_heads=4, num_kv_heads=1, head_dim=24),
+    # a KV head's rows through simd.qk16_rows (QK_ROWS at a time: 4 + 1, 4 + 4 + 2) and simd.pv_rows
+    # (up to PV_ROWS_MAX rows, row by row past it): GQA 5 with 1 and 2 tokens, GQA 8 with 1
+    "gqa_5": lambda: paged_attention_case(67, [(250, 1), (100, 2)], num_heads=10, num_kv_heads=2, head_dim=64),
+    "gqa_8": lambda: paged_attention_case(68, [(181, 1), (64, 1)], num_heads=16, num_kv_heads=2, head_dim=64),
 }
 
 
@@ -239,6 +243,77 @@ def test_simd_block_code_against_numpy(lanes):
         terms = np.abs(acc0[3:].astype(np.float64)) + np.abs(p[1:1 + n].astype(np.float64)) @ np.abs(rows[:n])
         assert np.all(np.abs(acc[3:] - want) <= gamma(n + 1) * terms)
         assert np.array_equal(acc[:3], acc0[:3])                             # nothing written before aoff
+
+
+@numba.njit(fastmath=True)
+def _pv_rows_call(p, ldp, rows, n, v, vs, D, acc, lda):
+    cpu_simd.pv_rows(p, 1, ldp, rows, n, v, 5, vs, D, acc, 3, lda)
+
+
+@numba.njit(fastmath=True)
+def _pv_each_row(p, ldp, rows, n, v, vs, D, acc, lda):
+    for r in range(rows):
+        cpu_simd.pv(p, 1 + r * ldp, n, v, 5, vs, D, acc, 3 + r * lda)
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 4, 5, 8])
+def test_simd_pv_rows_is_pv_row_by_row(lanes):
+    # the decode's P V of a GQA group (pv_rows: each value vector loaded once for all the rows)
+    # sums every element in pv's order (one fused multiply-add per key, in key order), so it
+    # must give pv's bits exactly, row by row, for every row count it takes; rows outside
+    # 1..PV_ROWS_MAX do nothing, and nothing outside the rows' ranges is written. pv itself is
+    # checked against NumPy above (test_simd_block_code_against_numpy)
+    rng = np.random.default_rng(200 + lanes)
+    D = lanes * cpu_simd.W
+    vs = 3 * D + 4                                   # value row stride: other heads in between
+    v = rng.standard_normal(5 + 16 * vs).astype(np.float32)
+    for rows in range(0, cpu_simd.PV_ROWS_MAX + 2):
+        for n in (0, 1, 7, 16):
+            ldp, lda = 19, D + 2
+            p = rng.standard_normal(1 + max(rows, 1) * ldp).astype(np.float32)
+            acc0 = np.full(3 + max(rows, 1) * lda, np.nan, np.float32)
+            for r in range(rows):
+                acc0[3 + r * lda:3 + r * lda + D] = rng.standard_normal(D)
+            got, want = acc0.copy(), acc0.copy()
+            _pv_rows_call(p, ldp, rows, n, v, vs, D, got, lda)
+            if rows <= cpu_simd.PV_ROWS_MAX:
+                _pv_each_row(p, ldp, rows, n, v, vs, D, want, lda)
+            np.testing.assert_array_equal(got, want)
+
+
+@numba.njit(fastmath=True)
+def _qk16_rows_call(q, ldq, rows, k, ks, D, s, lds):
+    cpu_simd.qk16_rows(q, 3, ldq, rows, k, 5, ks, D, s, 2, lds)
+
+
+@numba.njit(fastmath=True)
+def _qk16_each_row(q, ldq, rows, k, ks, D, s, lds):
+    for r in range(rows):
+        cpu_simd.qk16(q, 3 + r * ldq, k, 5, ks, D, s, 2 + r * lds)
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 4, 8])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_simd_qk16_rows_is_qk16_row_by_row(lanes, cache_dtype):
+    # a GQA group's scores against 16 keys (qk16_rows: each key vector loaded once for the rows)
+    # are qk16's partial sums added in qk16's tree order, so they must be qk16's bits exactly,
+    # for every row count it takes; rows outside 1..QK_ROWS do nothing, nothing else is written.
+    # qk16 itself is checked against NumPy above (test_simd_block_code_against_numpy)
+    rng = np.random.default_rng(300 + lanes)
+    D = lanes * cpu_simd.W
+    ks = 3 * D + 4                                   # key row stride: other heads in between
+    k = rng.standard_normal(5 + 16 * ks).astype(np.float32)
+    if cache_dtype == "bfloat16":
+        k = (k.view(np.uint32) >> 16).astype(np.uint16)
+    for rows in range(0, cpu_simd.QK_ROWS + 2):
+        ldq, lds = D + 1, 21
+        q = rng.standard_normal(3 + max(rows, 1) * ldq).astype(np.float32)
+        got = np.full(2 + max(rows, 1) * lds, np.nan, np.float32)
+        want = got.copy()
+        _qk16_rows_call(q, ldq, rows, k, ks, D, got, lds)
+        if rows <= cpu_simd.QK_ROWS:
+            _qk16_each_row(q, ldq, rows, k, ks, D, want, lds)
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("case_id", ["mixed_batch_gqa3", "multi_token_decodes_gqa1", "decode_ctx203_gqa1"])

@@ -33,14 +33,20 @@ Two ways to compute an item, chosen by its number of rows:
   for the 16 scores, their ``exp2`` weights in vectors, and ``P V`` with the row's output held
   in registers over the block's keys. LLVM's own vectorisation of these Numba loops ended each
   score in a horizontal reduction and ran the 16-key loops in their scalar remainders: the
-  vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/JOURNAL.md, tenth pass). A
+  vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/JOURNAL.md, tenth pass). The
+  rows of one KV head (its GQA group) go together: their scores ``QK_ROWS`` rows at a time
+  (``qk16_rows``, float32 caches) and their ``P V`` in one pass (``pv_rows``, up to
+  ``PV_ROWS_MAX`` rows), so each key and value vector is loaded once for the group instead of
+  once per row; each sum is the row-by-row one, in the same order (the same bits). A
   sequence's last, partly filled block takes the plain loops for its scores and weights (other
   shapes for everything). The block's
   values are requested while its scores are computed and the next block's keys while its
   values are used, a share per row so the requests are spread over the block's work (the
   blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot guess
   them; requesting a whole block at once overflowed the 32 KiB L1 and evicted the values
-  before their use). With both cores reading, a decode item is bound by reading its K/V.
+  before their use). The requests bring the lines into L2 (``threads.prefetch``): into L1 they
+  were bursts of dozens of lines, more than its miss buffers hold, and the items read their
+  K/V ~25% slower. With both cores reading, a decode item is bound by reading its K/V.
   When there are fewer decoding sequences than two per thread (a single long conversation) and
   at least ``SPLIT_MIN_THREADS`` threads, each is cut into key ranges of whole blocks, at least
   ``SPLIT_MIN_KEYS`` keys each (FlashDecoding): each range keeps its own running max, sum and
@@ -75,7 +81,8 @@ from numba import njit, prange
 
 from .kv_dtype import KV_CACHE_DTYPES, is_float32, line_elems, to_f32
 from .math import LOG2E, exp2
-from .simd import TILE_RB, W as _W, exp2_sum16 as _exp2_sum16, pv as _pv, qk16 as _qk16
+from .simd import PV_ROWS_MAX, QK_ROWS, TILE_RB, W as _W, exp2_sum16 as _exp2_sum16, pv as _pv, pv_rows as _pv_rows
+from .simd import qk16 as _qk16, qk16_rows as _qk16_rows
 from .simd import row_exp2 as _row_exp2, row_max as _row_max, tile_pv as _tile_pv, tile_scores as _tile_scores
 from .simd import transpose_rows as _transpose_rows
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, prefetch, ptr, region_guard, sgemm
@@ -225,22 +232,27 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
         n = min(bs, k1 - bi * bs)
         if fast and o0 == 0 and n == bs:
             # a whole block: each row against 16 keys per call (simd.qk16), the block's values
-            # requested a share of its keys before each of the R x bs / 16 calls
-            calls = R * (bs // 16)
-            c = 0
-            for g0 in range(0, bs, 16):
-                for hh in range(h1 - h0):
-                    for rr in range(Rh):
-                        for o in range(bs * c // calls, bs * (c + 1) // calls):
-                            _prefetch_row(value_cache, (b * bs + o) * row + h0 * D, (h1 - h0) * D)
-                        c += 1
-                        r = hh * Rh + rr
-                        _qk16(qs, r * D, key_cache, (b * bs + g0) * row + (h0 + hh) * D, row, D, sc, r * scw + g0)
+            # requested a share of its keys before each KV head's rows
+            nh = h1 - h0
+            for hh in range(nh):
+                for o in range(bs * hh // nh, bs * (hh + 1) // nh):
+                    _prefetch_row(value_cache, (b * bs + o) * row + h0 * D, nh * D)
+                for g0 in range(0, bs, 16):
+                    k_at = (b * bs + g0) * row + (h0 + hh) * D
+                    if is_float32(key_cache):
+                        # the head's rows QK_ROWS at a time, each key vector loaded once for them
+                        for r0 in range(0, Rh, QK_ROWS):
+                            r = hh * Rh + r0
+                            _qk16_rows(qs, r * D, D, min(QK_ROWS, Rh - r0), key_cache, k_at, row, D, sc, r * scw + g0,
+                                       scw)
+                    else:
+                        # a 16-bit cache: row by row (grouped, its widened keys ran ~10% slower
+                        # from L2 on Zen 4: perf/JOURNAL.md, issue 29 attention)
+                        for rr in range(Rh):
+                            r = hh * Rh + rr
+                            _qk16(qs, r * D, key_cache, k_at, row, D, sc, r * scw + g0)
             for r in range(R):
-                mx = sc[r, 0]
-                for o in range(1, n):
-                    mx = max(mx, sc[r, o])
-                bm[r] = mx
+                bm[r] = _row_max(sc, r * scw, bs, _NEG)
         else:
             for o in range(o0, n):
                 _prefetch_row(value_cache, (b * bs + o) * row + h0 * D, (h1 - h0) * D)
@@ -274,16 +286,20 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 _softmax_update(sc, r, o0, n, max(m[r], bm[r]), m, l, acc)
         nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
         if fast:
-            # each row's P V over this block's keys (simd.pv), the next block's keys
-            # requested a share of them before each of the R calls
-            c = 0
-            for hh in range(h1 - h0):
-                for rr in range(Rh):
-                    for o in range(o0 + (n - o0) * c // R, o0 + (n - o0) * (c + 1) // R):
-                        _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, (h1 - h0) * D)
-                    c += 1
-                    r = hh * Rh + rr
-                    _pv(sc, r * scw + o0, n - o0, value_cache, (b * bs + o0) * row + (h0 + hh) * D, row, D, acc, r * D)
+            # each KV head's rows' P V over this block's keys, the values loaded once for the
+            # head's rows (simd.pv_rows; one row at a time with simd.pv past PV_ROWS_MAX rows),
+            # the next block's keys requested a share of them before each head
+            nh = h1 - h0
+            for hh in range(nh):
+                for o in range(o0 + (n - o0) * hh // nh, o0 + (n - o0) * (hh + 1) // nh):
+                    _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, nh * D)
+                voff = (b * bs + o0) * row + (h0 + hh) * D
+                if Rh <= PV_ROWS_MAX:
+                    _pv_rows(sc, hh * Rh * scw + o0, scw, Rh, n - o0, value_cache, voff, row, D, acc, hh * Rh * D, D)
+                else:
+                    for rr in range(Rh):
+                        r = hh * Rh + rr
+                        _pv(sc, r * scw + o0, n - o0, value_cache, voff, row, D, acc, r * D)
         else:
             for o in range(o0, n):
                 _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, (h1 - h0) * D)  # the next block's keys

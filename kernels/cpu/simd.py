@@ -17,6 +17,10 @@ the Numba caller like any ``@intrinsic`` (no call, no reference counting of the 
   (the range reduction and polynomial of kernels/cpu/math.py's ``exp2``, lane-wise) and their sum.
 * ``pv``: a row's ``acc += P V`` over ``n`` keys, ``4 W`` coordinates of ``acc`` held in
   registers across the keys (one load and store of ``acc`` per block, not per key).
+* ``qk16_rows`` / ``pv_rows``: the same for the query rows of one KV head (a GQA group) at once,
+  each key or value vector loaded once for all the rows; every sum is the one-row intrinsic's,
+  in the same order (the same bits). From L2 on Zen 4, a Llama-3.2-1B decode item (GQA 4, 64-wide
+  heads, float32 cache) took 0.10 ms per layer against 0.13-0.15 row by row.
 
 For the prefill tiles (many query rows against a chunk of keys), small dense products with
 register blocking as in a GEMM microkernel, where OpenBLAS's AVX2 kernels on inner dimensions
@@ -59,7 +63,7 @@ from .kv_dtype import storage_ir, widen
 from .math import _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7
 
 __all__ = ["compiles_avx512", "W", "TILE_RB", "qk16", "pv", "exp2_sum16", "transpose_rows", "tile_scores", "tile_pv",
-           "row_max", "row_exp2"]
+           "pv_rows", "PV_ROWS_MAX", "qk16_rows", "QK_ROWS", "row_max", "row_exp2"]
 
 
 def compiles_avx512() -> bool:
@@ -187,6 +191,63 @@ def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
                 builder.store(_fma(builder, qv, kv, builder.load(slots[o])), slots[o])
         for i, v in enumerate(_transpose_reduce(builder, [builder.load(sl) for sl in slots])):
             _vstore(builder, v, sd, _offset(builder, so, i * W))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+QK_ROWS = 4
+"""The most query rows ``qk16_rows`` takes (a GQA group of 4 query heads per KV head, Llama 3's)."""
+_QK_KEYS = W // QK_ROWS   # keys per pass: QK_ROWS x _QK_KEYS accumulators, reduced into one vector
+
+
+@intrinsic
+def qk16_rows(typingctx, q, qoff, ldq, rows, k, koff, kstride, D, s, soff, lds):
+    """``s[soff + r lds + o] = sum_d q[qoff + r ldq + d] * k[koff + o * kstride + d]`` for ``r < rows``
+    (1 .. ``QK_ROWS``; other counts do nothing), the 16 keys ``o`` and ``d < D`` (a multiple of
+    ``W``): ``qk16`` for the query rows of one KV head (its GQA group) at once, each key vector
+    loaded once for all the rows. ``QK_ROWS x W / QK_ROWS`` partial sums (rows x keys) at a time go
+    through ``qk16``'s transpose-and-add tree into one vector; each score is summed as ``qk16``
+    sums it (the same partial sums, added in the same tree order): the same bits."""
+    if not (_f32_arrays(q, s) and _kv_array(k)):
+        return None
+    i64 = types.int64
+    sig = types.none(q, i64, i64, i64, k, i64, i64, i64, s, i64, i64)
+
+    def codegen(context, builder, sg, args):
+        qa, qo, lq, rows_, ka, ko, ks, d, sa, so, ls = args
+        qd, kd, sd = (_data(context, builder, sg.args[i], a) for i, a in ((0, qa), (4, ka), (8, sa)))
+        nchunks = builder.udiv(d, ir.Constant(_I64, W))
+        part = ir.VectorType(_F32, _QK_KEYS)
+        none = builder.function.append_basic_block("qk16_rows.none")
+        end = builder.function.append_basic_block("qk16_rows.end")
+        sw = builder.switch(rows_, none)
+        for nr in range(1, QK_ROWS + 1):
+            bb = builder.function.append_basic_block(f"qk16_rows.{nr}")
+            sw.add_case(ir.Constant(_I64, nr), bb)
+            builder.position_at_end(bb)
+            qrow = [builder.add(qo, builder.mul(lq, ir.Constant(_I64, i))) for i in range(nr)]
+            for k0 in range(0, 16, _QK_KEYS):
+                slots = [[cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(_QK_KEYS)] for _ in range(nr)]
+                with cgutils.for_range(builder, nchunks) as loop:
+                    c = builder.mul(loop.index, ir.Constant(_I64, W))
+                    kv = [_vload_kv(builder, kd, builder.add(builder.add(ko, builder.mul(ks, ir.Constant(_I64, k0 + j))),
+                                                             c), sg.args[4].dtype) for j in range(_QK_KEYS)]
+                    for i in range(nr):
+                        qv = _vload(builder, qd, builder.add(qrow[i], c))
+                        for j in range(_QK_KEYS):
+                            builder.store(_fma(builder, qv, kv[j], builder.load(slots[i][j])), slots[i][j])
+                accs = [builder.load(slots[i][j]) if i < nr else _const(0.0)
+                        for i in range(QK_ROWS) for j in range(_QK_KEYS)]
+                sums, = _transpose_reduce(builder, accs)   # lane i * _QK_KEYS + j: row i, key k0 + j
+                for i in range(nr):
+                    lanes = ir.Constant(ir.VectorType(_I32, _QK_KEYS), [i * _QK_KEYS + j for j in range(_QK_KEYS)])
+                    at = builder.add(so, builder.add(builder.mul(ls, ir.Constant(_I64, i)), ir.Constant(_I64, k0)))
+                    builder.store(builder.shuffle_vector(sums, ir.Constant(sums.type, ir.Undefined), lanes),
+                                  builder.bitcast(builder.gep(sd, [at]), part.as_pointer()), align=4)
+            builder.branch(end)
+        builder.position_at_end(none)
+        builder.branch(end)
+        builder.position_at_end(end)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -334,6 +395,25 @@ def tile_scores(typingctx, q, qoff, ldq, rows, kt, ktoff, ldkt, ncols, D, s, sof
     return sig, codegen
 
 
+def _pv_block(builder, pd, po, lp, vd, vty, vrow, ad, ao, la, nn, r0, nr, c0, nv):
+    # acc rows r0 .. r0 + nr, coordinates c0 .. c0 + nv W, in registers over the nn keys: each value
+    # vector (vrow(j): key j's flat offset) loaded once for the nr rows, each weight broadcast
+    arow = [builder.add(ao, builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), la), c0)) for i in range(nr)]
+    prow = [builder.add(po, builder.mul(builder.add(r0, ir.Constant(_I64, i)), lp)) for i in range(nr)]
+    slots = [[cgutils.alloca_once_value(builder, _vload(builder, ad, _offset(builder, arow[i], j * W)))
+              for j in range(nv)] for i in range(nr)]
+    with cgutils.for_range(builder, nn) as loop:
+        vbase = builder.add(vrow(loop.index), c0)
+        vv = [_vload_kv(builder, vd, _offset(builder, vbase, j * W), vty) for j in range(nv)]
+        for i in range(nr):
+            w = _splat(builder, builder.load(builder.gep(pd, [builder.add(prow[i], loop.index)])))
+            for j in range(nv):
+                builder.store(_fma(builder, w, vv[j], builder.load(slots[i][j])), slots[i][j])
+    for i in range(nr):
+        for j in range(nv):
+            _vstore(builder, builder.load(slots[i][j]), ad, _offset(builder, arow[i], j * W))
+
+
 @intrinsic
 def tile_pv(typingctx, p, poff, ldp, rows, n, v, voffs, D, acc, aoff, lda):
     """``acc[aoff + r lda + d] += sum_{j < n} p[poff + r ldp + j] * v[voffs[j] + d]`` for ``r <
@@ -350,27 +430,58 @@ def tile_pv(typingctx, p, poff, ldp, rows, n, v, voffs, D, acc, aoff, lda):
         pd, vd, ad = (_data(context, builder, sg.args[i], a) for i, a in ((0, pa), (5, va), (8, aa)))
         od = _data(context, builder, sg.args[6], oa)
 
-        def block(r0, nr, c0, nv):
-            arow = [builder.add(ao, builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), la), c0))
-                    for i in range(nr)]
-            prow = [builder.add(po, builder.mul(builder.add(r0, ir.Constant(_I64, i)), lp)) for i in range(nr)]
-            slots = [[cgutils.alloca_once_value(builder, _vload(builder, ad, _offset(builder, arow[i], j * W)))
-                      for j in range(nv)] for i in range(nr)]
-            with cgutils.for_range(builder, nn) as loop:
-                vbase = builder.add(builder.load(builder.gep(od, [loop.index])), c0)
-                vv = [_vload_kv(builder, vd, _offset(builder, vbase, j * W), sg.args[5].dtype) for j in range(nv)]
-                for i in range(nr):
-                    w = _splat(builder, builder.load(builder.gep(pd, [builder.add(prow[i], loop.index)])))
-                    for j in range(nv):
-                        builder.store(_fma(builder, w, vv[j], builder.load(slots[i][j])), slots[i][j])
-            for i in range(nr):
-                for j in range(nv):
-                    _vstore(builder, builder.load(slots[i][j]), ad, _offset(builder, arow[i], j * W))
+        def vrow(j):
+            return builder.load(builder.gep(od, [j]))
 
         def rows_block(r0, nr):
             _vector_groups(builder, builder.udiv(d, ir.Constant(_I64, W)), _PV_DB,
-                           lambda c0, nv: block(r0, nr, c0, nv))
+                           lambda c0, nv: _pv_block(builder, pd, po, lp, vd, sg.args[5].dtype, vrow, ad, ao, la, nn,
+                                                    r0, nr, c0, nv))
         _row_blocks(builder, rows_, rows_block)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+PV_ROWS_MAX = TILE_RB
+"""The most rows ``pv_rows`` takes."""
+
+
+@intrinsic
+def pv_rows(typingctx, p, poff, ldp, rows, n, v, voff, vstride, D, acc, aoff, lda):
+    """``acc[aoff + r lda + d] += sum_{j < n} p[poff + r ldp + j] * v[voff + j vstride + d]`` for ``r <
+    rows`` (1 .. ``PV_ROWS_MAX``), ``d < D`` (a multiple of ``W``): a decode's ``acc += P V`` for the
+    query rows of one KV head (its GQA group), the value rows read in place at a stride, all
+    ``rows`` x ``4 W`` coordinates (2 W with AVX2) in registers over the keys, so that each value
+    vector is loaded once for the group, not once per row as ``pv`` does. Each element's sum is
+    ``pv``'s, in the same order (a fused multiply-add per key): the same bits."""
+    if not (_f32_arrays(p, acc) and _kv_array(v)):
+        return None
+    i64 = types.int64
+    sig = types.none(p, i64, i64, i64, i64, v, i64, i64, i64, acc, i64, i64)
+
+    def codegen(context, builder, sg, args):
+        pa, po, lp, rows_, nn, va, vo, vs, d, aa, ao, la = args
+        pd, vd, ad = (_data(context, builder, sg.args[i], a) for i, a in ((0, pa), (5, va), (9, aa)))
+
+        def vrow(j):
+            return builder.add(vo, builder.mul(vs, j))
+
+        zero = ir.Constant(_I64, 0)
+        nvec = builder.udiv(d, ir.Constant(_I64, W))
+        none = builder.function.append_basic_block("pv_rows.none")
+        sw = builder.switch(rows_, none)
+        end = builder.function.append_basic_block("pv_rows.end")
+        for k in range(1, PV_ROWS_MAX + 1):
+            bb = builder.function.append_basic_block(f"pv_rows.{k}")
+            sw.add_case(ir.Constant(_I64, k), bb)
+            builder.position_at_end(bb)
+            _vector_groups(builder, nvec, _PV_DB,
+                           lambda c0, nv, k=k: _pv_block(builder, pd, po, lp, vd, sg.args[5].dtype, vrow, ad, ao,
+                                                         la, nn, zero, k, c0, nv))
+            builder.branch(end)
+        builder.position_at_end(none)
+        builder.branch(end)
+        builder.position_at_end(end)
         return context.get_dummy_value()
     return sig, codegen
 
