@@ -195,6 +195,23 @@ def qk16(typingctx, q, qoff, k, koff, kstride, D, s, soff):
     return sig, codegen
 
 
+def _for_row_count(builder, rows, most, name, emit):
+    # emit(nr) specialised for each row count nr = 1 .. most, chosen by the run-time ``rows`` (a
+    # switch); any other count does nothing
+    none = builder.function.append_basic_block(f"{name}.none")
+    end = builder.function.append_basic_block(f"{name}.end")
+    sw = builder.switch(rows, none)
+    for nr in range(1, most + 1):
+        bb = builder.function.append_basic_block(f"{name}.{nr}")
+        sw.add_case(ir.Constant(_I64, nr), bb)
+        builder.position_at_end(bb)
+        emit(nr)
+        builder.branch(end)
+    builder.position_at_end(none)
+    builder.branch(end)
+    builder.position_at_end(end)
+
+
 QK_ROWS = 4
 """The most query rows ``qk16_rows`` takes (a GQA group of 4 query heads per KV head, Llama 3's)."""
 _QK_KEYS = W // QK_ROWS   # keys per pass: QK_ROWS x _QK_KEYS accumulators, reduced into one vector
@@ -218,20 +235,15 @@ def qk16_rows(typingctx, q, qoff, ldq, rows, k, koff, kstride, D, s, soff, lds):
         qd, kd, sd = (_data(context, builder, sg.args[i], a) for i, a in ((0, qa), (4, ka), (8, sa)))
         nchunks = builder.udiv(d, ir.Constant(_I64, W))
         part = ir.VectorType(_F32, _QK_KEYS)
-        none = builder.function.append_basic_block("qk16_rows.none")
-        end = builder.function.append_basic_block("qk16_rows.end")
-        sw = builder.switch(rows_, none)
-        for nr in range(1, QK_ROWS + 1):
-            bb = builder.function.append_basic_block(f"qk16_rows.{nr}")
-            sw.add_case(ir.Constant(_I64, nr), bb)
-            builder.position_at_end(bb)
+
+        def rows_block(nr):
             qrow = [builder.add(qo, builder.mul(lq, ir.Constant(_I64, i))) for i in range(nr)]
             for k0 in range(0, 16, _QK_KEYS):
                 slots = [[cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(_QK_KEYS)] for _ in range(nr)]
                 with cgutils.for_range(builder, nchunks) as loop:
                     c = builder.mul(loop.index, ir.Constant(_I64, W))
-                    kv = [_vload_kv(builder, kd, builder.add(builder.add(ko, builder.mul(ks, ir.Constant(_I64, k0 + j))),
-                                                             c), sg.args[4].dtype) for j in range(_QK_KEYS)]
+                    krow = [builder.add(ko, builder.mul(ks, ir.Constant(_I64, k0 + j))) for j in range(_QK_KEYS)]
+                    kv = [_vload_kv(builder, kd, builder.add(kr, c), sg.args[4].dtype) for kr in krow]
                     for i in range(nr):
                         qv = _vload(builder, qd, builder.add(qrow[i], c))
                         for j in range(_QK_KEYS):
@@ -244,10 +256,8 @@ def qk16_rows(typingctx, q, qoff, ldq, rows, k, koff, kstride, D, s, soff, lds):
                     at = builder.add(so, builder.add(builder.mul(ls, ir.Constant(_I64, i)), ir.Constant(_I64, k0)))
                     builder.store(builder.shuffle_vector(sums, ir.Constant(sums.type, ir.Undefined), lanes),
                                   builder.bitcast(builder.gep(sd, [at]), part.as_pointer()), align=4)
-            builder.branch(end)
-        builder.position_at_end(none)
-        builder.branch(end)
-        builder.position_at_end(end)
+
+        _for_row_count(builder, rows_, QK_ROWS, "qk16_rows", rows_block)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -468,20 +478,10 @@ def pv_rows(typingctx, p, poff, ldp, rows, n, v, voff, vstride, D, acc, aoff, ld
 
         zero = ir.Constant(_I64, 0)
         nvec = builder.udiv(d, ir.Constant(_I64, W))
-        none = builder.function.append_basic_block("pv_rows.none")
-        sw = builder.switch(rows_, none)
-        end = builder.function.append_basic_block("pv_rows.end")
-        for k in range(1, PV_ROWS_MAX + 1):
-            bb = builder.function.append_basic_block(f"pv_rows.{k}")
-            sw.add_case(ir.Constant(_I64, k), bb)
-            builder.position_at_end(bb)
-            _vector_groups(builder, nvec, _PV_DB,
-                           lambda c0, nv, k=k: _pv_block(builder, pd, po, lp, vd, sg.args[5].dtype, vrow, ad, ao,
-                                                         la, nn, zero, k, c0, nv))
-            builder.branch(end)
-        builder.position_at_end(none)
-        builder.branch(end)
-        builder.position_at_end(end)
+        _for_row_count(builder, rows_, PV_ROWS_MAX, "pv_rows",
+                       lambda nr: _vector_groups(builder, nvec, _PV_DB,
+                                                 lambda c0, nv: _pv_block(builder, pd, po, lp, vd, sg.args[5].dtype,
+                                                                          vrow, ad, ao, la, nn, zero, nr, c0, nv)))
         return context.get_dummy_value()
     return sig, codegen
 
