@@ -74,7 +74,7 @@ DECODE_REGIMES = {
                                                               num_kv_heads=3, head_dim=80, block_size=32),
     "head_dim_24": lambda: paged_attention_case(66, [(200, 1), (40, 3)], num_heads=4, num_kv_heads=1, head_dim=24),
     # a KV head's rows through simd.qk16_rows (QK_ROWS at a time: 4 + 1, 4 + 4 + 2) and simd.pv_rows
-    # (up to PV_ROWS_MAX rows, row by row past it): GQA 5 with 1 and 2 tokens, GQA 8 with 1
+    # (PV_ROWS at a time likewise): GQA 5 with 1 and 2 tokens, GQA 8 with 1
     "gqa_5": lambda: paged_attention_case(67, [(250, 1), (100, 2)], num_heads=10, num_kv_heads=2, head_dim=64),
     "gqa_8": lambda: paged_attention_case(68, [(181, 1), (64, 1)], num_heads=16, num_kv_heads=2, head_dim=64),
 }
@@ -261,13 +261,13 @@ def test_simd_pv_rows_is_pv_row_by_row(lanes):
     # the decode's P V of a GQA group (pv_rows: each value vector loaded once for all the rows)
     # sums every element in pv's order (one fused multiply-add per key, in key order), so it
     # must give pv's bits exactly, row by row, for every row count it takes; rows outside
-    # 1..PV_ROWS_MAX do nothing, and nothing outside the rows' ranges is written. pv itself is
+    # 1..PV_ROWS do nothing, and nothing outside the rows' ranges is written. pv itself is
     # checked against NumPy above (test_simd_block_code_against_numpy)
     rng = np.random.default_rng(200 + lanes)
     D = lanes * cpu_simd.W
     vs = 3 * D + 4                                   # value row stride: other heads in between
     v = rng.standard_normal(5 + 16 * vs).astype(np.float32)
-    for rows in range(0, cpu_simd.PV_ROWS_MAX + 2):
+    for rows in range(0, cpu_simd.PV_ROWS + 2):
         for n in (0, 1, 7, 16):
             ldp, lda = 19, D + 2
             p = rng.standard_normal(1 + max(rows, 1) * ldp).astype(np.float32)
@@ -276,7 +276,7 @@ def test_simd_pv_rows_is_pv_row_by_row(lanes):
                 acc0[3 + r * lda:3 + r * lda + D] = rng.standard_normal(D)
             got, want = acc0.copy(), acc0.copy()
             _pv_rows_call(p, ldp, rows, n, v, vs, D, got, lda)
-            if rows <= cpu_simd.PV_ROWS_MAX:
+            if rows <= cpu_simd.PV_ROWS:
                 _pv_each_row(p, ldp, rows, n, v, vs, D, want, lda)
             np.testing.assert_array_equal(got, want)
 

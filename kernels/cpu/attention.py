@@ -36,7 +36,7 @@ Two ways to compute an item, chosen by its number of rows:
   vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/JOURNAL.md, tenth pass). The
   rows of one KV head (its GQA group) go together: their scores ``QK_ROWS`` rows at a time
   (``qk16_rows``, float32 caches) and their ``P V`` in one pass (``pv_rows``, up to
-  ``PV_ROWS_MAX`` rows), so each key and value vector is loaded once for the group instead of
+  ``PV_ROWS`` rows at a time), so each key and value vector is loaded once for the group instead of
   once per row; each sum is the row-by-row one, in the same order (the same bits). A
   sequence's last, partly filled block takes the plain loops for its scores and weights (other
   shapes for everything). The block's
@@ -81,7 +81,7 @@ from numba import njit, prange
 
 from .kv_dtype import KV_CACHE_DTYPES, is_float32, line_elems, to_f32
 from .math import LOG2E, exp2
-from .simd import PV_ROWS_MAX, QK_ROWS, TILE_RB, W as _W, exp2_sum16 as _exp2_sum16, pv as _pv, pv_rows as _pv_rows
+from .simd import PV_ROWS, QK_ROWS, TILE_RB, W as _W, exp2_sum16 as _exp2_sum16, pv_rows as _pv_rows
 from .simd import qk16 as _qk16, qk16_rows as _qk16_rows
 from .simd import row_exp2 as _row_exp2, row_max as _row_max, tile_pv as _tile_pv, tile_scores as _tile_scores
 from .simd import transpose_rows as _transpose_rows
@@ -286,20 +286,18 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                 _softmax_update(sc, r, o0, n, max(m[r], bm[r]), m, l, acc)
         nxt = block_tables[s, bi + 1] if bi + 1 < b_end else b
         if fast:
-            # each KV head's rows' P V over this block's keys, the values loaded once for the
-            # head's rows (simd.pv_rows; one row at a time with simd.pv past PV_ROWS_MAX rows),
-            # the next block's keys requested a share of them before each head
+            # each KV head's rows' P V over this block's keys, the values loaded once for
+            # PV_ROWS of the head's rows (simd.pv_rows), the next block's keys requested a share
+            # of them before each head
             nh = h1 - h0
             for hh in range(nh):
                 for o in range(o0 + (n - o0) * hh // nh, o0 + (n - o0) * (hh + 1) // nh):
                     _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, nh * D)
                 voff = (b * bs + o0) * row + (h0 + hh) * D
-                if Rh <= PV_ROWS_MAX:
-                    _pv_rows(sc, hh * Rh * scw + o0, scw, Rh, n - o0, value_cache, voff, row, D, acc, hh * Rh * D, D)
-                else:
-                    for rr in range(Rh):
-                        r = hh * Rh + rr
-                        _pv(sc, r * scw + o0, n - o0, value_cache, voff, row, D, acc, r * D)
+                for r0 in range(0, Rh, PV_ROWS):
+                    r = hh * Rh + r0
+                    _pv_rows(sc, r * scw + o0, scw, min(PV_ROWS, Rh - r0), n - o0, value_cache, voff, row, D, acc,
+                             r * D, D)
         else:
             for o in range(o0, n):
                 _prefetch_row(key_cache, (nxt * bs + o) * row + h0 * D, (h1 - h0) * D)  # the next block's keys

@@ -63,7 +63,7 @@ from .kv_dtype import storage_ir, widen
 from .math import _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7
 
 __all__ = ["compiles_avx512", "W", "TILE_RB", "qk16", "pv", "exp2_sum16", "transpose_rows", "tile_scores", "tile_pv",
-           "pv_rows", "PV_ROWS_MAX", "qk16_rows", "QK_ROWS", "row_max", "row_exp2"]
+           "pv_rows", "PV_ROWS", "qk16_rows", "QK_ROWS", "row_max", "row_exp2"]
 
 
 def compiles_avx512() -> bool:
@@ -238,11 +238,14 @@ def qk16_rows(typingctx, q, qoff, ldq, rows, k, koff, kstride, D, s, soff, lds):
 
         def rows_block(nr):
             qrow = [builder.add(qo, builder.mul(lq, ir.Constant(_I64, i))) for i in range(nr)]
-            for k0 in range(0, 16, _QK_KEYS):
+            # 16 / _QK_KEYS passes of _QK_KEYS keys, a loop (not unrolled: compile time)
+            with cgutils.for_range(builder, ir.Constant(_I64, 16 // _QK_KEYS)) as passes:
+                k0 = builder.mul(passes.index, ir.Constant(_I64, _QK_KEYS))
                 slots = [[cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(_QK_KEYS)] for _ in range(nr)]
                 with cgutils.for_range(builder, nchunks) as loop:
                     c = builder.mul(loop.index, ir.Constant(_I64, W))
-                    krow = [builder.add(ko, builder.mul(ks, ir.Constant(_I64, k0 + j))) for j in range(_QK_KEYS)]
+                    krow = [builder.add(ko, builder.mul(ks, builder.add(k0, ir.Constant(_I64, j))))
+                            for j in range(_QK_KEYS)]
                     kv = [_vload_kv(builder, kd, builder.add(kr, c), sg.args[4].dtype) for kr in krow]
                     for i in range(nr):
                         qv = _vload(builder, qd, builder.add(qrow[i], c))
@@ -253,7 +256,7 @@ def qk16_rows(typingctx, q, qoff, ldq, rows, k, koff, kstride, D, s, soff, lds):
                 sums, = _transpose_reduce(builder, accs)   # lane i * _QK_KEYS + j: row i, key k0 + j
                 for i in range(nr):
                     lanes = ir.Constant(ir.VectorType(_I32, _QK_KEYS), [i * _QK_KEYS + j for j in range(_QK_KEYS)])
-                    at = builder.add(so, builder.add(builder.mul(ls, ir.Constant(_I64, i)), ir.Constant(_I64, k0)))
+                    at = builder.add(so, builder.add(builder.mul(ls, ir.Constant(_I64, i)), k0))
                     builder.store(builder.shuffle_vector(sums, ir.Constant(sums.type, ir.Undefined), lanes),
                                   builder.bitcast(builder.gep(sd, [at]), part.as_pointer()), align=4)
 
@@ -452,14 +455,14 @@ def tile_pv(typingctx, p, poff, ldp, rows, n, v, voffs, D, acc, aoff, lda):
     return sig, codegen
 
 
-PV_ROWS_MAX = TILE_RB
-"""The most rows ``pv_rows`` takes."""
+PV_ROWS = 4
+"""The most rows ``pv_rows`` takes (a GQA group of 4; larger groups are taken 4 rows at a time)."""
 
 
 @intrinsic
 def pv_rows(typingctx, p, poff, ldp, rows, n, v, voff, vstride, D, acc, aoff, lda):
     """``acc[aoff + r lda + d] += sum_{j < n} p[poff + r ldp + j] * v[voff + j vstride + d]`` for ``r <
-    rows`` (1 .. ``PV_ROWS_MAX``), ``d < D`` (a multiple of ``W``): a decode's ``acc += P V`` for the
+    rows`` (1 .. ``PV_ROWS``), ``d < D`` (a multiple of ``W``): a decode's ``acc += P V`` for the
     query rows of one KV head (its GQA group), the value rows read in place at a stride, all
     ``rows`` x ``4 W`` coordinates (2 W with AVX2) in registers over the keys, so that each value
     vector is loaded once for the group, not once per row as ``pv`` does. Each element's sum is
@@ -478,7 +481,7 @@ def pv_rows(typingctx, p, poff, ldp, rows, n, v, voff, vstride, D, acc, aoff, ld
 
         zero = ir.Constant(_I64, 0)
         nvec = builder.udiv(d, ir.Constant(_I64, W))
-        _for_row_count(builder, rows_, PV_ROWS_MAX, "pv_rows",
+        _for_row_count(builder, rows_, PV_ROWS, "pv_rows",
                        lambda nr: _vector_groups(builder, nvec, _PV_DB,
                                                  lambda c0, nv: _pv_block(builder, pd, po, lp, vd, sg.args[5].dtype,
                                                                           vrow, ad, ao, la, nn, zero, nr, c0, nv)))
