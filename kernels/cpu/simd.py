@@ -15,11 +15,12 @@ the Numba caller like any ``@intrinsic`` (no call, no reference counting of the 
   reduction per score.
 * ``exp2_sum16``: the online softmax's weights ``2^(s - m)`` of 16 scores in place
   (the range reduction and polynomial of kernels/cpu/math.py's ``exp2``, lane-wise) and their sum.
-* ``pv``: a row's ``acc += P V`` over ``n`` keys, ``4 W`` coordinates of ``acc`` held in
-  registers across the keys (one load and store of ``acc`` per block, not per key).
-* ``qk16_rows`` / ``pv_rows``: the same for the query rows of one KV head (a GQA group) at once,
-  each key or value vector loaded once for all the rows; every sum is the one-row intrinsic's,
-  in the same order (the same bits). From L2 on Zen 4, a Llama-3.2-1B decode item (GQA 4, 64-wide
+* ``pv``: a row's ``acc += P V`` over ``n`` keys, ``4 W`` coordinates of ``acc`` (2 with AVX2)
+  held in registers across the keys (one load and store of ``acc`` per block, not per key): one
+  row of ``pv_rows``.
+* ``qk16_rows`` / ``pv_rows``: ``qk16`` and ``pv`` for the query rows of one KV head (a GQA
+  group) at once, each key or value vector loaded once for all the rows; every sum is the one-row
+  sum, in the same order (the same bits). From L2 on Zen 4, a Llama-3.2-1B decode item (GQA 4, 64-wide
   heads, float32 cache) took 0.10 ms per layer against 0.13-0.15 row by row.
 
 For the prefill tiles (many query rows against a chunk of keys), small dense products with
@@ -55,7 +56,7 @@ kernels (e.g. OpenBLAS's ``sgemv_t`` microkernels).
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -265,42 +266,11 @@ def qk16_rows(typingctx, q, qoff, ldq, rows, k, koff, kstride, D, s, soff, lds):
     return sig, codegen
 
 
-@intrinsic
-def pv(typingctx, p, poff, n, v, voff, vstride, D, acc, aoff):
+@njit(inline="always")
+def pv(p, poff, n, v, voff, vstride, D, acc, aoff):
     """``acc[aoff + d] += sum_{o < n} p[poff + o] * v[voff + o * vstride + d]`` for ``d < D`` (a
-    multiple of ``W``): ``4 W`` coordinates at a time kept in registers over the ``n`` keys."""
-    if not (_f32_arrays(p, acc) and _kv_array(v)):
-        return None
-    sig = types.none(p, types.int64, types.int64, v, types.int64, types.int64, types.int64, acc, types.int64)
-
-    def codegen(context, builder, sg, args):
-        pa, po, nn, va, vo, vs, d, aa, ao = args
-        pd, vd, ad = (_data(context, builder, sg.args[i], a) for i, a in ((0, pa), (3, va), (7, aa)))
-        nvec = builder.udiv(d, ir.Constant(_I64, W))
-        nfour = builder.udiv(nvec, ir.Constant(_I64, 4))
-        slots = [cgutils.alloca_once_value(builder, _const(0.0)) for _ in range(4)]
-
-        def columns(c0, width):
-            # acc[c0 : c0 + width W] over the n keys, in registers
-            for j in range(width):
-                builder.store(_vload(builder, ad, builder.add(ao, _offset(builder, c0, j * W))), slots[j])
-            with cgutils.for_range(builder, nn) as loop:
-                o = loop.index
-                w = _splat(builder, builder.load(builder.gep(pd, [builder.add(po, o)])))
-                base = builder.add(vo, builder.add(builder.mul(vs, o), c0))
-                for j in range(width):
-                    vv = _vload_kv(builder, vd, _offset(builder, base, j * W), sg.args[3].dtype)
-                    builder.store(_fma(builder, w, vv, builder.load(slots[j])), slots[j])
-            for j in range(width):
-                _vstore(builder, builder.load(slots[j]), ad, builder.add(ao, _offset(builder, c0, j * W)))
-
-        with cgutils.for_range(builder, nfour) as loop:
-            columns(builder.mul(loop.index, ir.Constant(_I64, 4 * W)), 4)
-        done = builder.mul(nfour, ir.Constant(_I64, 4))
-        with cgutils.for_range(builder, builder.sub(nvec, done)) as loop:
-            columns(builder.mul(builder.add(done, loop.index), ir.Constant(_I64, W)), 1)
-        return context.get_dummy_value()
-    return sig, codegen
+    multiple of ``W``): one row of ``pv_rows`` (its coordinates in registers over the ``n`` keys)."""
+    pv_rows(p, poff, 0, 1, n, v, voff, vstride, D, acc, aoff, 0)
 
 
 def _exp2(builder, x):
@@ -465,8 +435,8 @@ def pv_rows(typingctx, p, poff, ldp, rows, n, v, voff, vstride, D, acc, aoff, ld
     rows`` (1 .. ``PV_ROWS``), ``d < D`` (a multiple of ``W``): a decode's ``acc += P V`` for the
     query rows of one KV head (its GQA group), the value rows read in place at a stride, all
     ``rows`` x ``4 W`` coordinates (2 W with AVX2) in registers over the keys, so that each value
-    vector is loaded once for the group, not once per row as ``pv`` does. Each element's sum is
-    ``pv``'s, in the same order (a fused multiply-add per key): the same bits."""
+    vector is loaded once for the group, not once per row. Each element's sum is the one-row
+    sum, in the same order (a fused multiply-add per key): the same bits."""
     if not (_f32_arrays(p, acc) and _kv_array(v)):
         return None
     i64 = types.int64
