@@ -72,8 +72,9 @@ def register(subparsers) -> None:
                    help="weights dtype (auto: the types the weights are stored in on CPU; see folio serve)")
     p.add_argument("--quantization", default=None, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU)")
-    p.add_argument("--activation-quantization", default=None, choices=["int8"],
-                   help="int8 activations for the products of quantized weights (see folio serve)")
+    p.add_argument("--activation-quantization", default="auto", choices=["auto", "int8", "none"],
+                   help="activations of the quantized weights' products: int8, none (float32) or auto "
+                        "(see folio serve)")
     add_kv_cache_dtype_arg(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text, finish_reason, timings")
     p.set_defaults(func=_run)

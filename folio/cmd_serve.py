@@ -73,9 +73,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d.quantization, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU; q4_k falls back to "
                         "q8_0 for rows that are not whole 256-value blocks)")
-    p.add_argument("--activation-quantization", default=d.activation_quantization, choices=["int8"],
+    p.add_argument("--activation-quantization", default=d.activation_quantization, choices=["auto", "int8", "none"],
                    help="int8: products of quantized weights take activations quantized per 32 values "
-                        "(integer dot products, as llama.cpp; faster decode, outputs differ slightly)")
+                        "(integer dot products, as llama.cpp; faster, outputs differ slightly); none: float32 "
+                        "activations (the dequantized weights' exact products); auto: int8 for a quantized "
+                        ".gguf file or --quantization, none for the default model (its golden outputs)")
     add_kv_cache_dtype_arg(p)
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
 
@@ -217,7 +219,9 @@ def _run(a: argparse.Namespace) -> int:
                                                                      num_blocks), api_key=api_key)
         state = {"stopping": False, "front_exit": None}
         ready = (f"ready on {server.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
-                 f"(model {config.model}, device {info.get('device', '?')}, {num_blocks} KV blocks of "
+                 f"(model {config.model}, device {info.get('device', '?')}"
+                 + (", int8 activations" if info.get("activation_quantization") == "int8" else "")
+                 + f", {num_blocks} KV blocks of "
                  f"{config.block_size} tokens, worker pid {getattr(ex, 'worker_pid', '?')})")
         code = serve_behind_front(server, front, state, STOP_SIGNALS, lambda: _say(ready))
     finally:

@@ -128,6 +128,9 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
             config = EngineConfig(**fields["config"])
             runner = _load_factory(runner_factory)(config)
             info = {"device": str(getattr(runner, "device", config.device)), "model": config.model}
+            act = getattr(getattr(runner, "model", None), "activation_quantization", None)
+            if isinstance(act, str):
+                info["activation_quantization"] = act
             mc = getattr(runner, "model_config", None)
             if mc is not None and hasattr(mc, "to_dict"):
                 info["model_config"] = mc.to_dict()

@@ -9,7 +9,7 @@ import numpy as np
 from pathlib import Path
 
 from ..kernels import get_kernels
-from ..kernels.quant_reference import QuantizedWeight
+from ..kernels.quant_reference import GGML_TYPE_NAMES, QuantizedWeight
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .weights import weight_shapes
@@ -32,13 +32,60 @@ def resolve_device(device: str) -> str:
         return "cpu"
 
 
+ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
+"""``--activation-quantization`` values (``resolve_activation_quantization``)."""
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
 def _refuse_activation_quantization(value):
     raise ValueError(f"--activation-quantization {value}: int8 activations apply to weights in quantized GGUF "
                      f"types (a .gguf file, or --quantization)")
 
 
+def resolve_activation_quantization(requested: str, name_or_path: str, dtype: str = "auto",
+                                    quantization: str | None = None, load_format: str = "auto") -> str:
+    """What the CPU products of a model's quantized weights take as activations: ``"int8"`` or
+    ``"none"`` (float32). Reads only the model's import folder and GGUF / safetensors headers.
+
+    - ``"int8"`` / ``"none"``: as given (``load_model`` refuses int8 for weights that are not in
+      quantized GGUF types).
+    - ``"auto"`` (the default): ``"int8"`` where the weights are served in quantized GGUF types (a
+      ``.gguf`` file of Q4_K, Q8_0, ... tensors with ``--dtype auto``, or ``--quantization``), as
+      llama.cpp computes them (every product of a quantized type quantizes its activations to 8 bits)
+      and as vLLM's GGUF kernels do; ``"none"`` for float weights, and for a known model's own
+      packaged file (the embedded default model, ``registry.packaged_model_name``): its golden
+      greedy outputs are the float32 products of its exactly dequantized weights, and int8 activations
+      change them (docs/kernels.md, "Quantized weights").
+
+    Raises:
+        ValueError: a value not in ``ACTIVATION_QUANTIZATIONS``; what ``registry.resolve_model``
+            raises.
+    """
+    from .gguf_header import read_tensor_infos
+    from .gguf_weights import gguf_source
+    from .registry import packaged_model_name, resolve_model
+
+    if requested not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"activation_quantization must be one of {', '.join(ACTIVATION_QUANTIZATIONS)}, "
+                         f"got {requested!r}")
+    if requested != "auto":
+        return requested
+    if quantization is not None:
+        return "int8"
+    if dtype != "auto" or load_format == "dummy":
+        return "none"
+    model_dir = Path(resolve_model(name_or_path))
+    source = gguf_source(model_dir)
+    if source is None or packaged_model_name(source) is not None:
+        return "none"
+    _, infos = read_tensor_infos(source)
+    types = {GGML_TYPE_NAMES.get(info.type_id, str(info.type_id)) for info in infos.values()}
+    return "int8" if types - set(_FLOAT_TYPES) else "none"
+
+
 def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto", dtype: str = "auto",
-               quantization: str | None = None, activation_quantization: str | None = None):
+               quantization: str | None = None, activation_quantization: str = "auto"):
     """Resolve, read and place a model.
 
     Which weights the kernels read (``dtype``):
@@ -59,13 +106,17 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         dtype: see above.
         quantization: ``None``, or a name of ``quantize.QUANTIZATIONS`` (``"q8_0"``, ``"q4_k"``):
             float matrices quantized as they load (CPU only; not for weights already in GGUF types).
-        activation_quantization: ``None`` or ``"int8"``: the products of weights in GGUF types
-            take activations quantized per 32 values (integer dot products; ``QuantizedWeight``'s
-            ``activations``). Needs weights in GGUF types (a ``.gguf`` file or ``quantization``).
+        activation_quantization: ``"auto"``, ``"int8"`` or ``"none"``
+            (``resolve_activation_quantization``): with int8 the products of weights in quantized GGUF
+            types take activations quantized per 32 values (integer dot products;
+            ``QuantizedWeight``'s ``activations``). ``"int8"`` needs such weights (a ``.gguf`` file or
+            ``quantization``).
     Returns:
-        ``(model: LlamaForCausalLM, config: ModelConfig, model_dir: pathlib.Path)``.
+        ``(model: LlamaForCausalLM, config: ModelConfig, model_dir: pathlib.Path)``; the model's
+        ``activation_quantization`` is the resolved value (``"int8"`` or ``"none"``).
     Raises:
-        ValueError: unknown load_format/device/dtype/quantization, unsupported architecture, missing
+        ValueError: unknown load_format/device/dtype/quantization/activation_quantization, int8
+            activations of float weights, unsupported architecture, missing
             tensors, a GGUF file that is truncated or of another architecture, quantization of
             already-quantized weights or on the GPU.
         UnsupportedQuantType: a GGUF tensor type folio does not read (named, with the ways out).
@@ -81,6 +132,9 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     if dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if activation_quantization not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"activation_quantization must be one of {', '.join(ACTIVATION_QUANTIZATIONS)}, "
+                         f"got {activation_quantization!r}")
     kernels = get_kernels(resolve_device(device))
     on_cpu = getattr(kernels, "stack_quantized", None) is not None
     if quantization is not None and not on_cpu:
@@ -90,7 +144,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
     config = ModelConfig.from_pretrained(model_dir)
     source = gguf_source(model_dir)
     stored = dtype == "auto" and on_cpu   # serve the weights in the types they are stored in
-    if activation_quantization is not None and quantization is None and load_format != "dummy" and \
+    if activation_quantization == "int8" and quantization is None and load_format != "dummy" and \
             (source is None or not stored):
         # float weights for sure (an import, or safetensors): refused before anything is loaded
         _refuse_activation_quantization(activation_quantization)
@@ -108,14 +162,22 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
                                keep_16bit=stored)
     if quantization is not None:
         weights = quantize_weights(weights, quantization)
-    if activation_quantization is not None:
-        quantized = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.type_name not in
-                     ("F32", "F16", "BF16")]
-        if activation_quantization != "int8" or not quantized:
+    activations = "none"
+    if activation_quantization != "none":
+        quantized = []
+        if quantization is not None or (source is not None and stored and load_format != "dummy"):
+            # (only then: the GPU's dummy weights are made on the device as they are read)
+            quantized = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.type_name not in
+                         _FLOAT_TYPES]
+        if activation_quantization == "int8" and not quantized:
             _refuse_activation_quantization(activation_quantization)
-        for w in quantized:
-            w.activations = "int8"
+        if quantized and resolve_activation_quantization(activation_quantization, name_or_path, dtype, quantization,
+                                                         load_format) == "int8":
+            activations = "int8"
+            for w in quantized:
+                w.activations = "int8"
     model = LlamaForCausalLM(config, weights, kernels)
+    model.activation_quantization = activations
     return model, config, model_dir
 
 

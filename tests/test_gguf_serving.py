@@ -25,6 +25,7 @@ from folio.model.gguf_weights import gguf_source, load_gguf_weights
 from folio.model.llama import LlamaForCausalLM
 from folio.model.quantize import quantize_weights
 from folio.model.registry import resolve_model
+from folio.runtime.common.config import DEFAULT_MODEL, EngineConfig
 from folio.model.weights import dummy_weights
 from quant_cases import random_weight
 from test_forward import dense_llama_logits, run_paged, tiny_atol
@@ -144,7 +145,7 @@ def test_tiny_gguf_served_in_place(tmp_path):
     types = {n: w[n].type_name for n in w if w[n].ndim == 2}
     assert types["model.layers.0.mlp.down_proj.weight"] == "Q4_K" and types["lm_head.weight"] == "Q8_0"
 
-    stored, _, _ = loader.load_model(str(path), device="cpu")
+    stored, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="none")
     f32, _, _ = loader.load_model(str(path), device="cpu", dtype="float32")
     assert isinstance(stored.lm_head, qr.QuantizedWeight) and isinstance(f32.lm_head, np.ndarray)
     ids = np.random.default_rng(2).integers(0, config.vocab_size, size=30)
@@ -269,9 +270,10 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     from folio.kernels.cpu.quant_linear import INT8_ACTIVATIONS, Q4_K_X8, quant_kernel_type
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tied=False)
-    f32, config, _ = loader.load_model(str(path), device="cpu")
+    f32, config, _ = loader.load_model(str(path), device="cpu", activation_quantization="none")
     int8, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="int8")
     assert int8.lm_head.activations == "int8" and f32.lm_head.activations == "float32"
+    assert (int8.activation_quantization, f32.activation_quantization) == ("int8", "none")
     table = int8.layer_stacks["gate_up_proj"].table   # BF16 gate, F16 up: float types
     assert (table[:, :, 1] < INT8_ACTIVATIONS).all()
     down = int8.layer_stacks["down_proj"].table        # Q4_K: its rows interleaved by 8 (quant_x8)
@@ -287,6 +289,39 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "float32_import", lambda *a, **k: pytest.fail("imported before refusing"))
     with pytest.raises(ValueError, match="activation-quantization"):
         loader.load_model(str(path), device="cpu", dtype="float32", activation_quantization="int8")
+
+
+def test_activation_quantization_auto(tmp_path, monkeypatch):
+    # "auto" (the default): int8 activations for a GGUF file of quantized types, as llama.cpp
+    # computes them; float32 ("none") for float weights and for a known model's own packaged file
+    # (the embedded default model, whose golden outputs are float32 products), however it is named
+    from folio.model import registry
+    from folio.runtime.worker.precompile import weights_variant
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tied=False)
+    assert loader.resolve_activation_quantization("auto", str(path)) == "int8"
+    assert loader.resolve_activation_quantization("auto", str(path), dtype="float32") == "none"
+    assert loader.resolve_activation_quantization("none", str(path)) == "none"
+    assert weights_variant(str(path)) == "quantized-int8"
+    assert weights_variant(str(path), activation_quantization="none") == "quantized"
+    model, _, folder = loader.load_model(str(path), device="cpu")
+    assert model.activation_quantization == "int8" and model.lm_head.activations == "int8"   # Q8_0 lm_head
+    with pytest.raises(ValueError, match="auto, int8, none"):
+        loader.load_model(str(path), device="cpu", activation_quantization="fp8")
+    with pytest.raises(ValueError, match="auto, int8 or none"):
+        EngineConfig(activation_quantization=None)
+
+    # the default model's file is recognised by its installed package, by name, folder or path
+    assert registry.packaged_model_name(registry.find_packaged_gguf(DEFAULT_MODEL)) == DEFAULT_MODEL
+    monkeypatch.setattr(registry, "find_packaged_gguf", lambda name: path)
+    for name in (str(path), str(folder)):
+        assert registry.packaged_model_name(gguf_source(resolve_model(name))) == DEFAULT_MODEL
+        assert loader.resolve_activation_quantization("auto", name) == "none"
+        assert weights_variant(name) == "quantized"
+    model, _, _ = loader.load_model(str(path), device="cpu")
+    assert model.activation_quantization == "none" and model.lm_head.activations == "float32"
+    model, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="int8")
+    assert model.activation_quantization == "int8"
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -332,7 +367,7 @@ def test_q_and_k_are_copies_made_when_read_and_dropped_once_interleaved(tmp_path
     def qk(model):
         return [s for layer in model.layers for s in layer.qkv_proj[:2]]
 
-    f32, _, _ = loader.load_model(str(path), device="cpu")
+    f32, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="none")
     assert [s.type_name for s in qk(f32)] == ["Q8_0"] * len(names) and all(s._data is not None for s in qk(f32))
     stats = {}
     want = dense_llama_logits(config, expect, ids, stats)

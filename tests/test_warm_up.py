@@ -123,8 +123,8 @@ def test_warm_up_fits_small_engines_and_leaves_them_as_found(default_model_dir):
 
 PRECOMPILE_SCRIPT = SCRIPT[:SCRIPT.index("engine = LLMEngine(")] + textwrap.dedent("""
     from folio.runtime.worker.precompile import compile_job, jobs, weights_variant
-    kv, act = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
-    # the default model's layout (its GGUF types), with float32 or int8 activations
+    kv, act = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "auto")
+    # the default model's layout (its GGUF types), with its default (float32) or int8 activations
     for job in jobs(weights_variant(EngineConfig().model, activation_quantization=act)):
         compile_job(job, kv)
     before = signatures()

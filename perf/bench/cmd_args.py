@@ -24,8 +24,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def add_weight_args(p: argparse.ArgumentParser) -> None:
     """folio's ``--dtype`` and ``--activation-quantization`` (as ``folio serve`` takes them)."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32"], help="folio's weights (see folio serve)")
-    p.add_argument("--activation-quantization", default=None, choices=["int8"],
-                   help="folio: int8 activations for quantized weights' products (see folio serve)")
+    p.add_argument("--activation-quantization", default="auto", choices=["auto", "int8", "none"],
+                   help="folio: activations of quantized weights' products, int8, none (float32) or auto "
+                        "(see folio serve)")
 
 
 def with_threads(run):

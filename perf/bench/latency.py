@@ -73,7 +73,8 @@ def run_folio_latency(model: str, prompt_token_ids: list[int], output_len: int, 
             iters.append({"ttft_s": ttft, "decode_s": dec, "output_tokens": len(times),
                           "prefill_tok_s": len(prompt_token_ids) / ttft, "decode_tok_s": (len(times) - 1) / dec})
     return {"iters": iters, "token_ids": token_ids, "load_s": host.load_s, "warm_up_s": host.warm_up_s,
-            "peak_rss_bytes": peak_rss_bytes(), "threads": threads}
+            "peak_rss_bytes": peak_rss_bytes(), "threads": threads,
+            "activation_quantization": host.runner.model.activation_quantization}
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -162,7 +163,9 @@ def format_latency(out: dict) -> str:
         f"{w['output_len']} output tokens (greedy, ignore_eos); median of {w['num_iters']} timed iterations "
         f"after {w['num_iters_warmup']} warm-up",
         f"machine: {m.get('cpu', '?')}, {m.get('cores')} cores, load {m.get('loadavg_1m', 0):.1f}; "
-        f"threads per engine: {out['threads']}",
+        f"threads per engine: {out['threads']}"
+        + (f"; folio's activations: {out['folio']['activation_quantization']}"
+           if "activation_quantization" in out["folio"] else ""),
         "",
         f"{'engine':<24}{'prefill tok/s':>15}{'decode tok/s':>14}{'TTFT s':>9}{'peak RSS GB':>13}{'agreement':>11}",
     ]

@@ -113,7 +113,8 @@ def run_throughput(host: ModelHost | None = None, *, model: str = "smollm2-135m-
         with numba_threads(threads), BusyProcesses(busy):
             res = run_trace(engine, requests, ignore_eos_params, sample_kv=True, progress=bar)
         bar.close()
-        folio = {**folio_figures(res, requests), "peak_rss_bytes": peak_rss_bytes()}
+        folio = {**folio_figures(res, requests), "peak_rss_bytes": peak_rss_bytes(),
+                 "activation_quantization": host.runner.model.activation_quantization}
     out = {
         "command": command_line(),
         "workload": {"num_prompts": num_prompts, "input_len": list(input_len), "output_len": list(output_len),
@@ -188,6 +189,8 @@ def format_throughput(out: dict) -> str:
         f"({w['prompt_tokens']} prompt + {w['output_tokens']} output tokens)",
         f"machine: {out['machine'].get('cpu', '?')}, {out['machine'].get('cores')} cores, load "
         f"{out['machine'].get('loadavg_1m', 0):.1f}; threads per engine: {out['engine']['threads']}"
+        + (f"; folio's activations: {out['folio']['activation_quantization']}"
+           if "activation_quantization" in (out.get("folio") or {}) else "")
         + (f"; folio's sgemm: OpenBLAS {out['machine']['blas_kernels']} kernels" if out["machine"].get("blas_kernels") else "")
         + (f"; {out['busy_processes']} competing busy process(es) during every run" if out.get("busy_processes") else ""),
         *([f"folio warm-up before timing (kernels compiled or loaded from Numba's compile cache): {out['warm_up_s']:.1f} s"]

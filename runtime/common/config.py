@@ -35,10 +35,12 @@ class EngineConfig:
             weight float32) or ``"bfloat16"`` (GPU).
         quantization: ``None`` or ``"q8_0"`` / ``"q4_k"``: float weights quantized into that GGUF type
             as they load (CPU; ``model/quantize.py``).
-        activation_quantization: ``None`` (products of weights in GGUF types take float32
-            activations: the dequantized weights' exact products) or ``"int8"`` (activations quantized
-            per 32 values and integer dot products where the CPU kernels have them, as llama.cpp
-            computes: faster for decode-sized steps, outputs differ slightly; docs/kernels.md).
+        activation_quantization: what the CPU products of weights in quantized GGUF types take:
+            ``"int8"`` (activations quantized per 32 values, integer dot products where the CPU has
+            them, as llama.cpp computes: faster, outputs differ slightly), ``"none"`` (float32
+            activations: the dequantized weights' exact products) or ``"auto"`` (the default: int8,
+            except for the embedded default model's own file, whose golden outputs are float32
+            products; ``model.loader.resolve_activation_quantization``, docs/kernels.md).
         kv_cache_dtype: storage of the KV cache (vLLM's ``--kv-cache-dtype``): ``"auto"`` (the
             device's own: float32 on CPU, bfloat16 on GPU), ``"float32"`` (CPU) or ``"bfloat16"``
             (CPU: half the memory per block, so twice the blocks for one budget; keys and values
@@ -69,7 +71,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None
-    activation_quantization: str | None = None
+    activation_quantization: str = "auto"
     kv_cache_dtype: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
@@ -103,8 +105,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.quantization not in (None, "q8_0", "q4_k"):
             raise ValueError(f"quantization must be q8_0 or q4_k (or unset), got {self.quantization!r}")
-        if self.activation_quantization not in (None, "int8"):
-            raise ValueError(f"activation_quantization must be int8 (or unset), got {self.activation_quantization!r}")
+        if self.activation_quantization not in ("auto", "int8", "none"):
+            raise ValueError(f"activation_quantization must be auto, int8 or none, got {self.activation_quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.async_scheduling, bool):

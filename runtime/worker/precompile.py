@@ -227,16 +227,18 @@ def needed(device: str = "cpu") -> bool:
 
 
 def weights_variant(model: str, dtype: str = "auto", quantization: str | None = None,
-                    load_format: str = "auto", activation_quantization: str | None = None) -> str:
+                    load_format: str = "auto", activation_quantization: str = "auto") -> str:
     """The ``VARIANTS`` entry a CPU worker of this model runs: ``"quantized"`` where the weights are
     served in GGUF / 16-bit types (``model.loader.load_model``'s rules: ``--dtype auto`` with a GGUF
-    file or 16-bit safetensors, or ``--quantization``), ``"quantized-int8"`` for those with
-    ``activation_quantization="int8"``, else ``"float32"``. Reads only the model's import folder and
-    safetensors headers (the import is made if absent)."""
-    from ...model.loader import serves_quantized
+    file or 16-bit safetensors, or ``--quantization``), ``"quantized-int8"`` for those whose
+    activations resolve to int8 (``model.loader.resolve_activation_quantization``), else
+    ``"float32"``. Reads only the model's import folder and GGUF / safetensors headers (the import
+    is made if absent)."""
+    from ...model.loader import resolve_activation_quantization, serves_quantized
     if not serves_quantized(model, dtype, quantization, load_format):
         return "float32"
-    return "quantized-int8" if activation_quantization == "int8" else "quantized"
+    act = resolve_activation_quantization(activation_quantization, model, dtype, quantization, load_format)
+    return "quantized-int8" if act == "int8" else "quantized"
 
 
 def _dispatcher(job: Job, kv_cache_dtype: str = "auto"):
@@ -497,7 +499,7 @@ def precompile_for(config, say: Callable[[str], None], stream=None) -> dict | No
         return None
     variant = weights_variant(config.model, config.dtype, config.quantization, config.load_format,
                               config.activation_quantization)
-    if variant == "float32" and config.activation_quantization is not None:
+    if variant == "float32" and config.activation_quantization == "int8":
         return None   # int8 activations of float weights: the load refuses them (model.loader), compile nothing
     if all(in_cache(job, config.kv_cache_dtype) for job in jobs(variant)):
         return None
