@@ -393,6 +393,21 @@ def test_cli_generate_json(golden, default_model_dir, capsys):
     assert out["timings"]["ttft_seconds"] > 0 and out["timings"]["decode_tokens_per_s"] > 0
 
 
+def test_cli_generate_says_why_an_answer_is_empty(default_model_dir, capsys):
+    # a question as plain text: this instruct model's first greedy token is its end-of-sequence
+    # token (it answers through its chat template), which printed an empty line and nothing else
+    from folio.cli import main
+
+    assert main(["generate", "--model", str(default_model_dir), "--prompt", "What is the capital of France?",
+                 "--max-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "" and "[1 tokens, finish_reason=stop" in captured.err
+    assert "chat template" in captured.err
+    assert main(["generate", "--model", str(default_model_dir), "--prompt", "The capital of France is",
+                 "--max-tokens", "2"]) == 0
+    assert "chat template" not in capsys.readouterr().err
+
+
 def test_cli_generate_rejects_bad_ids(default_model_dir, capsys):
     from folio.cli import main
 
