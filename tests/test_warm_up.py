@@ -168,7 +168,7 @@ ITEM_SCRIPT = textwrap.dedent("""
 
 def test_the_int8_kernels_are_compiled_only_for_int8_activations(tmp_path):
     """The layer loop's item picks the products' entry by its ``int8`` argument
-    (``forward.product_item``): without int8 activations (the default) its call tree holds none of
+    (``forward.product_item``): without int8 activations (the default model's default) its call tree holds none of
     the integer kernels, so a cold start compiles none of them (~10 CPU s less); with them
     (``quantized-int8``) it holds them. From an empty Numba cache, in a fresh interpreter, where
     compiling a function compiles every callee (one loaded from a cache compiles none)."""

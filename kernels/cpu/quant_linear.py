@@ -6,7 +6,8 @@ F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 
 Two ways of computing, chosen per weight (``quant_kernel_type``) and per product size:
 
-* **float32 activations (the default)**: dequantize in registers. A task takes a block of
+* **float32 activations** (``--activation-quantization none``, and the embedded default model's
+  default): dequantize in registers. A task takes a block of
   ``QUANT_BLOCK_ROWS`` weight rows; 4 rows at a time it decodes each row's blocks into a float32
   scratch row of ``K`` values (per task, ``[4, K]``, in L1/L2: 32 KB at K = 2048), with exactly the
   float32 operations of the reference's ``dequantize`` (this function is compiled without
@@ -19,7 +20,7 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   over a row (``quant_fused.py``: the same exact weight values, no scratch row; measured there
   against the path above: 1.2-1.8x at 4 tokens, 1.05-1.25x at 8, 0.9x at 16). The results are
   float32 dot products with the exactly dequantized weights: what the default model's golden
-  outputs were computed from, so this stays the default.
+  outputs were computed from, so this stays that model's default.
 * **int8 activations** (``quant_kernel_type(q, "int8")``, ``quant_linear(...,
   activations="int8")``; ``kernels/cpu/quant_int8.py``): the tokens quantized per 32 values to
   8 bits (once per task and product, kept in the task's scratch), integer dot products of the
@@ -28,7 +29,8 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
   Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
   relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
-  so it is an option, never the default. Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weights with int8 activations (the
+  so the default model keeps float32; every other quantized GGUF file takes this path by default
+  (``--activation-quantization auto``, ``model.loader.resolve_activation_quantization``). Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weights with int8 activations (the
   layers' when the stacks are built, lm_head's and the embedding table's in the CPU table's
   ``prepare_weight``) are interleaved by 8 rows (``kernel_layout``, kernel types ``*_X8``,
   ``quant_x8.py``): no horizontal sums, faster than the row kernel at

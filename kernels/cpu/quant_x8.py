@@ -1,6 +1,6 @@
 """Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weight rows interleaved by 8, multiplied with int8 activations:
 the integer path's layout for these types (the layers, lm_head and the embedding table with
-``--activation-quantization int8``), as llama.cpp's CPU "repack" buffers (``block_q4_Kx8``,
+int8 activations, the default for quantized GGUF files), as llama.cpp's CPU "repack" buffers (``block_q4_Kx8``,
 ``block_q8_0x4``).
 
 ``quant_int8``'s Q4_K kernel reads one row at a time: each 256-bit integer product holds 32 values

@@ -171,7 +171,7 @@ _VARIANT_JOBS = {
 }
 VARIANTS = tuple(_VARIANT_JOBS)
 """The weight layouts a worker can run: float32 stacks, or weights in GGUF types (products with
-float32 activations, or with ``--activation-quantization int8``)."""
+float32 activations, or with int8 activations: ``weights_variant``)."""
 
 
 def jobs(variant: str = "float32") -> tuple:
