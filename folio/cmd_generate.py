@@ -52,9 +52,9 @@ def _run(args) -> int:
         print(f"[{n_gen} tokens, finish_reason={comp.finish_reason}, TTFT {ttft:.3f} s, "
               f"decode {timings['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
         if comp.finish_reason == "stop" and n_gen <= 1 and not comp.text.strip():
-            print("the model ended its answer at once: the prompt goes in as plain text, without the chat "
-                  "template; an instruct model answers a question through it (folio repl, LLM.chat, or "
-                  "POST /v1/chat/completions on folio serve)", file=sys.stderr)
+            print("folio generate: the model ended its answer at once. --prompt goes in as plain text, without "
+                  "the chat template, and an instruct model answers questions through its chat template: try "
+                  "folio repl, LLM.chat, or POST /v1/chat/completions on folio serve", file=sys.stderr)
     return 0
 
 

@@ -38,9 +38,18 @@ ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def _refuse_activation_quantization(value):
-    raise ValueError(f"--activation-quantization {value}: int8 activations apply to weights in quantized GGUF "
-                     f"types (a .gguf file, or --quantization)")
+def _refuse_activation_quantization(value, dtype="auto"):
+    why = (" (--dtype float32 dequantizes a .gguf file's weights: drop one of the two flags)" if dtype == "float32"
+           else "")
+    raise ValueError(f"--activation-quantization {value}: int8 activations apply to weights served in quantized "
+                     f"GGUF types: a .gguf file of quantized tensors with --dtype auto, or --quantization{why}")
+
+
+def on_cpu_integer_products() -> bool:
+    """Whether the CPU kernels have integer dot products here (AVX2 or AVX512-VNNI; elsewhere every
+    product keeps float32 activations and the model reports ``"none"``)."""
+    from ..kernels.cpu.quant_int8 import ISA
+    return ISA is not None
 
 
 def resolve_activation_quantization(requested: str, name_or_path: str, dtype: str = "auto",
@@ -49,14 +58,16 @@ def resolve_activation_quantization(requested: str, name_or_path: str, dtype: st
     ``"none"`` (float32). Reads only the model's import folder and GGUF / safetensors headers.
 
     - ``"int8"`` / ``"none"``: as given (``load_model`` refuses int8 for weights that are not in
-      quantized GGUF types).
+      quantized GGUF types), but ``"none"`` where the CPU has no integer dot products
+      (``on_cpu_integer_products``: every product then keeps float32 activations).
     - ``"auto"`` (the default): ``"int8"`` where the weights are served in quantized GGUF types (a
       ``.gguf`` file of Q4_K, Q8_0, ... tensors with ``--dtype auto``, or ``--quantization``), as
       llama.cpp computes them (every product of a quantized type quantizes its activations to 8 bits)
-      and as vLLM's GGUF kernels do; ``"none"`` for float weights, and for a known model's own
-      packaged file (the embedded default model, ``registry.packaged_model_name``): its golden
-      greedy outputs are the float32 products of its exactly dequantized weights, and int8 activations
-      change them (docs/kernels.md, "Quantized weights").
+      and as vLLM's GGUF kernels do; ``"none"`` for float weights, and for the weights of a known
+      model's packaged file (the embedded default model's, recognised by content wherever the file
+      lies: ``registry.packaged_model_name``): its golden greedy outputs are the float32 products of
+      its exactly dequantized weights, and int8 activations change them (docs/kernels.md,
+      "Quantized weights").
 
     Raises:
         ValueError: a value not in ``ACTIVATION_QUANTIZATIONS``; what ``registry.resolve_model``
@@ -69,8 +80,10 @@ def resolve_activation_quantization(requested: str, name_or_path: str, dtype: st
     if requested not in ACTIVATION_QUANTIZATIONS:
         raise ValueError(f"activation_quantization must be one of {', '.join(ACTIVATION_QUANTIZATIONS)}, "
                          f"got {requested!r}")
-    if requested != "auto":
-        return requested
+    if requested == "none" or not on_cpu_integer_products():
+        return "none"
+    if requested == "int8":
+        return "int8"
     if quantization is not None:
         return "int8"
     if dtype != "auto" or load_format == "dummy":
@@ -134,7 +147,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
     if activation_quantization not in ACTIVATION_QUANTIZATIONS:
         raise ValueError(f"activation_quantization must be one of {', '.join(ACTIVATION_QUANTIZATIONS)}, "
-                         f"got {activation_quantization!r}")
+                         f"got {activation_quantization!r} (float32 activations are \"none\")")
     kernels = get_kernels(resolve_device(device))
     on_cpu = getattr(kernels, "stack_quantized", None) is not None
     if quantization is not None and not on_cpu:
@@ -147,7 +160,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
     if activation_quantization == "int8" and quantization is None and load_format != "dummy" and \
             (source is None or not stored):
         # float weights for sure (an import, or safetensors): refused before anything is loaded
-        _refuse_activation_quantization(activation_quantization)
+        _refuse_activation_quantization(activation_quantization, dtype)
     if load_format == "dummy":
         if hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
             weights = _DeviceDummyWeights(config, kernels)
@@ -170,7 +183,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
             quantized = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.type_name not in
                          _FLOAT_TYPES]
         if activation_quantization == "int8" and not quantized:
-            _refuse_activation_quantization(activation_quantization)
+            _refuse_activation_quantization(activation_quantization, dtype)
         if quantized and resolve_activation_quantization(activation_quantization, name_or_path, dtype, quantization,
                                                          load_format) == "int8":
             activations = "int8"

@@ -61,17 +61,20 @@ def find_packaged_gguf(name: str) -> Path:
 
 
 def packaged_model_name(path) -> str | None:
-    """The known model name whose installed package ships the GGUF file ``path`` (the same file,
-    however it was named: by the model's name, its import folder or the file's path), or None.
-    Used to keep the embedded default model's reference numerics by default
-    (``loader.resolve_activation_quantization``)."""
+    """The known model name whose installed package ships a GGUF file of the same content as
+    ``path`` (the same size and sampled fingerprint, ``_fingerprint``: the weights, however the file
+    is named or wherever it lies: a copy, another virtual environment's install, the path an import
+    folder recorded), or None. Used to keep the embedded default model's reference numerics by
+    default (``loader.resolve_activation_quantization``)."""
+    path = Path(path)
     try:
-        target = Path(path).resolve()
+        size = path.stat().st_size
     except OSError:
         return None
     for name in KNOWN_MODELS:
         try:
-            if find_packaged_gguf(name).resolve() == target:
+            packaged = find_packaged_gguf(name)
+            if packaged.stat().st_size == size and _fingerprint(packaged) == _fingerprint(path):
                 return name
         except (FileNotFoundError, OSError):
             continue

@@ -272,8 +272,9 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     write_tiny_gguf(path, tied=False)
     f32, config, _ = loader.load_model(str(path), device="cpu", activation_quantization="none")
     int8, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="int8")
-    assert int8.lm_head.activations == "int8" and f32.lm_head.activations == "float32"
-    assert (int8.activation_quantization, f32.activation_quantization) == ("int8", "none")
+    integer = loader.on_cpu_integer_products()   # elsewhere every product keeps float32 activations
+    assert int8.lm_head.activations == ("int8" if integer else "float32") and f32.lm_head.activations == "float32"
+    assert (int8.activation_quantization, f32.activation_quantization) == ("int8" if integer else "none", "none")
     table = int8.layer_stacks["gate_up_proj"].table   # BF16 gate, F16 up: float types
     assert (table[:, :, 1] < INT8_ACTIVATIONS).all()
     down = int8.layer_stacks["down_proj"].table        # Q4_K: its rows interleaved by 8 (quant_x8)
@@ -287,18 +288,24 @@ def test_int8_activations_reach_the_kernels(tmp_path, monkeypatch):
     # float weights for sure (--dtype float32): refused before the float32 import is written
     from folio.model import registry
     monkeypatch.setattr(registry, "float32_import", lambda *a, **k: pytest.fail("imported before refusing"))
-    with pytest.raises(ValueError, match="activation-quantization"):
+    with pytest.raises(ValueError, match="activation-quantization int8.*--dtype float32 dequantizes"):
         loader.load_model(str(path), device="cpu", dtype="float32", activation_quantization="int8")
 
 
 def test_activation_quantization_auto(tmp_path, monkeypatch):
     # "auto" (the default): int8 activations for a GGUF file of quantized types, as llama.cpp
-    # computes them; float32 ("none") for float weights and for a known model's own packaged file
-    # (the embedded default model, whose golden outputs are float32 products), however it is named
+    # computes them; float32 ("none") for float weights and for the weights of a known model's
+    # packaged file (the embedded default model, whose golden outputs are float32 products),
+    # recognised by content: by name, import folder, the file's path, a copy, or the path an import
+    # folder recorded from another virtual environment's install
     from folio.model import registry
     from folio.runtime.worker.precompile import weights_variant
+    if not loader.on_cpu_integer_products():
+        pytest.skip("no integer dot products on this CPU: every product keeps float32 activations")
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tied=False)
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, tied=False, seed=1)
     assert loader.resolve_activation_quantization("auto", str(path)) == "int8"
     assert loader.resolve_activation_quantization("auto", str(path), dtype="float32") == "none"
     assert loader.resolve_activation_quantization("none", str(path)) == "none"
@@ -311,13 +318,18 @@ def test_activation_quantization_auto(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="auto, int8 or none"):
         EngineConfig(activation_quantization=None)
 
-    # the default model's file is recognised by its installed package, by name, folder or path
+    # the default model's file is recognised by content, wherever it lies
     assert registry.packaged_model_name(registry.find_packaged_gguf(DEFAULT_MODEL)) == DEFAULT_MODEL
-    monkeypatch.setattr(registry, "find_packaged_gguf", lambda name: path)
-    for name in (str(path), str(folder)):
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    monkeypatch.setattr(registry, "find_packaged_gguf", lambda name: copy)   # "installed" elsewhere
+    for name in (str(path), str(folder), str(copy)):
         assert registry.packaged_model_name(gguf_source(resolve_model(name))) == DEFAULT_MODEL
         assert loader.resolve_activation_quantization("auto", name) == "none"
         assert weights_variant(name) == "quantized"
+    assert registry.packaged_model_name(other) is None      # same shapes and types, other weights
+    assert loader.resolve_activation_quantization("auto", str(other)) == "int8"
     model, _, _ = loader.load_model(str(path), device="cpu")
     assert model.activation_quantization == "none" and model.lm_head.activations == "float32"
     model, _, _ = loader.load_model(str(path), device="cpu", activation_quantization="int8")

@@ -106,7 +106,8 @@ class EngineConfig:
         if self.quantization not in (None, "q8_0", "q4_k"):
             raise ValueError(f"quantization must be q8_0 or q4_k (or unset), got {self.quantization!r}")
         if self.activation_quantization not in ("auto", "int8", "none"):
-            raise ValueError(f"activation_quantization must be auto, int8 or none, got {self.activation_quantization!r}")
+            raise ValueError(f"activation_quantization must be auto, int8 or none, got {self.activation_quantization!r} "
+                             f"(float32 activations are \"none\")")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.async_scheduling, bool):
