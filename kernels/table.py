@@ -108,7 +108,15 @@ class KernelTable(Protocol):
 @runtime_checkable
 class CpuKernelTable(KernelTable, Protocol):
     """The CPU table's extras (``kernels/cpu/table.py``), used by the model code when a table has
-    them."""
+    them.
+
+    Attributes:
+        integer_products: whether the products of quantized weights can take int8 activations here
+            (integer dot products: AVX2 or AVX512-VNNI, ``cpu/quant_int8.py``); without them every
+            product keeps float32 activations.
+    """
+
+    integer_products: bool
 
     def decoder_layers(self, weights: dict, buffers: dict, positions, attn_metadata, kv_caches, cos_sin_cache,
                        scale: float, num_heads: int, num_kv_heads: int, eps: float):

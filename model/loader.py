@@ -46,10 +46,10 @@ def _refuse_activation_quantization(value, dtype="auto"):
 
 
 def on_cpu_integer_products() -> bool:
-    """Whether the CPU kernels have integer dot products here (AVX2 or AVX512-VNNI; elsewhere every
-    product keeps float32 activations and the model reports ``"none"``)."""
-    from ..kernels.cpu.quant_int8 import ISA
-    return ISA is not None
+    """Whether the CPU kernels have integer dot products here (the CPU table's ``integer_products``:
+    AVX2 or AVX512-VNNI; elsewhere every product keeps float32 activations and the model reports
+    ``"none"``)."""
+    return bool(getattr(get_kernels("cpu"), "integer_products", False))
 
 
 def resolve_activation_quantization(requested: str, name_or_path: str, dtype: str = "auto",

@@ -22,6 +22,7 @@ from .attention import paged_attention
 from .forward import decoder_layers, quantized_linear, stack_quantized
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear as _float_linear
+from . import quant_int8
 from .memory import huge_page_zeros
 from .quant_linear import interleaved_embedding, kernel_layout, quant_embedding, quant_kernel_type
 from .rows import (copy_blocks, fused_add_rms_norm, reshape_and_cache, rms_norm, rope_and_cache, rotary_embedding,
@@ -108,5 +109,6 @@ CPU_KERNELS = SimpleNamespace(
     decoder_layers=decoder_layers,
     stack_quantized=stack_quantized,
     zeros=huge_page_zeros,
+    integer_products=quant_int8.ISA is not None,
 )
 """The CPU kernel table (see kernels/__init__.py ``get_kernels``)."""
