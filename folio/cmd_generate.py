@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from .runtime.common.config import DEFAULT_MODEL
+from .runtime.common.config import ACTIVATION_QUANTIZATIONS, DEFAULT_MODEL
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -76,7 +76,7 @@ def register(subparsers) -> None:
                    help="weights dtype (auto: the types the weights are stored in on CPU; see folio serve)")
     p.add_argument("--quantization", default=None, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU)")
-    p.add_argument("--activation-quantization", default="auto", choices=["auto", "int8", "none"],
+    p.add_argument("--activation-quantization", default="auto", choices=list(ACTIVATION_QUANTIZATIONS),
                    help="activations of the quantized weights' products: int8, none (float32) or auto "
                         "(see folio serve)")
     add_kv_cache_dtype_arg(p)

@@ -32,7 +32,7 @@ import signal
 import sys
 
 from .front_door import front_end_flags, serve_behind_front
-from .runtime.common.config import DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
+from .runtime.common.config import ACTIVATION_QUANTIZATIONS, DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
 
 WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
 
@@ -73,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d.quantization, choices=["q8_0", "q4_k"],
                    help="quantize float weights into this GGUF type as they load (CPU; q4_k falls back to "
                         "q8_0 for rows that are not whole 256-value blocks)")
-    p.add_argument("--activation-quantization", default=d.activation_quantization, choices=["auto", "int8", "none"],
+    p.add_argument("--activation-quantization", default=d.activation_quantization, choices=list(ACTIVATION_QUANTIZATIONS),
                    help="int8: products of quantized weights take activations quantized per 32 values "
                         "(integer dot products, as llama.cpp; faster, outputs differ slightly); none: float32 "
                         "activations (the dequantized weights' exact products); auto: int8 for a quantized "

@@ -52,22 +52,43 @@ def on_cpu_integer_products() -> bool:
     return bool(getattr(get_kernels("cpu"), "integer_products", False))
 
 
+def _check_activation_quantization(value) -> None:
+    if value not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"activation_quantization must be one of {', '.join(ACTIVATION_QUANTIZATIONS)}, "
+                         f"got {value!r} (float32 activations are \"none\")")
+
+
+def _activations(requested: str, quantized: bool, stored_gguf) -> str:
+    """The rule of ``resolve_activation_quantization``: ``quantized``, whether weights in quantized
+    GGUF types are served; ``stored_gguf``, the GGUF file whose weights are served as stored (not
+    quantized at load), or None."""
+    from .registry import packaged_model_name
+    if not quantized or requested == "none" or not on_cpu_integer_products():
+        return "none"
+    if requested == "int8" or stored_gguf is None:
+        return "int8"
+    return "none" if packaged_model_name(stored_gguf) is not None else "int8"
+
+
 def resolve_activation_quantization(requested: str, name_or_path: str, dtype: str = "auto",
                                     quantization: str | None = None, load_format: str = "auto") -> str:
     """What the CPU products of a model's quantized weights take as activations: ``"int8"`` or
     ``"none"`` (float32). Reads only the model's import folder and GGUF / safetensors headers.
 
+    ``"none"`` wherever no weights in quantized GGUF types are served (float weights) or the CPU has
+    no integer dot products (``on_cpu_integer_products``: every product then keeps float32
+    activations). Otherwise:
+
     - ``"int8"`` / ``"none"``: as given (``load_model`` refuses int8 for weights that are not in
-      quantized GGUF types), but ``"none"`` where the CPU has no integer dot products
-      (``on_cpu_integer_products``: every product then keeps float32 activations).
-    - ``"auto"`` (the default): ``"int8"`` where the weights are served in quantized GGUF types (a
-      ``.gguf`` file of Q4_K, Q8_0, ... tensors with ``--dtype auto``, or ``--quantization``), as
-      llama.cpp computes them (every product of a quantized type quantizes its activations to 8 bits)
-      and as vLLM's GGUF kernels do; ``"none"`` for float weights, and for the weights of a known
-      model's packaged file (the embedded default model's, recognised by content wherever the file
-      lies: ``registry.packaged_model_name``): its golden greedy outputs are the float32 products of
-      its exactly dequantized weights, and int8 activations change them (docs/kernels.md,
-      "Quantized weights").
+      quantized GGUF types).
+    - ``"auto"`` (the default): ``"int8"`` for weights served in quantized GGUF types (a ``.gguf``
+      file of Q4_K, Q8_0, ... tensors with ``--dtype auto``, or ``--quantization``), as llama.cpp
+      computes them (every product of a quantized type quantizes its activations to 8 bits) and as
+      vLLM's GGUF kernels do; ``"none"`` for the weights of a known model's packaged file served as
+      stored (the embedded default model's, recognised by content wherever the file lies:
+      ``registry.packaged_model_name``): its golden greedy outputs are the float32 products of its
+      exactly dequantized weights, and int8 activations change them (docs/kernels.md, "Quantized
+      weights").
 
     Raises:
         ValueError: a value not in ``ACTIVATION_QUANTIZATIONS``; what ``registry.resolve_model``
@@ -75,26 +96,21 @@ def resolve_activation_quantization(requested: str, name_or_path: str, dtype: st
     """
     from .gguf_header import read_tensor_infos
     from .gguf_weights import gguf_source
-    from .registry import packaged_model_name, resolve_model
+    from .registry import resolve_model
 
-    if requested not in ACTIVATION_QUANTIZATIONS:
-        raise ValueError(f"activation_quantization must be one of {', '.join(ACTIVATION_QUANTIZATIONS)}, "
-                         f"got {requested!r}")
-    if requested == "none" or not on_cpu_integer_products():
+    _check_activation_quantization(requested)
+    if requested == "none":
         return "none"
-    if requested == "int8":
-        return "int8"
     if quantization is not None:
-        return "int8"
+        return _activations(requested, True, None)
     if dtype != "auto" or load_format == "dummy":
         return "none"
-    model_dir = Path(resolve_model(name_or_path))
-    source = gguf_source(model_dir)
-    if source is None or packaged_model_name(source) is not None:
+    source = gguf_source(Path(resolve_model(name_or_path)))
+    if source is None:
         return "none"
     _, infos = read_tensor_infos(source)
-    types = {GGML_TYPE_NAMES.get(info.type_id, str(info.type_id)) for info in infos.values()}
-    return "int8" if types - set(_FLOAT_TYPES) else "none"
+    quantized = any(GGML_TYPE_NAMES.get(info.type_id) not in _FLOAT_TYPES for info in infos.values())
+    return _activations(requested, quantized, source)
 
 
 def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto", dtype: str = "auto",
@@ -145,9 +161,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     if dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
-    if activation_quantization not in ACTIVATION_QUANTIZATIONS:
-        raise ValueError(f"activation_quantization must be one of {', '.join(ACTIVATION_QUANTIZATIONS)}, "
-                         f"got {activation_quantization!r} (float32 activations are \"none\")")
+    _check_activation_quantization(activation_quantization)
     kernels = get_kernels(resolve_device(device))
     on_cpu = getattr(kernels, "stack_quantized", None) is not None
     if quantization is not None and not on_cpu:
@@ -184,11 +198,10 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
                          _FLOAT_TYPES]
         if activation_quantization == "int8" and not quantized:
             _refuse_activation_quantization(activation_quantization, dtype)
-        if quantized and resolve_activation_quantization(activation_quantization, name_or_path, dtype, quantization,
-                                                         load_format) == "int8":
-            activations = "int8"
-            for w in quantized:
-                w.activations = "int8"
+        # (weights quantized at load are not the file's: the default model's rule does not apply)
+        activations = _activations(activation_quantization, bool(quantized), source if quantization is None else None)
+        for w in quantized if activations == "int8" else ():
+            w.activations = "int8"
     model = LlamaForCausalLM(config, weights, kernels)
     model.activation_quantization = activations
     return model, config, model_dir

@@ -24,7 +24,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def add_weight_args(p: argparse.ArgumentParser) -> None:
     """folio's ``--dtype`` and ``--activation-quantization`` (as ``folio serve`` takes them)."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32"], help="folio's weights (see folio serve)")
-    p.add_argument("--activation-quantization", default="auto", choices=["auto", "int8", "none"],
+    from folio.runtime.common.config import ACTIVATION_QUANTIZATIONS
+    p.add_argument("--activation-quantization", default="auto", choices=list(ACTIVATION_QUANTIZATIONS),
                    help="folio: activations of quantized weights' products, int8, none (float32) or auto "
                         "(see folio serve)")
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass, fields
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 """``--kv-cache-dtype`` values (vLLM's names); which of them a device runs: ``KernelTable.kv_cache_dtypes``."""
+ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
+"""``--activation-quantization`` values; what each means: ``model.loader.resolve_activation_quantization``
+(which checks them again for ``load_model``'s own callers)."""
 
 
 @dataclass
@@ -105,7 +108,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.quantization not in (None, "q8_0", "q4_k"):
             raise ValueError(f"quantization must be q8_0 or q4_k (or unset), got {self.quantization!r}")
-        if self.activation_quantization not in ("auto", "int8", "none"):
+        if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
             raise ValueError(f"activation_quantization must be auto, int8 or none, got {self.activation_quantization!r} "
                              f"(float32 activations are \"none\")")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
