@@ -1,4 +1,4 @@
-"""``folio serve``: one engine, two front doors.
+"""``folio serve``: one engine, two doors.
 
     folio serve [--model M] [--address tcp://127.0.0.1:5555 | ipc://PATH] [--host 127.0.0.1] [--port 8000]
                 [--api-key KEY] [--served-model-name NAME ...] [--chat-template FILE|TEMPLATE]
@@ -9,7 +9,7 @@ With ``--data-parallel-size N`` (N > 1) this process is a router in front of N e
 placed on a Ray cluster (``folio/serve_dp.py``); the rest of this text is about one engine.
 
 Processes: this one is the scheduler (engine loop, ZeroMQ clients on ``--address``); a worker
-process runs the model; an HTTP front-end process (FastAPI + uvicorn, ``folio/api``) serves the
+process runs the model; an HTTP process (FastAPI + uvicorn, ``folio/api``) serves the
 OpenAI-compatible API, Prometheus ``/metrics`` and a chat page on ``http://HOST:PORT``, talking to
 this process through folio's ``AsyncClient`` like any other client.
 
@@ -19,10 +19,10 @@ ADDRESS and http://HOST:PORT ...``. Loopback only unless ``--allow-remote`` (the
 authentication; ``--api-key`` guards the HTTP one).
 
 SIGINT / SIGTERM / SIGHUP, to this process or to its whole process group, at any time: in-flight requests
-get a ``shutdown`` error, the front end and the worker stop, temporary socket folders are
-removed, and the process exits 0. The worker and the front end also die with this process
+get a ``shutdown`` error, the HTTP process and the worker stop, temporary socket folders are
+removed, and the process exits 0. The worker and the HTTP process also die with this process
 (``PR_SET_PDEATHSIG``). If the worker dies, this process fails every in-flight request and exits
-with code 3 (see ``ipc/scheduler_process.py``); if the front end dies, it exits with code 4.
+with code 3 (see ``ipc/scheduler_process.py``); if the HTTP process dies, it exits with code 4.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import argparse
 import signal
 import sys
 
-from .front_door import front_end_flags, serve_behind_front
+from .serve_http import http_process_flags, serve_with_http_process
 from .runtime.common.config import ACTIVATION_QUANTIZATIONS, DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
 
 WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
@@ -171,7 +171,7 @@ def run(a: argparse.Namespace) -> int:
 def _run(a: argparse.Namespace) -> int:
     import os
     import time
-    from .api.frontend import FrontEndProcess, bind_http, http_url, load_chat_template
+    from .api.http_process import HttpProcess, bind_http, http_url, load_chat_template
     from .ipc.scheduler_process import Server
     from .ipc.transport import private_ipc_address
     from .model.config import ModelConfig
@@ -184,7 +184,7 @@ def _run(a: argparse.Namespace) -> int:
     max_model_len = config.resolve_max_model_len(ModelConfig.from_pretrained(model_dir).max_position_embeddings)
     load_chat_template(a.chat_template)                     # a bad template fails now, not per request
     http_sock = bind_http(a.host, a.port, a.allow_remote)   # a busy port fails before the model loads
-    if a.data_parallel_size != 1:                           # N replicas on Ray behind this front door
+    if a.data_parallel_size != 1:                           # N replicas on Ray behind this door
         from .serve_dp import run_data_parallel
         try:
             code = run_data_parallel(a, config, _say, STOP_SIGNALS, http_sock, max_model_len, model_dir, api_key)
@@ -192,7 +192,7 @@ def _run(a: argparse.Namespace) -> int:
             http_sock.close()
         print("folio serve: stopped", file=sys.stderr, flush=True)
         return code
-    front = server = None
+    http = server = None
     kernels = None   # the CPU kernels into Numba's cache while the worker loads the model (its own runner only)
     if a.worker_runner == WORKER_RUNNER:
         kernels = _start_kernel_compile(config)
@@ -215,20 +215,20 @@ def _run(a: argparse.Namespace) -> int:
         server.engine.warm_up()
         api_address = server.bind_extra(private_ipc_address("api"))
         num_blocks = int(server.engine.get_metrics()["num_total_blocks"])
-        front = FrontEndProcess(http_sock, api_address, front_end_flags(a, config, model_dir, max_model_len,
+        http = HttpProcess(http_sock, api_address, http_process_flags(a, config, model_dir, max_model_len,
                                                                      num_blocks), api_key=api_key)
-        state = {"stopping": False, "front_exit": None}
+        state = {"stopping": False, "http_exit": None}
         ready = (f"ready on {server.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
                  f"(model {config.model}, device {info.get('device', '?')}"
                  + (", int8 activations" if info.get("activation_quantization") == "int8" else "")
                  + f", {num_blocks} KV blocks of "
                  f"{config.block_size} tokens, worker pid {getattr(ex, 'worker_pid', '?')})")
-        code = serve_behind_front(server, front, state, STOP_SIGNALS, lambda: _say(ready))
+        code = serve_with_http_process(server, http, state, STOP_SIGNALS, lambda: _say(ready))
     finally:
         for sig in STOP_SIGNALS:                          # the clean-up below is not interrupted
             signal.signal(sig, signal.SIG_IGN)
-        if front is not None:
-            front.stop()
+        if http is not None:
+            http.stop()
         if server is not None:
             server.close()
         http_sock.close()

@@ -3,7 +3,7 @@ how to reach the server over HTTP.
 
     python -m folio.demo [--model M] [--device auto|cpu|cuda] [--max-tokens N] [--address ADDR]
 
-1. starts ``folio serve`` (scheduler, worker and HTTP front-end processes) on a private ``ipc://``
+1. starts ``folio serve`` (scheduler, worker and HTTP processes) on a private ``ipc://``
    address and HTTP port 8000 (``--port``, ``$FOLIO_PORT`` or ``make run PORT=N``; any free port if
    it is taken), printing its progress while the
    model loads and warms up; or uses ``--address`` of a server already running;
@@ -183,9 +183,9 @@ def _main(a) -> int:
         if address is None:
             port = a.port if a.port and _port_free(a.port) else 0
             if a.port and not port:
-                print(f"port {a.port} is taken: the HTTP front end takes a free port instead", flush=True)
+                print(f"port {a.port} is taken: the HTTP process takes a free port instead", flush=True)
             flags = ["--device", a.device, "--port", str(port)] + (["--model", a.model] if a.model else [])
-            print("starting folio serve (scheduler, worker and HTTP front-end processes) ...", flush=True)
+            print("starting folio serve (scheduler, worker and HTTP processes) ...", flush=True)
             t0 = time.monotonic()
             proc, address = spawn_server(flags + a.serve_arg, on_line=lambda line: print("  " + line, flush=True))
             url = proc.http_url

@@ -1,13 +1,13 @@
-"""``folio serve --data-parallel-size N --data-parallel-backend ray``: N engine replicas, one front door.
+"""``folio serve --data-parallel-size N --data-parallel-backend ray``: N engine replicas, one door.
 
-This process is the front door: it starts (or joins, ``--ray-address``) a Ray cluster, places N
+This process is the door: it starts (or joins, ``--ray-address``) a Ray cluster, places N
 replica actors on it (``ipc/ray_replicas.py``: each one a scheduler process with its own worker
 process), binds the ZeroMQ client address with the data-parallel router
 (``ipc/data_parallel.py``: prefix-aware routing, fan-out of health and metrics, fault handling)
-and starts the HTTP front end (``folio/api``) as ``folio serve`` does, talking to the router. A
+and starts the HTTP process (``folio/api``) as ``folio serve`` does, talking to the router. A
 supervisor thread waits for Ray to restart a replica that died and reconnects the router to it.
 
-SIGINT / SIGTERM / SIGHUP: in-flight requests get a ``shutdown`` error, the HTTP front end stops,
+SIGINT / SIGTERM / SIGHUP: in-flight requests get a ``shutdown`` error, the HTTP process stops,
 every replica stops its worker, the actors are killed without restart, and a Ray cluster this
 process started is stopped; exit 0.
 """
@@ -22,7 +22,7 @@ import threading
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     """The data-parallel flags (vLLM's names where it has them)."""
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine replicas behind the one front door (each a scheduler + a worker)")
+                   help="engine replicas behind the one door (each a scheduler + a worker)")
     p.add_argument("--data-parallel-backend", default="ray", choices=["ray"],
                    help="what places the replicas when --data-parallel-size > 1 (Ray actors)")
     p.add_argument("--ray-address", default=None,
@@ -38,12 +38,12 @@ def run_data_parallel(a: argparse.Namespace, config, say, stop_signals, http_soc
                       model_dir, api_key) -> int:
     """The data-parallel ``folio serve`` (module docstring); returns the exit code."""
     import time
-    from .api.frontend import FrontEndProcess, http_url, load_chat_template
-    from .front_door import front_end_flags, serve_behind_front
+    from .api.http_process import HttpProcess, http_url, load_chat_template
+    from .serve_http import http_process_flags, serve_with_http_process
     from .ipc.data_parallel import DataParallelRouter
     from .ipc.transport import private_ipc_address
     from .model.tokenizer import Tokenizer
-    from .runtime.frontend.input_processor import InputProcessor
+    from .runtime.inputs.input_processor import InputProcessor
 
     if a.data_parallel_size < 1 or a.threads_per_replica < 1:
         raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1")
@@ -53,8 +53,8 @@ def run_data_parallel(a: argparse.Namespace, config, say, stop_signals, http_soc
         raise ValueError(f"--data-parallel-backend ray needs Ray: pip install 'folio-serve[ray]' ({e})") from None
     t0 = time.monotonic()
     template = load_chat_template(a.chat_template)
-    replicas = router = front = None
-    state = {"stopping": False, "front_exit": None}
+    replicas = router = http = None
+    state = {"stopping": False, "http_exit": None}
     try:
         say(f"starting {a.data_parallel_size} replicas of {config.model} on Ray "
             f"({a.threads_per_replica} thread(s) each, device {config.device}) ...")
@@ -95,19 +95,19 @@ def run_data_parallel(a: argparse.Namespace, config, say, stop_signals, http_soc
 
         threading.Thread(target=supervise, name="folio-dp-supervisor", daemon=True).start()
         api_address = router.bind_extra(private_ipc_address("api"))
-        front = FrontEndProcess(http_sock, api_address, front_end_flags(a, config, model_dir, max_model_len, blocks),
+        http = HttpProcess(http_sock, api_address, http_process_flags(a, config, model_dir, max_model_len, blocks),
                                 api_key=api_key)
         where = ", ".join(f"{i['node_ip']} pid {i['pid']}" for i in infos)
         ready = (f"ready on {router.address} and {http_url(http_sock)} in {time.monotonic() - t0:.1f} s "
                  f"(model {config.model}, {a.data_parallel_size} replicas on Ray: {where}; "
                  f"{blocks} KV blocks of {config.block_size} tokens each)")
-        return serve_behind_front(router, front, state, stop_signals, lambda: say(ready))
+        return serve_with_http_process(router, http, state, stop_signals, lambda: say(ready))
     finally:
         state["stopping"] = True
         for sig in stop_signals:
             signal.signal(sig, signal.SIG_IGN)
-        if front is not None:
-            front.stop()
+        if http is not None:
+            http.stop()
         if router is not None:
             router.close()
         if replicas is not None:

@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from ..runtime.common.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..runtime.frontend.input_processor import PROMPT_KEYS, InputError, parse_prompt
+from ..runtime.inputs.input_processor import PROMPT_KEYS, InputError, parse_prompt
 from . import messages as M
 from .transport import DEFAULT_ADDRESS, make_socket, wait_for_server
 

@@ -1,7 +1,7 @@
-"""The data-parallel front door: one ZeroMQ ROUTER for clients, N engine replicas behind it.
+"""The data-parallel door: one ZeroMQ ROUTER for clients, N engine replicas behind it.
 
 ``DataParallelRouter`` speaks the client protocol of ``ipc/scheduler_process.py`` to clients (the
-HTTP front end is one of them) and the same protocol, as a client, to each replica's own
+HTTP process is one of them) and the same protocol, as a client, to each replica's own
 ``Server`` (a replica is a scheduler process with its own worker; ``ipc/ray_replicas.py`` places
 them on a Ray cluster, but this module knows only their ZeroMQ addresses). Per message:
 
@@ -43,7 +43,7 @@ import zmq
 import zmq.utils.monitor
 
 from . import messages as M
-from .client_door import ClientDoor
+from .client_socket import ClientSocket
 from .routing import Decision, NoReplicaError, PrefixAwareRouter
 from .transport import check_address, cleanup_ipc_address, make_socket, recv_frames, send_frames
 
@@ -120,13 +120,13 @@ def merge_metrics(snapshots: list[dict]) -> dict:
     return merge(None, snapshots) if snapshots else {}
 
 
-class DataParallelRouter(ClientDoor):
-    """The front door of ``folio serve --data-parallel-size N``.
+class DataParallelRouter(ClientSocket):
+    """The door of ``folio serve --data-parallel-size N``.
 
     Args:
         address: client bind address (as ``Server``'s; non-loopback needs ``allow_remote``).
         replica_addresses: each replica's ZeroMQ address (``Server`` client address), by index.
-        input_processor: ``runtime.frontend.InputProcessor`` of the model (tokenizes text and chat
+        input_processor: ``runtime.inputs.InputProcessor`` of the model (tokenizes text and chat
             prompts to route them; the replica tokenizes again for itself).
         block_size, max_blocks: ``PrefixAwareRouter`` arguments (the replicas' block size, the
             prefix map's bound in blocks).
@@ -176,7 +176,7 @@ class DataParallelRouter(ClientDoor):
         self._stop = True
 
     def bind_extra(self, address: str) -> str:
-        """Also accept clients on ``address`` (the HTTP front end's private ``ipc://`` path)."""
+        """Also accept clients on ``address`` (the HTTP process's private ``ipc://`` path)."""
         try:
             self.sock.bind(address)
         except zmq.ZMQError as e:

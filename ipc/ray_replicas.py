@@ -5,7 +5,7 @@ One Ray actor per replica (``ReplicaActor``), placed by Ray with declared resour
 *is* the replica's scheduler process: it builds folio's ``Server`` (``ipc/scheduler_process.py``:
 the engine, and a ``ZmqExecutor`` that spawns the replica's worker process as a child), binds the
 replica's ZeroMQ client door on a free TCP port of its node, warms the engine up and runs
-``serve_forever`` on a thread of its own. The front door (``ipc/data_parallel.py``) talks to it
+``serve_forever`` on a thread of its own. The door (``ipc/data_parallel.py``) talks to it
 over that ZeroMQ address only; Ray carries nothing of a request. Ray does the placement, the
 process life cycle and the restarts:
 
@@ -32,7 +32,7 @@ import ray
 
 from ..runtime.common.config import EngineConfig
 
-# environment variables a replica takes from the front door's process (the test worker's settings,
+# environment variables a replica takes from the door's process (the test worker's settings,
 # folio's own switches, the import path of a test runner)
 _FORWARDED_ENV_PREFIXES = ("FOLIO_",)
 _FORWARDED_ENV = ("PYTHONPATH", "NUMBA_CACHE_DIR")

@@ -45,7 +45,7 @@ import zmq
 
 from ..runtime.scheduler.metrics import ServingStats
 from . import messages as M
-from .client_door import ClientDoor
+from .client_socket import ClientSocket
 from .transport import check_address, cleanup_ipc_address, make_socket
 
 EXIT_WORKER_DIED = 3
@@ -75,7 +75,7 @@ def _wire_logprobs(pos: dict) -> list:
     return [[int(t), float(lp.logprob), lp.rank, lp.decoded_token] for t, lp in pos.items()]
 
 
-class Server(ClientDoor):
+class Server(ClientSocket):
     """The scheduler process's main object.
 
     Args:
@@ -110,7 +110,7 @@ class Server(ClientDoor):
         self.healthy = True
         self.unhealthy_reason: str | None = None
         self.started_time = time.time()
-        self.serving_stats = ServingStats()      # TTFT / ITL / ... histograms for the /metrics front end
+        self.serving_stats = ServingStats()      # TTFT / ITL / ... histograms for the /metrics HTTP process
         self._extra_addresses: list[str] = []
         self._last_scheduled_tokens = 0
         self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0, "num_errors": 0,
@@ -143,7 +143,7 @@ class Server(ClientDoor):
         self._stop = True
 
     def bind_extra(self, address: str) -> str:
-        """Also accept clients on ``address`` (e.g. a private ``ipc://`` path for the HTTP front end);
+        """Also accept clients on ``address`` (e.g. a private ``ipc://`` path for the HTTP process);
         its socket file is removed on close. Raises ``ValueError`` if it cannot be bound."""
         try:
             self.sock.bind(address)

@@ -24,7 +24,7 @@ import numpy as np
 from ..kernels import reference
 from ..kernels.quant_reference import BF16, F16, F32, QuantizedWeight
 from ..kernels.table import KernelTable
-from .attention import AttentionMetadata
+from .attention_metadata import AttentionMetadata
 from .config import ModelConfig
 
 

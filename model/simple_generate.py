@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ..kernels import to_numpy
-from .attention import AttentionMetadata
+from .attention_metadata import AttentionMetadata
 from .loader import allocate_kv_caches
 
 

@@ -104,8 +104,8 @@ class Tokenizer:
 
         ``add_special_tokens=True`` applies the post-processor (e.g. Llama 3's BOS). Runs through
         ``encode_batch``, which releases the GIL (``encode`` holds it for the whole call), so a long
-        text tokenized on a worker thread does not stall the caller's other threads (the HTTP front
-        end's event loop).
+        text tokenized on a worker thread does not stall the caller's other threads (the HTTP
+        process's event loop).
         """
         return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 

@@ -160,7 +160,7 @@ install() {
     "$VENV/bin/python" - <<'PYEOF' &
 import numpy as np
 from folio.kernels import get_kernels
-from folio.model.attention import AttentionMetadata
+from folio.model.attention_metadata import AttentionMetadata
 from folio.model.config import ModelConfig
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import allocate_kv_caches

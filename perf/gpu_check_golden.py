@@ -247,7 +247,7 @@ def _steps(config: dict, n_prompt: int, chunk: int, decodes: int, seed: int = 0)
 
 
 def _run(model, kernels, caches, ids, bt, steps) -> list:
-    from folio.model.attention import AttentionMetadata
+    from folio.model.attention_metadata import AttentionMetadata
 
     xp = kernels.xp
     out = []

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     from folio.kernels import reference
     from folio.kernels.cpu.threads import num_threads, numba_threads
-    from folio.model.attention import AttentionMetadata
+    from folio.model.attention_metadata import AttentionMetadata
     from folio.model.loader import allocate_kv_caches, load_model
 
     model, config, _ = load_model(a.model, device="cpu")

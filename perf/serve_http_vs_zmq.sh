@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The same `folio bench serve` workload through both front doors of one `folio serve`, in one run:
+# The same `folio bench serve` workload through both doors of one `folio serve`, in one run:
 # ZeroMQ (AsyncClient) and HTTP (/v1/completions, SSE), in the order zmq, http, http, zmq so that a
 # drift of the machine's load shows up instead of favouring one side. Prints each summary and the load.
 #   OUT=dir perf/serve_http_vs_zmq.sh [extra bench flags]

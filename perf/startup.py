@@ -2,7 +2,7 @@
 
 Each run starts ``folio serve --port 0`` on a private ZeroMQ socket, waits for its
 ``folio serve: ready on ...`` line, reads the CPU seconds that the server and its children (the
-worker, the HTTP front end, the kernel compile processes) have used by then (``/proc``, user +
+worker, the HTTP process, the kernel compile processes) have used by then (``/proc``, user +
 system, live and reaped children), then stops it with SIGTERM. The first run starts with an empty
 Numba cache, the next ones reuse what it left.
 

@@ -55,7 +55,7 @@ def mask_times(model_dir: str, sizes=(64, 256), steps: int = 20) -> dict[int, tu
     from folio.model.tokenizer import Tokenizer
     from folio.runtime.common.sampling_params import SamplingParams, StructuredOutputsParams
     from folio.runtime.worker.sampler import SamplingState, apply_token_bitmask
-    from folio.runtime.worker.structured_outputs import GrammarMatchers, advance, fill_batch_bitmask
+    from folio.runtime.worker.grammar_matchers import GrammarMatchers, advance, fill_batch_bitmask
     tok = Tokenizer.from_pretrained(model_dir)
     V = tok.vocab_size
     valid = tok.hf.encode(json.dumps(INSTANCE), add_special_tokens=False).ids

@@ -43,7 +43,7 @@ API_KEY = "sk-folio-test"
 @pytest.fixture(scope="session")
 def echo_http():
     """A ``folio serve`` with EchoRunner in its worker (next id = last id + 1; 10 ms per step) and both
-    front doors: ``(proc, zmq_address, http_url)``; the HTTP API needs ``Authorization: Bearer API_KEY``."""
+    doors: ``(proc, zmq_address, http_url)``; the HTTP API needs ``Authorization: Bearer API_KEY``."""
     from folio.cmd_serve import spawn_server, stop_server
     from serve_helpers import ECHO, echo_env
 

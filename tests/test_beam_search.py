@@ -43,7 +43,7 @@ def runner():
 def fresh_prefill_logits(model, config, prefixes) -> np.ndarray:
     """``[S, V]`` float32 logits after each prefix: one forward in which every prefix is a whole
     prefill into its own fresh blocks (a batch of independent full recomputes, no cached K/V)."""
-    from folio.model.attention import AttentionMetadata
+    from folio.model.attention_metadata import AttentionMetadata
     from folio.model.loader import allocate_kv_caches
     bs = 16
     lens = [len(p) for p in prefixes]

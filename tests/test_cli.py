@@ -174,7 +174,7 @@ def test_a_signal_stops_everything_cleanly(tmp_path, how, when):
     assert proc.returncode == 0, text
     assert "Traceback" not in text and "Error" not in text, text
     assert ("ready on" in text) == (when == "serving"), text
-    poll_until(lambda: not _our_processes(str(tmp)), 30, "the worker and the front end to exit")
+    poll_until(lambda: not _our_processes(str(tmp)), 30, "the worker and the HTTP process to exit")
     assert sorted(os.listdir(tmp)) == [], "temporary folders left behind"
 
 
@@ -310,17 +310,17 @@ def test_bench_serve_over_http_and_zmq_count_the_same_tokens(echo_http):
     assert bad["failed_requests"] == 1 and "401" in bad["errors"][0]
 
 
-def test_a_dead_front_end_stops_the_server_with_code_4(tmp_path):
+def test_a_dead_http_process_stops_the_server_with_code_4(tmp_path):
     from folio.cmd_serve import spawn_server
-    from folio.front_door import EXIT_FRONTEND_DIED
+    from folio.serve_http import EXIT_HTTP_PROCESS_DIED
     proc, _ = spawn_server(ECHO, address=f"ipc://{tmp_path}/s.sock", env=echo_env(TMPDIR=str(tmp_path)),
                            startup_timeout=180)
     try:
         front = [p for p in _our_processes(str(tmp_path)) if p != proc.pid and
-                 b"folio.api.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+                 b"folio.api.http_process" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(front) == 1
         os.kill(front[0], signal.SIGKILL)
-        assert proc.wait(60) == EXIT_FRONTEND_DIED
+        assert proc.wait(60) == EXIT_HTTP_PROCESS_DIED
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -330,7 +330,7 @@ def test_a_dead_front_end_stops_the_server_with_code_4(tmp_path):
 
 def test_chat_template_flag_applies_to_both_doors(tmp_path):
     import httpx
-    from folio.api.frontend import load_chat_template
+    from folio.api.http_process import load_chat_template
     from folio.cmd_serve import spawn_server, stop_server
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     path = tmp_path / "chat.jinja"

@@ -239,7 +239,7 @@ from types import SimpleNamespace
 from folio.kernels.cpu import table as cpu
 from folio.kernels import get_kernels
 from folio.kernels.cpu.threads import numba_threads
-from folio.model.attention import AttentionMetadata
+from folio.model.attention_metadata import AttentionMetadata
 from folio.model.config import ModelConfig
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import allocate_kv_caches

@@ -445,7 +445,7 @@ def test_llama_forward_on_the_cuda_table_matches_the_spec_op_by_op(kt, monkeypat
     # (half an ulp, once) and fails on any kernel or wiring error.
     from cuda_shadow import SpecCheckedKernels
 
-    from folio.model.attention import AttentionMetadata
+    from folio.model.attention_metadata import AttentionMetadata
     from folio.model.config import ModelConfig
     from folio.model.llama import LlamaForCausalLM
     from folio.model.loader import allocate_kv_caches

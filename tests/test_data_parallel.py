@@ -1,4 +1,4 @@
-"""``folio serve --data-parallel-size 2 --data-parallel-backend ray``: two replicas behind one front door.
+"""``folio serve --data-parallel-size 2 --data-parallel-backend ray``: two replicas behind one door.
 
 The replicas run the real scheduler, engine, tokenizer and IPC with the EchoRunner worker
 (tests/ipc_fake_runner.py: next id = last id + 1), so the expected outputs are independent of the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from folio.model.attention import AttentionMetadata
+from folio.model.attention_metadata import AttentionMetadata
 from folio.model.loader import allocate_kv_caches
 from folio.runtime.common.sampling_params import SamplingParams
 from folio.runtime.common.step import NewSequence, StepPlan

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from folio.kernels import get_kernels, reference
-from folio.model.attention import AttentionMetadata
+from folio.model.attention_metadata import AttentionMetadata
 from folio.model.config import ModelConfig
 from folio.model.llama import LlamaForCausalLM
 from folio.model.loader import allocate_kv_caches

@@ -1,8 +1,8 @@
-"""The HTTP front end over raw HTTP (httpx): request forms, SSE framing, every error code, 32 concurrent
+"""The HTTP process over raw HTTP (httpx): request forms, SSE framing, every error code, 32 concurrent
 streams, client disconnects, /metrics, /tokenize, /detokenize, /v1/models, /version, /health.
 
 The server (``echo_http`` in conftest.py) runs the real scheduler, engine, tokenizer, IPC and HTTP
-front end with ``EchoRunner`` in the worker (next id = last id + 1), so every output has an
+HTTP process with ``EchoRunner`` in the worker (next id = last id + 1), so every output has an
 independently known value: ``echo_chain(last prompt id, n)``, and its text is the tokenizer's
 decoding of those ids.
 """
@@ -471,7 +471,7 @@ def test_prompt_logprobs_in_vllms_shape(http, tokenizer):
     assert all(len(e) == 1 and list(e.values())[0]["rank"] == 7 for e in lps[1:])
 
 
-# -- the front door under big requests ------------------------------------------------------------------------
+# -- the door under big requests ------------------------------------------------------------------------
 
 def _send_head(url: str, headers: str) -> socket.socket:
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -517,12 +517,12 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(echo_http):
 
 
 def test_health_answers_while_a_large_body_is_tokenized(echo_http, tokenizer):
-    # the front end in this process, on the running scheduler, with a tokenizer that holds a long
+    # the HTTP process in this process, on the running scheduler, with a tokenizer that holds a long
     # text until /health has answered: were tokenization on the event loop, /health would wait
     import threading
 
     from folio.api.app import build_app
-    from folio.api.serving import FrontEnd
+    from folio.api.serving import OpenAIServing
     entered, release = threading.Event(), threading.Event()
 
     class HeldTokenizer:
@@ -535,7 +535,7 @@ def test_health_answers_while_a_large_body_is_tokenized(echo_http, tokenizer):
         def __getattr__(self, name):
             return getattr(tokenizer, name)
 
-    front = FrontEnd(scheduler_address=echo_http[1], tokenizer=HeldTokenizer(), served_model_names=["echo"],
+    front = OpenAIServing(scheduler_address=echo_http[1], tokenizer=HeldTokenizer(), served_model_names=["echo"],
                      model_root="echo", max_model_len=4096, kv_capacity_tokens=8192, max_request_bytes=1 << 20)
     app = build_app(front)
 

@@ -1,4 +1,4 @@
-"""The input processor (runtime/frontend/input_processor.py) every door shares, and the small API
+"""The input processor (runtime/inputs/input_processor.py) every door shares, and the small API
 items of issue 31 that sit on it: LLMEngine.add_request's dict prompts, decoded tokens in
 logprobs, the bounds on ``stop``, the REPL's default top_p, ``make run PORT=``.
 
@@ -20,7 +20,7 @@ from ipc_fake_runner import EchoRunner, echo_logprobs
 from folio import SamplingParams
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from folio.runtime.frontend.input_processor import InputError, InputProcessor, parse_prompt
+from folio.runtime.inputs.input_processor import InputError, InputProcessor, parse_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 

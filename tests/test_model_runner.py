@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numerics import forward_logit_atol
 
-from folio.model.attention import AttentionMetadata
+from folio.model.attention_metadata import AttentionMetadata
 from folio.model.loader import allocate_kv_caches
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.worker.model_runner import ModelRunner, max_useful_blocks, mem_available_bytes, num_kv_blocks

@@ -56,7 +56,7 @@ def test_greedy_completion_equals_golden_offline_and_the_zmq_door(served, client
         assert got[c["id"]] == c["generated_ids_32_ignore_eos"][:8]
         assert r.usage.prompt_tokens == len(c["prompt_ids"]) and r.usage.completion_tokens == 8
         assert choice.finish_reason == "length"
-    # the same prompt as token ids, through the other front door of the same server
+    # the same prompt as token ids, through the other door of the same server
     with Client(served[1], timeout=300) as zc:
         out = zc.generate({"prompt_token_ids": a["prompt_ids"]}, {"max_tokens": 8, "temperature": 0.0})
     assert out.outputs[0].token_ids == got["a"]

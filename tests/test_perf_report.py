@@ -18,7 +18,7 @@ from perf.bench import peers
 from perf.bench.common import BenchRequest, all_cores, random_requests
 from perf.bench.kv_replay import simulate_contiguous
 from perf.bench.report import ReportSize
-from folio.runtime.scheduler.kv_cache_manager import cdiv
+from folio.runtime.common.config import cdiv
 
 TINY = ReportSize.tiny()
 

@@ -1,5 +1,5 @@
 """Beam search and prompt logprobs through `folio serve` (real processes): the ZeroMQ clients and
-the HTTP front end's ``use_beam_search`` extension.
+the HTTP process's ``use_beam_search`` extension.
 
 The worker is ``tests/ipc_fake_runner.EchoRunner``: its made-up logprobs (``echo_logprobs``, a
 function of the last token) make the expected beams computable by the independent search of

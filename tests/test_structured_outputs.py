@@ -20,7 +20,7 @@ from folio.ipc import messages as M
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.sampling_params import StructuredOutputsParams
 from folio.runtime.common.step import NewSequence, StepPlan
-from folio.runtime.common.structured_outputs import GrammarError
+from folio.runtime.common.grammar import GrammarError
 from folio.runtime.worker.sampler import apply_token_bitmask
 
 # the shortest valid output is ~12 tokens, so small max_tokens keep the suite quick
@@ -194,7 +194,7 @@ def test_bad_constraints_fail_before_admission(llm, so, needle):
 
 def test_the_input_processor_hands_tools_to_the_chat_template(default_model_dir):
     from folio.model.tokenizer import Tokenizer
-    from folio.runtime.frontend.input_processor import InputProcessor
+    from folio.runtime.inputs.input_processor import InputProcessor
     tok = Tokenizer.from_pretrained(default_model_dir)
     tok.chat_template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>{% endif %}"
                          "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
@@ -222,9 +222,9 @@ def test_a_grammar_that_allows_only_eos_wins_over_min_tokens():
 
 def test_the_batched_mask_equals_each_matcher_alone(default_model_dir):
     from folio.model.tokenizer import Tokenizer
-    from folio.runtime.common.structured_outputs import fill_bitmask
+    from folio.runtime.common.grammar import fill_bitmask
     from folio.runtime.worker.sampler import SamplingState
-    from folio.runtime.worker.structured_outputs import GrammarMatchers, fill_batch_bitmask
+    from folio.runtime.worker.grammar_matchers import GrammarMatchers, fill_batch_bitmask
     tok = Tokenizer.from_pretrained(default_model_dir)
     V = tok.vocab_size
     valid = tok.hf.encode('{"name": "Ann", "age": 31}', add_special_tokens=False).ids
@@ -250,7 +250,7 @@ def test_the_batched_mask_equals_each_matcher_alone(default_model_dir):
 
 def test_too_large_and_too_slow_constraints_are_refused(default_model_dir):
     from folio.model.tokenizer import Tokenizer
-    from folio.runtime.common.structured_outputs import MAX_GRAMMAR_CHARS, GrammarValidator
+    from folio.runtime.common.grammar import MAX_GRAMMAR_CHARS, GrammarValidator
     tok = Tokenizer.from_pretrained(default_model_dir)
     v = GrammarValidator(tok.hf.to_str(), tok.eos_token_ids)
     with pytest.raises(GrammarError, match="too large") as e:

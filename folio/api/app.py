@@ -12,7 +12,7 @@ none), a body over ``--max-request-bytes`` a 413, an engine that is gone a 503.
 
 The event loop only moves bytes: a request's body is read on it (``BodyLimit`` counting), and
 everything that costs CPU per request (JSON parsing and validation, the chat template,
-tokenization, decoding) runs on the front end's thread pool (``FrontEnd.offload``), so a large
+tokenization, decoding) runs on the HTTP process's thread pool (``OpenAIServing.offload``), so a large
 request never delays ``/health`` or the other streams.
 """
 
@@ -39,7 +39,7 @@ from .metrics import Metrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_body)
 from .runs import ChatRun, CompletionRun
-from .serving import FrontEnd, api_error_from, cancel_on_disconnect, log_unknown_fields
+from .serving import OpenAIServing, api_error_from, cancel_on_disconnect, log_unknown_fields
 
 log = logging.getLogger("folio.api")
 
@@ -133,24 +133,24 @@ def _document_bodies(app: FastAPI, bodies: dict[str, type[pydantic.BaseModel]]) 
     app.openapi = openapi
 
 
-def build_app(front: FrontEnd) -> FastAPI:
-    """The application for one ``FrontEnd`` (its client is opened and closed with the app's lifespan)."""
-    metrics = Metrics(front.model_name)
+def build_app(serving: OpenAIServing) -> FastAPI:
+    """The application for one ``OpenAIServing`` (its client is opened and closed with the app's lifespan)."""
+    metrics = Metrics(serving.model_name)
 
     @asynccontextmanager
     async def lifespan(app):
-        await front.start()
+        await serving.start()
         try:
             yield
         finally:
-            await front.close()
+            await serving.close()
 
     app = FastAPI(title="folio", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of a folio engine")
-    app.add_middleware(BodyLimit, max_bytes=front.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=serving.max_request_bytes)
 
     async def parse(request: Request, model):
-        return await front.offload(_parse, model, await request.body())
+        return await serving.offload(_parse, model, await request.body())
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -174,9 +174,9 @@ def build_app(front: FrontEnd) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if front.api_key is not None and request.url.path not in OPEN_PATHS:
+        if serving.api_key is not None and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {front.api_key}".encode()):
+            if not hmac.compare_digest(given.encode(), f"Bearer {serving.api_key}".encode()):
                 return _error(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
         return await call_next(request)
 
@@ -199,69 +199,69 @@ def build_app(front: FrontEnd) -> FastAPI:
         body = await cancel_on_disconnect(request, runner.response())
         if body is None:                                 # the client left; nobody reads this
             return Response(status_code=499)
-        return await front.offload(JSONResponse, body)   # (it serializes the body as it is made)
+        return await serving.offload(JSONResponse, body)   # (it serializes the body as it is made)
 
     def prepare(run_cls, req, path):
         log_unknown_fields(req, path)
-        return run_cls(front, req)          # validation, chat template, tokenization
+        return run_cls(serving, req)          # validation, chat template, tokenization
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        return await run(request, await front.offload(prepare, CompletionRun, req, request.url.path))
+        return await run(request, await serving.offload(prepare, CompletionRun, req, request.url.path))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse(request, ChatCompletionRequest)
-        return await run(request, await front.offload(prepare, ChatRun, req, request.url.path))
+        return await run(request, await serving.offload(prepare, ChatRun, req, request.url.path))
 
     # -- models, tokenizer, health, metrics ------------------------------------------------------------
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": front.created, "owned_by": "folio",
-                "root": front.model_root, "parent": None, "max_model_len": front.max_model_len}
+        return {"id": name, "object": "model", "created": serving.created, "owned_by": "folio",
+                "root": serving.model_root, "parent": None, "max_model_len": serving.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(n) for n in front.served_model_names]}
+        return {"object": "list", "data": [model_card(n) for n in serving.served_model_names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        front.check_model(model)
+        serving.check_model(model)
         return model_card(model)
 
     def tokenize_body(req: TokenizeRequest, path: str) -> dict:
         log_unknown_fields(req, path)
-        front.check_model(req.model)
+        serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
-        text = req.prompt if req.prompt is not None else front.render_chat(req.messages, req.add_generation_prompt)
-        ids = front.encode(text, req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids,
-                "token_strs": front.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+        text = req.prompt if req.prompt is not None else serving.render_chat(req.messages, req.add_generation_prompt)
+        ids = serving.encode(text, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids,
+                "token_strs": serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
     def detokenize_body(req: DetokenizeRequest, path: str) -> dict:
         log_unknown_fields(req, path)
-        front.check_model(req.model)
-        vocab = front.tokenizer.vocab_size
+        serving.check_model(req.model)
+        vocab = serving.tokenizer.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-        return {"prompt": front.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": serving.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = await parse(request, TokenizeRequest)
-        return await front.offload(tokenize_body, req, request.url.path)
+        return await serving.offload(tokenize_body, req, request.url.path)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = await parse(request, DetokenizeRequest)
-        return await front.offload(detokenize_body, req, request.url.path)
+        return await serving.offload(detokenize_body, req, request.url.path)
 
     @app.get("/health")
     async def health():
         try:
-            h = await front.client.health(timeout=HEALTH_TIMEOUT_S)
+            h = await serving.client.health(timeout=HEALTH_TIMEOUT_S)
         except (ServerError, ClientTimeoutError) as e:
             err = api_error_from(e)
             return _error(503, f"engine unavailable: {err.message}")
@@ -275,7 +275,7 @@ def build_app(front: FrontEnd) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics():
         try:
-            snapshot = await front.client.get_metrics(timeout=HEALTH_TIMEOUT_S)
+            snapshot = await serving.client.get_metrics(timeout=HEALTH_TIMEOUT_S)
         except (ServerError, ClientTimeoutError) as e:
             return _error(503, f"engine unavailable: {api_error_from(e).message}")
         return Response(metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -288,7 +288,7 @@ def build_app(front: FrontEnd) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def chat_page():
-        return HTMLResponse(page.replace("{{MODEL}}", html.escape(front.model_name, quote=True)))
+        return HTMLResponse(page.replace("{{MODEL}}", html.escape(serving.model_name, quote=True)))
 
     _document_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})

@@ -4,7 +4,7 @@ Names are vLLM's (``vllm/v1/metrics/loggers.py``) under a ``folio:`` prefix, eac
 ``model_name``. Every scrape asks the scheduler process for a fresh snapshot
 (``AsyncClient.get_metrics``: engine gauges and counters, plus ``runtime.metrics.ServingStats``'
 histograms) and exposes it through a custom collector, so the numbers count every request the
-engine ran, whichever front door (HTTP or ZeroMQ) it came through.
+engine ran, whichever door (HTTP or ZeroMQ) it came through.
 
 Differences from vLLM: ``num_requests_running`` / ``num_requests_waiting`` count sequences (a request
 with ``n`` samples counts ``n`` once forked); ``prefix_cache_queries`` / ``prefix_cache_hits`` count

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from ..ipc.client import StreamDelta
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
-from .serving import (LOGPROB_FLOOR, BeamSearchGroup, FrontEnd, RequestGroup, beam_search_params, response_format_constraint,
+from .serving import (LOGPROB_FLOOR, BeamSearchGroup, OpenAIServing, RequestGroup, beam_search_params, response_format_constraint,
                       sampling_params)
 from .tool_calls import ToolCallParser, parse_tool_calls, resolve_tool_choice, tool_constraint
 
@@ -80,7 +80,7 @@ def _top(entries: dict, k: int) -> list:
     return ranked[:k]
 
 
-def prompt_logprobs_json(front: FrontEnd, positions: list | None) -> list | None:
+def prompt_logprobs_json(serving: OpenAIServing, positions: list | None) -> list | None:
     """vLLM's ``prompt_logprobs`` in JSON: ``None`` for the first prompt token, then per position
     ``{"token_id": {"logprob", "rank", "decoded_token"}}`` (the prompt token and the top ones)."""
     if positions is None:
@@ -88,19 +88,19 @@ def prompt_logprobs_json(front: FrontEnd, positions: list | None) -> list | None
     return [None if pos is None else
             {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
                       "decoded_token": lp.decoded_token if lp.decoded_token is not None
-                      else front.token_text(t, False)} for t, lp in pos.items()}
+                      else serving.token_text(t, False)} for t, lp in pos.items()}
             for pos in positions]
 
 
-def completion_logprobs(front: FrontEnd, items: list, k: int, offset: int, as_ids: bool) -> tuple[dict, int]:
+def completion_logprobs(serving: OpenAIServing, items: list, k: int, offset: int, as_ids: bool) -> tuple[dict, int]:
     """OpenAI's legacy completions ``logprobs`` object for ``items`` [(token_id, {id: Logprob})];
     returns it and the text offset after the last token."""
     out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for tid, entries in items:
-        tok = front.token_text(tid, as_ids)
+        tok = serving.token_text(tid, as_ids)
         out["tokens"].append(tok)
         out["token_logprobs"].append(_lp(entries[tid].logprob))
-        top = {front.token_text(t, as_ids): _lp(lp.logprob) for t, lp in _top(entries, k)}
+        top = {serving.token_text(t, as_ids): _lp(lp.logprob) for t, lp in _top(entries, k)}
         top.setdefault(tok, _lp(entries[tid].logprob))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
@@ -108,10 +108,10 @@ def completion_logprobs(front: FrontEnd, items: list, k: int, offset: int, as_id
     return out, offset
 
 
-def chat_logprobs(front: FrontEnd, items: list, k: int, as_ids: bool) -> dict:
+def chat_logprobs(serving: OpenAIServing, items: list, k: int, as_ids: bool) -> dict:
     """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     def one(tid, lp):
-        tok = front.token_text(tid, as_ids)
+        tok = serving.token_text(tid, as_ids)
         return {"token": tok, "logprob": _lp(lp.logprob), "bytes": list(tok.encode("utf-8", "replace"))}
 
     content = []
@@ -133,7 +133,7 @@ SSE_DONE = "data: [DONE]\n\n"
 # /v1/completions
 # ---------------------------------------------------------------------------------------------
 
-def completion_prompts(front: FrontEnd, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+def completion_prompts(serving: OpenAIServing, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """``[(text or None, token ids)]`` of the prompt field's four forms. Raises ``APIError(400)``."""
     p = req.prompt
     if isinstance(p, str):
@@ -147,12 +147,12 @@ def completion_prompts(front: FrontEnd, req: CompletionRequest) -> list[tuple[st
     out = []
     for x in texts_or_ids:
         if isinstance(x, str):
-            out.append((x, front.encode(x, req.add_special_tokens, max_tokens=req.max_tokens)))
+            out.append((x, serving.encode(x, req.add_special_tokens, max_tokens=req.max_tokens)))
         else:
             if any(t < 0 for t in x):
                 raise APIError(400, "prompt token ids must be >= 0", "prompt")
             if x:    # (an empty prompt: the engine's message)
-                front.check_length(len(x), req.max_tokens)
+                serving.check_length(len(x), req.max_tokens)
             out.append((None, list(x)))
     return out
 
@@ -164,14 +164,14 @@ class _Run:
     object_name = ""          # of the whole response
     chunk_object_name = ""    # of a streamed chunk
 
-    def __init__(self, front: FrontEnd, req, prompts: list[list[int]], sampling: dict, id_prefix: str):
-        self.front, self.req, self.sampling = front, req, sampling
+    def __init__(self, serving: OpenAIServing, req, prompts: list[list[int]], sampling: dict, id_prefix: str):
+        self.serving, self.req, self.sampling = serving, req, sampling
         if req.use_beam_search:   # one choice per result sequence, best first
             beam = beam_search_params(req, sampling)
             req.n = beam["beam_width"]
-            self.group = BeamSearchGroup(front.client, prompts, beam, req.cache_salt)
+            self.group = BeamSearchGroup(serving.client, prompts, beam, req.cache_salt)
         else:
-            self.group = RequestGroup(front.client, prompts, sampling, req.cache_salt)
+            self.group = RequestGroup(serving.client, prompts, sampling, req.cache_salt)
         self.acc = _Accumulator(len(prompts), req.n)
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -184,7 +184,7 @@ class _Run:
 
     def _chunk(self, choices: list, usage=None, with_usage_key: bool = False) -> dict:
         out = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
-               "model": self.front.model_name, "choices": choices}
+               "model": self.serving.model_name, "choices": choices}
         if with_usage_key:
             out["usage"] = usage
         return out
@@ -195,10 +195,10 @@ class _Run:
                 self.acc.add(i, d)
         finally:
             await self.group.close()
-        return await self.front.offload(self._body)     # texts, logprobs: per-request CPU work
+        return await self.serving.offload(self._body)     # texts, logprobs: per-request CPU work
 
     def _body(self) -> dict:
-        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.front.model_name,
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.serving.model_name,
                 "choices": [self._choice(k, c) for k, c in enumerate(self.acc.choices)], "usage": self.acc.usage(),
                 **self._response_extra()}
 
@@ -227,8 +227,8 @@ class CompletionRun(_Run):
 
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, front: FrontEnd, req: CompletionRequest):
-        front.check_model(req.model)
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest):
+        serving.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -236,18 +236,18 @@ class CompletionRun(_Run):
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported over HTTP", "echo")
         sampling = sampling_params(req, req.max_tokens, req.logprobs, structured_outputs=req.structured_outputs)
-        front.check_structured_outputs(sampling, "structured_outputs")
-        self.prompts = completion_prompts(front, req)
-        super().__init__(front, req, [ids for _, ids in self.prompts], sampling, "cmpl")
+        serving.check_structured_outputs(sampling, "structured_outputs")
+        self.prompts = completion_prompts(serving, req)
+        super().__init__(serving, req, [ids for _, ids in self.prompts], sampling, "cmpl")
 
     def _echo(self, i: int) -> str:
         text, ids = self.prompts[i]
-        return text if text is not None else self.front.tokenizer.decode(ids, skip_special_tokens=False)
+        return text if text is not None else self.serving.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _logprobs(self, c: _Choice, items: list):
         if self.req.logprobs is None:
             return None
-        lp, c.text_offset = completion_logprobs(self.front, items, self.req.logprobs, c.text_offset,
+        lp, c.text_offset = completion_logprobs(self.serving, items, self.req.logprobs, c.text_offset,
                                                 self.req.return_tokens_as_token_ids)
         return lp
 
@@ -255,7 +255,7 @@ class CompletionRun(_Run):
         prefix = self._echo(k // self.req.n) if self.req.echo else ""
         return {"index": k, "text": prefix + "".join(c.text), "logprobs": self._logprobs(c, c.logprobs),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "prompt_logprobs": prompt_logprobs_json(self.front, self.acc.prompt_logprobs[k // self.req.n])}
+                "prompt_logprobs": prompt_logprobs_json(self.serving, self.acc.prompt_logprobs[k // self.req.n])}
 
     def _stream_choices(self, i, k, c, d, new_logprobs):
         text = d.text
@@ -273,8 +273,8 @@ class ChatRun(_Run):
 
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, front: FrontEnd, req: ChatCompletionRequest):
-        front.check_model(req.model)
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest):
+        serving.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         self.tool_mode, self.tool_name = resolve_tool_choice(req.tools, req.tool_choice)
@@ -290,27 +290,27 @@ class ChatRun(_Run):
             if structured is not None:
                 raise APIError(400, f"tool_choice {self.tool_mode!r} cannot be combined with {so_param}", "tool_choice")
             structured, so_param = tool_so, "tools"
-        text = front.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+        text = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs, req.tools if self.tool_mode != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        ids = front.encode(text, param="messages", max_tokens=max_tokens, max_tokens_param=limit_name)
+        ids = serving.encode(text, param="messages", max_tokens=max_tokens, max_tokens_param=limit_name)
         if max_tokens is None:     # as vLLM: up to the model's length (here also what the KV cache holds)
-            room = min(front.max_model_len, front.kv_capacity_tokens) - len(ids)
+            room = min(serving.max_model_len, serving.kv_capacity_tokens) - len(ids)
             max_tokens = room if room > 0 else None   # None: the engine explains why nothing fits
         self.top_k = (req.top_logprobs or 0) if req.logprobs else None
         renames = {"logprobs": "top_logprobs", "max_tokens": limit_name, "structured_outputs": so_param}
         sampling = sampling_params(req, max_tokens, self.top_k, renames, structured)
-        front.check_structured_outputs(sampling, so_param)
-        super().__init__(front, req, [ids], sampling, "chatcmpl")
+        serving.check_structured_outputs(sampling, so_param)
+        super().__init__(serving, req, [ids], sampling, "chatcmpl")
 
     def _response_extra(self) -> dict:
-        return {"prompt_logprobs": prompt_logprobs_json(self.front, self.acc.prompt_logprobs[0])}   # as vLLM
+        return {"prompt_logprobs": prompt_logprobs_json(self.serving, self.acc.prompt_logprobs[0])}   # as vLLM
 
     def _logprobs(self, items: list):
         if self.top_k is None:
             return None
-        return chat_logprobs(self.front, items, self.top_k, self.req.return_tokens_as_token_ids)
+        return chat_logprobs(self.serving, items, self.top_k, self.req.return_tokens_as_token_ids)
 
     def _tool_calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list, str | None]:
         """``(content, tool_calls, finish_reason)`` of a finished choice (tool_calls.py)."""

@@ -2,8 +2,8 @@
 
 One HTTP request becomes one engine request per prompt (each with ``n`` samples, which the engine
 runs as parallel sampling); choice ``k`` of the response is sample ``k % n`` of prompt ``k // n``,
-as vLLM numbers them. The front end tokenizes (and applies the chat template) itself, with the
-same ``InputProcessor`` as the engine (``runtime/frontend/input_processor.py``), on its thread
+as vLLM numbers them. The HTTP process tokenizes (and applies the chat template) itself, with the
+same ``InputProcessor`` as the engine (``runtime/inputs/input_processor.py``), on its thread
 pool, and sends token ids: it knows each prompt's length and refuses one that cannot fit
 ``max_model_len`` naming the field at fault; the engine still validates every request (its
 message becomes a 400).
@@ -33,8 +33,8 @@ from typing import AsyncIterator
 
 from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
 from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-from ..runtime.common.structured_outputs import GrammarError, GrammarValidator
-from ..runtime.frontend.input_processor import InputError, InputProcessor
+from ..runtime.common.grammar import GrammarError, GrammarValidator
+from ..runtime.inputs.input_processor import InputError, InputProcessor
 from .protocol import APIError, ChatMessage
 
 log = logging.getLogger("folio.api")
@@ -70,7 +70,7 @@ _SAMPLING_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", 
 
 
 @dataclass
-class FrontEnd:
+class OpenAIServing:
     """What the routes share: the scheduler client, the tokenizer and the served model's facts.
 
     Attributes:
@@ -107,7 +107,7 @@ class FrontEnd:
         self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="folio-api-cpu")
 
     async def offload(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` on the front end's thread pool (per-request CPU work)."""
+        """``fn(*args, **kwargs)`` on the HTTP process's thread pool (per-request CPU work)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
 
     @property
@@ -177,8 +177,8 @@ class FrontEnd:
 
     def check_structured_outputs(self, sampling: dict, param: str) -> None:
         """Build the request's constraint (``sampling["structured_outputs"]``) before it is sent:
-        in the front end's thread, bounded in time, cached by its text
-        (``runtime/common/structured_outputs.py``).
+        in the HTTP process's thread, bounded in time, cached by its text
+        (``runtime/common/grammar.py``).
 
         Raises:
             APIError(400, param): invalid, too large or too slow to compile.

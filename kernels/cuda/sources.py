@@ -1,6 +1,6 @@
 """The CUDA sources: which ``*.cu`` files make up the kernels, each as one NVRTC translation unit.
 
-Shared by the kernel table (``table.py``) and the compiler front end (``nvrtc.py``).
+Shared by the kernel table (``table.py``) and the compiler HTTP process (``nvrtc.py``).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def run_folio_latency(model: str, prompt_token_ids: list[int], output_len: int, 
         what loading ``model`` raises (``throughput.LOAD_ERRORS`` where folio refuses it).
     """
     from folio.kernels.cpu.threads import numba_threads
-    from folio.runtime.scheduler.kv_cache_manager import cdiv
+    from folio.runtime.common.config import cdiv
 
     from .common import BenchRequest
     from .llama_server import peak_rss_bytes

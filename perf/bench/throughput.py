@@ -49,7 +49,7 @@ def load_host(model: str, requests, num_blocks: int | None = None, kv_cache_dtyp
     """A ``ModelHost`` of ``model`` with a KV cache for every request of ``requests`` at once
     (``num_blocks`` overrides) and a context for the longest (at least 2048); ``engine_args``:
     folio's other ``EngineConfig`` fields (``dtype``, ``activation_quantization``)."""
-    from folio.runtime.scheduler.kv_cache_manager import cdiv
+    from folio.runtime.common.config import cdiv
     need = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     nb = num_blocks or sum(cdiv(len(r.prompt_token_ids) + r.output_len, 16) for r in requests) + 16
     return ModelHost(model, max_model_len=max(need, 2048), num_blocks=nb, kv_cache_dtype=kv_cache_dtype,

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of ints: the number of ``b``-sized blocks that hold ``a`` items."""
+    return -(-a // b)
+
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 """``--kv-cache-dtype`` values (vLLM's names); which of them a device runs: ``KernelTable.kv_cache_dtypes``."""

@@ -36,7 +36,7 @@ class StructuredOutputsParams:
 
     How the constraint is enforced, and how it behaves under overlap scheduling, ``n > 1``,
     preemption, prefix caching, stop strings, EOS and ``max_tokens``:
-    ``runtime/common/structured_outputs.py``.
+    ``runtime/common/grammar.py``.
 
     Raises:
         ValueError: from ``__post_init__``: none or more than one kind set, or a value of the

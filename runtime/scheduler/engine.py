@@ -30,15 +30,15 @@ from typing import Any, Iterable
 
 from ..common.config import EngineConfig
 from ..common.executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
-from .kv_cache_manager import cdiv
+from ..common.config import cdiv
 from .output_processor import OutputProcessor
 from ..common.outputs import RequestDelta
 from ..common.sampling_params import BeamSearchParams, SamplingParams
-from ..common.structured_outputs import GrammarValidator
+from ..common.grammar import GrammarValidator
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from ..common.step import make_step_plan
-from ..frontend.input_processor import InputProcessor
+from ..inputs.input_processor import InputProcessor
 
 
 class LLMEngine:
@@ -103,7 +103,7 @@ class LLMEngine:
         ``prompt`` takes every form ``folio.LLM.generate`` takes (vLLM's ``add_request`` too): a
         string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (either with
         ``"cache_salt"``), or ``None`` with ``prompt_token_ids``. The prompt goes through the
-        ``InputProcessor`` (``runtime/frontend/input_processor.py``), then the engine's own checks.
+        ``InputProcessor`` (``runtime/inputs/input_processor.py``), then the engine's own checks.
 
         ``max_tokens=0`` is a defined prompt-only result: the request's only delta comes with the
         next step, with no tokens, empty text and ``finish_reason="length"``; no block is used.
@@ -171,7 +171,7 @@ class LLMEngine:
     @cached_property
     def grammar_validator(self) -> GrammarValidator:
         """Checks constraints before admission (built on first use: the grammar tokenizer takes
-        about a second; ``runtime/common/structured_outputs.py``)."""
+        about a second; ``runtime/common/grammar.py``)."""
         return GrammarValidator(self.tokenizer.hf.to_str(), self.eos_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

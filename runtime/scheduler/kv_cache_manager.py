@@ -15,13 +15,10 @@ from operator import itemgetter
 
 import numpy as np
 
+from ..common.config import cdiv
 from .block_pool import BlockPool
 from .kv_cache_utils import KVCacheBlock
 from .sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 _NO_COPIES: list[tuple[int, int]] = []  # returned, never modified: no block copy needed

@@ -1,5 +1,5 @@
 """Serving statistics: per-step and per-request figures, kept as plain counters and fixed-bucket
-histograms so that another process can export them (``folio serve``'s HTTP front end turns them into
+histograms so that another process can export them (``folio serve``'s HTTP process turns them into
 Prometheus metrics named as vLLM names them, under a ``folio:`` prefix).
 
 What is measured follows vLLM V1's ``IterationStats`` / ``FinishedRequestStats``

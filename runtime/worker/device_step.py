@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...kernels.table import CudaKernelTable
-from ...model.attention import AttentionMetadata
+from ...model.attention_metadata import AttentionMetadata
 from .sampler import max_logprobs, penalty_entries, sample_on_device, sampling_arrays
 
 _ALIGN = 16

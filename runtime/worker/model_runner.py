@@ -34,18 +34,14 @@ import numpy as np
 
 from ...kernels import get_kernels
 from ...kernels.table import CudaKernelTable, KernelTable
-from ...model.attention import AttentionMetadata
+from ...model.attention_metadata import AttentionMetadata
 from ...model.loader import allocate_kv_caches, load_model, resolve_device
-from ..common.config import EngineConfig
+from ..common.config import EngineConfig, cdiv
 from .device_step import DeviceStep
-from .structured_outputs import GrammarMatchers, advance, fill_batch_bitmask
+from .grammar_matchers import GrammarMatchers, advance, fill_batch_bitmask
 from .sampler import SamplingState, prompt_logprobs, sample
 from ..common.sampling_params import SamplingParams
 from ..common.step import LastSampledTokens, StepPlan, StepResult
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:

@@ -5,7 +5,7 @@ The pipeline follows vLLM V1's sampler (``vllm/v1/sample/sampler.py`` and its ``
 1. raw logprobs (log-softmax of the model's output, before any processing; vLLM's default
    ``logprobs_mode="raw_logprobs"``), only when some row asked for logprobs;
 2. structured outputs: tokens the row's grammar does not allow next get -inf (``bitmask``, one bit
-   per token, filled by the row's matcher: runtime/worker/structured_outputs.py);
+   per token, filled by the row's matcher: runtime/worker/grammar_matchers.py);
    min_tokens: EOS (unless ignore_eos) and ``stop_token_ids`` get -inf while fewer than
    ``min_tokens`` tokens are out (unless the grammar allows nothing else: the grammar wins);
 3. penalties: repetition (CTRL, Keskar et al. 2019) over prompt + output tokens: positive logits

@@ -39,12 +39,12 @@ trip and no change to the overlap. What follows from it:
 Compilation off the step path
 -----------------------------
 ``GrammarValidator`` checks a constraint before admission (``LLMEngine.add_request``, the HTTP
-front end): the grammar is built and its lexer compiled in a thread pool, with a time bound
+HTTP process): the grammar is built and its lexer compiled in a thread pool, with a time bound
 (``COMPILE_TIMEOUT_S``) and resource limits (``LLParserLimits``); the result is cached by the
 grammar's text. An invalid, too large or too slow grammar raises ``GrammarError`` naming the field,
 before the request is queued. The caller waits for the build (at most ``COMPILE_TIMEOUT_S``; a
 build that times out goes on in its pool thread until llguidance's fuel limits end it): the HTTP
-front end checks in its own worker threads, off the event loop; ``LLMEngine.add_request`` (offline,
+HTTP process checks in its own worker threads, off the event loop; ``LLMEngine.add_request`` (offline,
 and the scheduler process for the ZeroMQ door and, again, for HTTP requests) checks between steps,
 which costs milliseconds for a typical schema and nothing for a cached one. The worker builds each
 sequence's matcher from the same text, copying a cached matcher per grammar text (llguidance builds

@@ -1,4 +1,4 @@
-"""The HTTP front-end process of ``folio serve`` (``python -m folio.api.frontend``; started by
+"""The HTTP process of ``folio serve`` (``python -m folio.api.http_process``; started by
 ``folio serve``, not by hand).
 
 ``folio serve`` binds the listening socket itself (so a busy port fails before the model loads) and
@@ -66,7 +66,7 @@ async def _serve(server, sock: socket.socket, ready_fd: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m folio.api.frontend", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m folio.api.http_process", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scheduler-address", required=True, help="ZeroMQ address of the scheduler process")
     p.add_argument("--listen-fd", type=int, required=True, help="inherited listening socket")
@@ -94,18 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     from ..model.tokenizer import Tokenizer
     from .app import build_app
-    from .serving import FrontEnd
+    from .serving import OpenAIServing
 
     tokenizer = Tokenizer.from_pretrained(a.model_dir)
     template = load_chat_template(a.chat_template)
     if template is not None:
         tokenizer.set_chat_template(template)
-    front = FrontEnd(scheduler_address=a.scheduler_address, tokenizer=tokenizer,
+    serving = OpenAIServing(scheduler_address=a.scheduler_address, tokenizer=tokenizer,
                      served_model_names=a.served_model_name, model_root=a.model_root,
                      max_model_len=a.max_model_len, kv_capacity_tokens=a.kv_capacity_tokens,
                      api_key=os.environ.get("FOLIO_API_KEY") or None, max_request_bytes=a.max_request_bytes or None)
     level = a.uvicorn_log_level
-    config = uvicorn.Config(build_app(front), log_level=level, access_log=level in ("info", "debug", "trace"),
+    config = uvicorn.Config(build_app(serving), log_level=level, access_log=level in ("info", "debug", "trace"),
                             timeout_graceful_shutdown=a.graceful_shutdown_s, lifespan="on")
     sock = socket.socket(fileno=a.listen_fd)
     try:
@@ -164,11 +164,11 @@ def http_url(sock: socket.socket) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-class FrontEndProcess:
-    """Starts the front-end process on ``sock`` and waits until it serves.
+class HttpProcess:
+    """Starts the HTTP process on ``sock`` and waits until it serves.
 
     Args:
-        sock: the listening socket (``bind_http``); scheduler_address: where the front end's
+        sock: the listening socket (``bind_http``); scheduler_address: where the HTTP process's
             ``AsyncClient`` connects; args: the remaining ``main`` flags as ``{flag: value}``;
             api_key: passed in the environment.
     Raises:
@@ -185,7 +185,7 @@ class FrontEndProcess:
         if api_key:
             env["FOLIO_API_KEY"] = api_key
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "folio.api.frontend", "--scheduler-address", scheduler_address,
+        cmd = [sys.executable, "-m", "folio.api.http_process", "--scheduler-address", scheduler_address,
                "--listen-fd", str(sock.fileno()), "--ready-fd", str(w), "--parent-pid", str(os.getpid())]
         for flag, value in args.items():
             if value is None:
@@ -206,7 +206,7 @@ class FrontEndProcess:
                     break
             if not line.startswith(b"ready"):
                 code = self.proc.poll()
-                raise RuntimeError("the HTTP front end did not start" +
+                raise RuntimeError("the HTTP process did not start" +
                                    (f" (exit code {code})" if code is not None else f" within {startup_timeout:g} s"))
         except BaseException:
             self.stop()
@@ -217,7 +217,7 @@ class FrontEndProcess:
     def watch(self, on_exit) -> None:
         """Call ``on_exit(returncode)`` from a daemon thread when the process ends."""
         import threading
-        threading.Thread(target=lambda: on_exit(self.proc.wait()), daemon=True, name="folio-frontend-watch").start()
+        threading.Thread(target=lambda: on_exit(self.proc.wait()), daemon=True, name="folio-http-watch").start()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM (graceful: open responses get ``--graceful-shutdown-s``), then SIGKILL after ``timeout``."""

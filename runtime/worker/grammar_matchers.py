@@ -2,7 +2,7 @@
 
 Why the matchers live here (and not in the scheduler, as vLLM V1 and SGLang keep them), and how
 they behave under overlap scheduling, ``n > 1``, preemption, prefix caching and stop strings:
-``runtime/common/structured_outputs.py``. In short: the worker runs plans in order and advances
+``runtime/common/grammar.py``. In short: the worker runs plans in order and advances
 each matcher with the token it has just sampled (``advance``), so the mask of the next step
 (``fill_bitmask``) is ready without a round trip; a sequence (re)introduced with tokens already
 generated gets a matcher replayed over them (``attach``).
@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..common.structured_outputs import CACHE_SIZE, GrammarError, bitmask_words, fill_bitmask, \
+from ..common.grammar import CACHE_SIZE, GrammarError, bitmask_words, fill_bitmask, \
     grammar_text, grammar_tokenizer, new_matcher
 
 

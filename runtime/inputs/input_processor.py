@@ -2,7 +2,7 @@
 a prompt must pass before a request is queued.
 
 ``folio.LLM`` (through ``LLMEngine.add_request``), the ZeroMQ server (``ipc/scheduler_process.py``,
-for clients that send text or chat messages) and the HTTP front end (``folio/api/serving.py``,
+for clients that send text or chat messages) and the HTTP process (``folio/api/serving.py``,
 which tokenizes in its own process and sends token ids) all use ``InputProcessor``; modeled on
 vLLM V1's ``Processor`` (``vllm/v1/engine/processor.py``: ``process_inputs`` validates and
 tokenizes before the engine core sees the request).

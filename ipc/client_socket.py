@@ -1,4 +1,4 @@
-"""The client side of a ZeroMQ ROUTER front door, shared by the scheduler process's ``Server`` and
+"""The client side of a ZeroMQ ROUTER door, shared by the scheduler process's ``Server`` and
 the data-parallel ``DataParallelRouter``: drain the queued client messages, hand each to the
 owner's ``_handle``, and answer a malformed one (``bad_request``) or one whose handling raised
 (``internal``) to its sender alone, so that one bad message never takes the door down.
@@ -17,7 +17,7 @@ from .transport import recv_frames, send_frames
 MAX_MESSAGES_PER_WAKE = 1024  # then the owner's loop gets a turn (steps, heartbeats) before more
 
 
-class ClientDoor:
+class ClientSocket:
     """Mixin: the owner has ``sock`` (the ROUTER), ``stats`` (a dict with ``num_bad_messages``),
     ``_handle(identity, body)`` (may raise ``messages.MessageError``) and ``_client_gone(identity)``
     (abort what a vanished or stuck client asked for)."""
