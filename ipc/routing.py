@@ -1,7 +1,7 @@
 """Data-parallel routing policy: prefix affinity first, then the least-loaded replica.
 
 Pure Python (no ZeroMQ, no Ray): ``ipc/data_parallel.py``'s router calls it once per request, and
-tests/test_routing.py checks it alone.
+tests/ipc/test_routing.py checks it alone.
 
 The policy (after SGLang's cache-aware router and Ray Serve LLM's ``PrefixCacheAffinityRouter``):
 

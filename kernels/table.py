@@ -13,7 +13,7 @@ the protocols here only, never against a device's module:
   and ``model/loader.py`` (dummy weights made on the device) call: its ``KernelDevice``, the decode
   partitioning, scratch buffers, graph capture and the sampling kernels.
 
-tests/test_protocols.py checks each table's members and signatures against its protocols. The
+tests/kernels/test_protocols.py checks each table's members and signatures against its protocols. The
 semantics of every operation are the NumPy specifications in ``reference.py``; shapes below use
 ``T`` tokens, ``S`` sequences, ``H`` / ``Hkv`` query / KV heads, ``D`` head size. ``out=``
 arguments name preallocated results (the forward pass allocates nothing per layer).

@@ -4,7 +4,7 @@ gguf-py's ``GGUFReader`` parses every metadata value into NumPy views of a memor
 seconds for a tokenizer's 50-130k strings and merges. Serving needs only the tensor infos and the
 architecture (``gguf_weights.py``), and the import checks a file is whole before reading it
 (``gguf_import.open_gguf``), so this walks the metadata without decoding it. Checked against
-gguf-py in tests/test_gguf_serving.py.
+gguf-py in tests/model/test_gguf_serving.py.
 
 Source: the GGUF specification (github.com/ggml-org/ggml/blob/master/docs/gguf.md): magic,
 version, tensor and metadata counts, metadata (key, type, value), tensor infos (name, dims, type,
@@ -43,7 +43,7 @@ def read_tensor_infos(path) -> tuple[str | None, dict[str, TensorInfo]]:
     gguf-py's ``GGUFReader`` parses every metadata value into NumPy views of a memory map, several
     seconds for a tokenizer's 50-130k strings and merges; serving needs only the tensor infos and
     the architecture, so this walks the metadata without decoding it (the tokenizer and config
-    are read with gguf-py once, at import). ``tests/test_gguf_serving.py`` checks it against
+    are read with gguf-py once, at import). ``tests/model/test_gguf_serving.py`` checks it against
     gguf-py.
 
     Raises:

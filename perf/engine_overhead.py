@@ -1,7 +1,7 @@
 """The engine's own per-step cost (issues 4 and 10): scheduler, plan, result, detokenizer, deltas.
 
 Runs ``LLMEngine`` with the default model's tokenizer and a worker that does no model work
-(``tests/ipc_fake_runner.EchoRunner``: each sampled row gets its last input token + 1, wrapped into
+(``tests/support/ipc_fake_runner.EchoRunner``: each sampled row gets its last input token + 1, wrapped into
 4096 ids as a model's outputs come from a bounded vocabulary, so the text keeps changing and the
 detokenizer does real work on warm caches), with N running sequences in decode. Two modes:
 
@@ -61,11 +61,11 @@ def make_engine(mode: str, max_seqs: int, tests_dir: str, async_scheduling: bool
     if mode == "zmq":
         from folio.ipc.zmq_executor import ZmqExecutor
         path = tests_dir + os.pathsep + os.environ.get("PYTHONPATH", "")
-        executor = ZmqExecutor(cfg, runner="ipc_fake_runner:EchoRunner",
+        executor = ZmqExecutor(cfg, runner="support.ipc_fake_runner:EchoRunner",
                                env={**os.environ, "PYTHONPATH": path, "FOLIO_ECHO_NUM_BLOCKS": "8192",
                                     "FOLIO_ECHO_PERIOD": str(ECHO_PERIOD)})
     else:
-        from ipc_fake_runner import EchoRunner
+        from support.ipc_fake_runner import EchoRunner
         executor = EchoRunner(cfg, num_blocks=8192, echo_period=ECHO_PERIOD)
     return LLMEngine(cfg, executor=executor)
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the medians as JSON")
     p.add_argument("--profile", action="store_true", help="cProfile the in-process steps at the largest N")
     p.add_argument("--package-dir", help="put this folio package's parent first on the path (another version)")
-    p.add_argument("--tests-dir", default=os.path.join(ROOT, "tests"), help="where ipc_fake_runner.py is")
+    p.add_argument("--tests-dir", default=os.path.join(ROOT, "tests"), help="the tests folder (support/ipc_fake_runner.py)")
     a = p.parse_args(argv)
     if a.package_dir:
         sys.path.insert(0, os.path.abspath(a.package_dir))

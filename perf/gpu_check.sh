@@ -32,7 +32,7 @@
 # SIMT emulator's (FOLIO_CUDA_TABLE=simt.table:simt_kernels), sizes are tiny, the limits x3, the
 # Hugging Face benchmark steps are left out and, where torch is missing, the golden step compares
 # with folio's CPU forward instead of transformers. The install step runs as on the device.
-# tests/test_gpu_check_dry.py runs it in the default suite, so a real run fails only on what truly
+# tests/perf/test_gpu_check_dry.py runs it in the default suite, so a real run fails only on what truly
 # needs a GPU.
 #
 # Usage: OUT=/some/dir perf/gpu_check.sh      (PYTHON=python3, NUM_REQUESTS=256 overridable)
@@ -192,10 +192,10 @@ fi
 
 if [ -n "$DRY" ]; then  # the same tests on the emulator
   step kernels 40 $PY -m pytest -q -p no:cacheprovider --junitxml="$WORK/kernels.xml" \
-    tests/test_cuda_kernels.py tests/simt/test_mma.py
+    tests/kernels/test_cuda_kernels.py tests/simt/test_mma.py
 else
   step kernels 40 env FOLIO_TEST_CUDA=1 $PY -m pytest -q -p no:cacheprovider \
-    --junitxml="$WORK/kernels.xml" tests/test_cuda_kernels.py tests/simt/test_mma.py tests/test_nvrtc.py
+    --junitxml="$WORK/kernels.xml" tests/kernels/test_cuda_kernels.py tests/simt/test_mma.py tests/kernels/test_nvrtc.py
 fi
 
 step golden 75 $PY perf/gpu_check_golden.py --out "$WORK/golden.json" ${DRY:+--dry}

@@ -4,11 +4,11 @@
    to bf16), loaded by both a GPU model and a CPU model, whose tensors are checked to hold the same
    values; a prompt as chunked prefills over a shuffled block table, then decodes with split-K
    partitions. Pass criterion: every kernel result of the GPU forward equals the float64 spec on
-   the inputs that kernel got, within the bounds derived in tests/cuda_bounds.py
-   (tests/cuda_shadow.py). In the dry run the GPU logits against the CPU forward's are reported too (max error
+   the inputs that kernel got, within the bounds derived in tests/support/cuda_bounds.py
+   (tests/support/cuda_shadow.py). In the dry run the GPU logits against the CPU forward's are reported too (max error
    over the CPU logits' std, argmax agreement): information, not a pass criterion, since two
    correct forwards that round at many points in different orders drift apart by amounts no
-   derived bound makes small (see tests/test_cuda_kernels.py).
+   derived bound makes small (see tests/kernels/test_cuda_kernels.py).
 2. ``graphs``: the same greedy decode with CUDA graphs and eagerly (``enforce_eager``): token
    agreement, whether capture worked, and the mean decode step time of each.
 
@@ -266,7 +266,7 @@ def _run(model, kernels, caches, ids, bt, steps) -> list:
 
 
 def forward(dry: bool) -> dict:
-    from cuda_shadow import SpecCheckedKernels
+    from support.cuda_shadow import SpecCheckedKernels
     from gpu_check_bench import SMOLLM2_135M
 
     from folio.kernels import get_kernels

@@ -12,7 +12,7 @@ d rint(x / d)`` per 32 values, as the kernel, for products of at most 16 tokens:
 and short prompts) and reports, per golden case, the number of leading generated tokens that
 agree with the golden run, and the top-5 logits of the golden logits case. An emulation: the
 kernel sums the same rounded activations in another order (its float32 error is ~1e-3 of the
-activation rounding's, see ``tests/test_quant_int8.py``). Not a test: a figure for the docs.
+activation rounding's, see ``tests/kernels/test_quant_int8.py``). Not a test: a figure for the docs.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ For each it reports engine steps per second and the per-step overhead, i.e. the 
 On a machine shared with other load the engine-level difference is dominated by wake-up latency
 of the two processes, so the script first measures the hop alone: ``ZmqExecutor`` round trips of
 decode-shaped plans (N sequences, 16-entry block tables) to a worker whose runner only echoes
-(``tests/ipc_fake_runner.EchoRunner``): encode + send + worker decode + reply + decode.
+(``tests/support/ipc_fake_runner.EchoRunner``): encode + send + worker decode + reply + decode.
 
     python perf/ipc_overhead.py [--seqs 1 64 256] [--steps 50] [--device cpu] [--hop-only]
 """
@@ -61,7 +61,7 @@ def measure_hop(seqs: list[int], steps: int) -> dict:
     from folio.runtime.common.config import EngineConfig
     tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
     env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    ex = ZmqExecutor(EngineConfig(), runner="ipc_fake_runner:EchoRunner", env=env)
+    ex = ZmqExecutor(EngineConfig(), runner="support.ipc_fake_runner:EchoRunner", env=env)
     out = {}
     try:
         for n in seqs:

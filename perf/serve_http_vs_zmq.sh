@@ -5,7 +5,7 @@
 #   OUT=dir perf/serve_http_vs_zmq.sh [extra bench flags]
 # SERVE_ARGS adds folio serve flags; with the test suite's EchoRunner (no model: next id = last id + 1)
 # the difference between the two doors is the HTTP layer's own cost:
-#   PYTHONPATH=tests SERVE_ARGS="--worker-runner ipc_fake_runner:EchoRunner" perf/serve_http_vs_zmq.sh
+#   PYTHONPATH=tests SERVE_ARGS="--worker-runner support.ipc_fake_runner:EchoRunner" perf/serve_http_vs_zmq.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

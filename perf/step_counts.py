@@ -2,7 +2,7 @@
 
 The CUDA kernel table runs under the SIMT emulator (tests/simt) with a device that counts every
 kernel launch and cuBLAS call, every copy and every synchronisation (the counting device of
-tests/test_device_step.py). The counts are those of a GPU run: the same Python issues the same
+tests/runtime/worker/test_device_step.py). The counts are those of a GPU run: the same Python issues the same
 launches; only the kernels' execution differs. A SmolLM2-shaped model (30 layers, GQA 9:3,
 head_dim 64) with small widths: counts do not depend on widths.
 

@@ -12,7 +12,7 @@ steps, the worker's idle time as a share of the step cycle::
 ``folio serve`` does, the objects built at start-up are frozen out of the garbage collector's
 passes before measuring.
 
-Workers: ``echo`` (``tests/ipc_fake_runner.EchoRunner``: no model; its forward pass is a sleep of
+Workers: ``echo`` (``tests/support/ipc_fake_runner.EchoRunner``: no model; its forward pass is a sleep of
 ``--step-ms``, standing for a GPU's step, so only the engine's own time can leave it idle) and
 ``model`` (the real default model on this machine's CPU).
 
@@ -44,7 +44,7 @@ def make_engine(worker: str, n: int, overlap: bool, step_ms: float):
         env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "FOLIO_ECHO_NUM_BLOCKS": "8192", "FOLIO_ECHO_STEP_S": str(step_ms / 1000),
                "FOLIO_ECHO_PERIOD": str(ECHO_PERIOD)}
-        ex = ZmqExecutor(cfg, runner="ipc_fake_runner:EchoRunner", env=env)
+        ex = ZmqExecutor(cfg, runner="support.ipc_fake_runner:EchoRunner", env=env)
     else:
         cfg = EngineConfig(device="cpu", max_num_seqs=n, max_model_len=256, max_num_batched_tokens=2048,
                            async_scheduling=overlap, kv_cache_memory=256 << 20)

@@ -5,10 +5,12 @@ from pathlib import Path
 
 import pytest
 
-# the benchmark harness (perf/bench, imported as perf.bench) lives beside the package, not in it
+# the benchmark harness (perf/bench, imported as perf.bench) lives beside the package, not in it;
+# the tests' shared helpers are the package ``support`` (tests/support) and the emulator ``simt``
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "tests"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 
 @pytest.fixture(scope="session")
@@ -29,15 +31,12 @@ def default_model(default_model_dir):
 
 @pytest.fixture(scope="session")
 def golden():
-    """The reference facts and golden outputs of the default model (tests/data/smollm2_135m.json, a copy of
-    shared/reference/smollm2_135m.json: Hugging Face transformers generations from the same GGUF)."""
+    """The reference facts and golden outputs of the default model (tests/data/smollm2_135m.json:
+    Hugging Face transformers generations from the same GGUF, an independent implementation)."""
     import json
-    from pathlib import Path
 
-    return json.loads((Path(__file__).parent / "data" / "smollm2_135m.json").read_text(encoding="utf-8"))
-
-
-API_KEY = "sk-folio-test"
+    from support import GOLDEN_PATH
+    return json.loads(GOLDEN_PATH.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="session")
@@ -45,24 +44,9 @@ def echo_http():
     """A ``folio serve`` with EchoRunner in its worker (next id = last id + 1; 10 ms per step) and both
     doors: ``(proc, zmq_address, http_url)``; the HTTP API needs ``Authorization: Bearer API_KEY``."""
     from folio.cmd_serve import spawn_server, stop_server
-    from serve_helpers import ECHO, echo_env
+    from support.serve_helpers import API_KEY, ECHO, echo_env
 
     proc, addr = spawn_server(ECHO + ["--api-key", API_KEY, "--served-model-name", "echo", "smollm2-135m-instruct"],
                               env=echo_env(step_s=0.01), startup_timeout=180)
     yield proc, addr, proc.http_url
     assert stop_server(proc) == 0
-
-
-def force_parallel_kernels(monkeypatch):
-    """Every CPU kernel on its parallel driver whatever the size (several row items per call),
-    decode attention split into key ranges from 32 keys on 2 threads too: the paths a 2-core
-    machine would otherwise only take for large steps."""
-    from folio.kernels.cpu import attention as cpu_attention
-    from folio.kernels.cpu import linear as cpu_linear
-    from folio.kernels.cpu import rows as cpu_rows
-    monkeypatch.setattr(cpu_rows, "_PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(cpu_rows, "_ROWS_PER_ITEM", 2)  # several work items per call
-    monkeypatch.setattr(cpu_attention, "_PARALLEL_MIN_WORK", 0)
-    monkeypatch.setattr(cpu_attention, "SPLIT_MIN_KEYS", 16)  # decodes of 32+ keys split into key ranges
-    monkeypatch.setattr(cpu_attention, "SPLIT_MIN_THREADS", 2)  # ... on 2 threads too
-    monkeypatch.setattr(cpu_linear, "_PARALLEL_MIN_WEIGHTS", 0)

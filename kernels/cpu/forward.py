@@ -30,7 +30,7 @@ never waits for an item nobody has claimed, so the region cannot deadlock when i
 one after another (a pool smaller than the plan, a nested call); the wait spins a little, then
 gives the core away each turn (``sched_yield``), so a busy machine's other work and the
 engine's scheduling thread still run. Same items, same arithmetic: bit-identical to the
-per-call path and the per-kernel loop (tests/test_forward.py). Measured (perf/JOURNAL.md,
+per-call path and the per-kernel loop (tests/model/test_forward.py). Measured (perf/JOURNAL.md,
 fourth pass): 64 requests, 2 threads, +1-8% output tokens/s on a quiet machine, +18% with a
 busy process on one core; single-sequence decode within noise (+2-5% in one sitting, -6% in
 another).

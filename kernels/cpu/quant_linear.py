@@ -28,7 +28,7 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   converted and multiplied-added by the scales once per 8 blocks (256 values), as llama.cpp's
   ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
   Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
-  relative 0.4-0.7% of the largest output on random data; bounds in ``tests/test_quant_int8.py``),
+  relative 0.4-0.7% of the largest output on random data; bounds in ``tests/kernels/test_quant_int8.py``),
   so the default model keeps float32; every other quantized GGUF file takes this path by default
   (``--activation-quantization auto``, ``model.loader.resolve_activation_quantization``). Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weights with int8 activations (the
   layers' when the stacks are built, lm_head's and the embedding table's in the CPU table's
@@ -682,7 +682,7 @@ def quant_linear(x: np.ndarray, w: np.ndarray, qtype, out: np.ndarray | None = N
         ``out`` (or a new array): with float32 activations each entry a float32 dot product of
         ``K`` terms with the weight's exactly dequantized values (error at most ``gamma(K) sum
         |x_k w_k|``, any summation order); with int8 activations, plus the activations' rounding
-        (at most half a block's scale each: ``tests/test_quant_int8.py`` derives the bound).
+        (at most half a block's scale each: ``tests/kernels/test_quant_int8.py`` derives the bound).
 
     Raises:
         UnsupportedQuantType: ``qtype`` is not one of the supported types.

@@ -52,7 +52,7 @@ activations ``quant_int8.quantize_activations`` wrote (per token and 32 values: 
 ``d_x sum codes``): per sub-block ``fma(float(isum), d sc * d_x, acc)`` and ``fma(dmin m, d_x sum q,
 corr)``, ``acc - corr`` at the end. The same terms as ``quant_int8``'s Q4_K kernel (the same
 activations, the integer sums exact), summed in another order: the results agree to float32
-rounding (``tests/test_quant_int8.py`` checks both against the same derived bounds).
+rounding (``tests/kernels/test_quant_int8.py`` checks both against the same derived bounds).
 
 Measured (one thread, AMD EPYC Zen 4, AVX-512 VNNI; Llama-3.2-1B's up projection K = 2048, N = 8192
 and down projection K = 8192, N = 2048; G multiply-adds per second, from L3 / from DRAM, 8 copies

@@ -2,7 +2,7 @@
 
 Every public function has the signature of its ``kernels/reference.py`` twin (see that module for
 the batch, KV-cache and slot-mapping conventions) and is tested against it in
-``tests/test_kernels_cpu.py``. The compiled bodies are ``@njit(cache=True)`` so that the second
+``tests/kernels/test_kernels_cpu.py``. The compiled bodies are ``@njit(cache=True)`` so that the second
 process start reuses the machine code; each has a serial driver and a ``parallel=True`` /
 ``prange`` driver, and the parallel one runs only when the call has enough work to pay for waking
 the thread pool. ``forward.py`` links the ``*_rows`` / ``*_into`` bodies into its layer loop.

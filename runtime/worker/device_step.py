@@ -1,6 +1,6 @@
 """The GPU side of one step: one upload, the forward pass, device sampling, one download, one sync.
 
-Per step on the CUDA table (counted by tests/test_device_step.py with a counting device):
+Per step on the CUDA table (counted by tests/runtime/worker/test_device_step.py with a counting device):
 
 * **one host-to-device copy**: every input of the step (token ids, positions, slot mapping,
   query_start_loc, seq_lens, block tables, logits rows, copy-on-write pairs, the sampling

@@ -35,7 +35,7 @@ float32 cache variant and the default server none of the bfloat16 ones. Likewise
 
 Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
 parallel region per step) is listed; with one thread the first step compiles its own path, as
-before. ``tests/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
+before. ``tests/runtime/worker/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
 A kernel whose arguments change needs its job changed with it (that test fails until it is).
 
     python -m folio.runtime.worker.precompile [--variant V] [--check] [--kv-cache-dtype NAME] [GROUP ...]

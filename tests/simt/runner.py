@@ -179,7 +179,7 @@ class SimtKernel:
         kernel's attribute), so a caller may give only ``shared_mem`` and ``stream``: giving
         ``enable_cooperative_groups`` too is a TypeError on a real GPU (the first H200 run found a
         test wrapper doing so), as is a 4th positional argument. grid / block must be tuples, as
-        CuPy's typed parameters require (tests/test_cupy_conformance.py checks this signature
+        CuPy's typed parameters require (tests/kernels/test_cupy_conformance.py checks this signature
         against the installed CuPy). ``stream`` is accepted and ignored (one host "stream")."""
         if not isinstance(grid, tuple) or not isinstance(block, tuple):
             raise TypeError(f"{self.name}: grid and block must be tuples (CuPy declares them `tuple`), got "
