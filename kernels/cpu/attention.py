@@ -22,18 +22,14 @@ Two ways to compute an item, chosen by its number of rows:
   blocks are consecutive in the cache (row stride ``num_kv_heads * head_dim``), else gathered
   into contiguous ``[chunk, head_dim]`` buffers, and ``S = Q K^T`` and ``acc += P V`` are two
   single-threaded BLAS ``sgemm`` calls; the softmax between them is a vectorised loop per row.
-  The vector tiles were 1.6-2.1x the sgemm ones at the default model's shapes and 1.5-1.7x at
-  Llama-3's (OpenBLAS with the AVX2 kernels this project's environment selects, on short
-  inner dimensions; perf/JOURNAL.md, eleventh pass).
 * **Decodes** (fewer rows: one token, or a few, times the ``group``): one KV block at a time,
   the scores of every row against the block's keys, each row's largest score, the
   online-softmax update, then the block's values. Where the block size is a multiple of 16
   and ``head_dim`` of the vector width, whole blocks go through explicit vector code
   (``kernels.cpu.simd``): each row against 16 keys in one pass with one transposed reduction
   for the 16 scores, their ``exp2`` weights in vectors, and ``P V`` with the row's output held
-  in registers over the block's keys. LLVM's own vectorisation of these Numba loops ended each
-  score in a horizontal reduction and ran the 16-key loops in their scalar remainders: the
-  vector code is 1.4-1.9x on one thread and 1.1-1.4x on two (perf/JOURNAL.md, tenth pass). The
+  in registers over the block's keys (LLVM's own vectorisation of these Numba loops ends each
+  score in a horizontal reduction and runs the 16-key loops in their scalar remainders). The
   rows of one KV head (its GQA group) go together: their scores ``QK_ROWS`` rows at a time
   (``qk16_rows``, float32 caches) and their ``P V`` in one pass (``pv_rows``, up to
   ``PV_ROWS`` rows at a time), so each key and value vector is loaded once for the group instead of
@@ -43,16 +39,16 @@ Two ways to compute an item, chosen by its number of rows:
   values are requested while its scores are computed and the next block's keys while its
   values are used, a share per row so the requests are spread over the block's work (the
   blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot guess
-  them; requesting a whole block at once overflowed the 32 KiB L1 and evicted the values
+  them; a whole block requested at once would overflow the 32 KiB L1 and evict the values
   before their use). The requests bring the lines into L2 (``threads.prefetch``): into L1 they
-  were bursts of dozens of lines, more than its miss buffers hold, and the items read their
-  K/V ~25% slower. With both cores reading, a decode item is bound by reading its K/V.
+  would be bursts of dozens of lines, more than its miss buffers hold. With both cores reading,
+  a decode item is bound by reading its K/V.
   When there are fewer decoding sequences than two per thread (a single long conversation) and
   at least ``SPLIT_MIN_THREADS`` threads, each is cut into key ranges of whole blocks, at least
   ``SPLIT_MIN_KEYS`` keys each (FlashDecoding): each range keeps its own running max, sum and
   unnormalised rows, merged after the region. A range still covers every KV
   head, so each thread reads whole key rows of its own blocks in memory order (a cut by KV head
-  read every third 256-byte slice of the rows, and two threads were slower than one).
+  would read every third 256-byte slice of the rows).
 
 **KV cache dtype.** The caches are float32, or 16-bit (``--kv-cache-dtype bfloat16``: bfloat16
 bits as uint16, ``kernels/cpu/kv_dtype.py``): every read of a key or value widens it to float32
@@ -92,21 +88,15 @@ __all__ = ["paged_attention", "attention_items", "attention_item", "attention_sc
 
 _F32 = np.float32
 TILE_ROWS = 128        # target query rows (tokens x group) of a tile item
-# Fewer rows per KV head: the loop path (decode). 8-11 rows (2-3 token decodes at GQA 3-4) were
-# 1.03-1.34x faster there than on the vector tiles, 12 about even, 18 and more slower.
+# Query rows per KV head from which an item is a tile; fewer take the loop path (decode)
 TILE_MIN_ROWS = 12
 CHUNK_KEYS = 128       # keys per online-softmax step (rounded down to whole blocks)
 _PARALLEL_MIN_WORK = 1 << 18   # multiply-adds below which a step runs on the calling thread
 SPLIT_MIN_KEYS = 128  # shortest key range of a partitioned decode (FlashDecoding)
-# Fewest threads at which few decodes are split into key ranges. On the 2-vCPU EPYC this
-# project measures on (perf/JOURNAL.md, fourth pass), one sequence's decode attention on 2
-# threads against 1 item: ~1.0x at 330 keys (the region's wake-up eats the gain), 1.3-1.5x at
-# 600-1000, 1.8x at 4000 (default model); Llama-3 shapes 1.2-1.7x.
+# Fewest threads at which few decodes are split into key ranges
 SPLIT_MIN_THREADS = 2
 # Prefill tiles in explicit vector code (else two sgemm calls per chunk) where head_dim and the
-# chunk are multiples of the lanes; with 8 lanes (AVX2) only up to head_dim 64: compiled for
-# Haswell on the Zen 5 VM, the vector tiles were 1.14-1.41x sgemm's at head_dim 64 and
-# 0.83-1.05x at 128 (perf/JOURNAL.md, eleventh pass).
+# chunk are multiples of the lanes; with 8 lanes (AVX2) only up to head_dim 64
 TILE_VECTOR = True
 _SCORE_KEYS = 64       # keys per pass of a tile's scores over its row blocks
 _NEG = _F32(-1e30)     # "minus infinity" of the running maximum (finite: fastmath assumes no inf)
@@ -211,8 +201,8 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
     # block at a time: scores of every row against the block's keys (bm: each row's largest),
     # the online-softmax update, then the block's values. The block's values are requested while
     # its scores are computed and the next block's keys while its values are used: at most two
-    # half blocks in flight besides the one in use (requesting the whole next block during the
-    # scores evicted this block's values from L1 before they were used, and was 1.2-1.4x slower).
+    # half blocks in flight besides the one in use (the whole next block requested during the
+    # scores would evict this block's values from L1 before their use).
     # part < 0: the normalised rows go to out; else (a key partition, FlashDecoding) the running
     # max, sum and unnormalised rows go to pm / pl / pacc[part] for _merge_partitions.
     H, D = q.shape[1], q.shape[2]
@@ -246,8 +236,7 @@ def _decode_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_
                             _qk16_rows(qs, r * D, D, min(QK_ROWS, Rh - r0), key_cache, k_at, row, D, sc, r * scw + g0,
                                        scw)
                     else:
-                        # a 16-bit cache: row by row (grouped, its widened keys ran ~10% slower
-                        # from L2 on Zen 4: perf/JOURNAL.md, issue 29 attention)
+                        # a 16-bit cache: row by row, one qk16 per query row
                         for rr in range(Rh):
                             r = hh * Rh + rr
                             _qk16(qs, r * D, key_cache, k_at, row, D, sc, r * scw + g0)
@@ -499,8 +488,8 @@ def attention_items(seq_lens, query_start_loc, num_kv_heads, group, tile_tokens,
         if ql == 0:
             continue
         loop = ql * group < TILE_MIN_ROWS
-        # the fewest tiles of at most tile_tokens tokens, of equal size within one token: with
-        # tiles of exactly tile_tokens the remainder was an item of its own (128 tokens at GQA 3:
+        # the fewest tiles of at most tile_tokens tokens, of equal size within one token (tiles of
+        # exactly tile_tokens would leave a remainder item of its own: 128 tokens at GQA 3 are
         # 42 + 42 + 42 + 2, the last 2 on the decode path against every key)
         n_tiles = 1 if loop else (ql + tile_tokens - 1) // tile_tokens
         heads = num_kv_heads if loop else 1
@@ -542,9 +531,8 @@ def attention_item(q, key_cache, value_cache, block_tables, seq_lens, query_star
     least ``TILE_MIN_ROWS`` query rows per KV head, else a (possibly partitioned) decode. The
     buffers after ``i`` are the calling task's rows of ``attention_scratch``. A building block for
     fused regions (``forward.py``'s layer loop, the benchmark regions of ``perf/bench``). Inlined
-    into its callers (``inline="always"``): compiled as a function of its own, it is one more
-    library that Numba optimizes and code-generates with both item kinds' whole call tree (~2 s of
-    a cold start's compile, on its longest chain)."""
+    into its callers (``inline="always"``): compiled as a function of its own, it would be one
+    more library that Numba optimizes and code-generates with both item kinds' whole call tree."""
     group = q.shape[1] // key_cache.shape[2]
     if (items[i, 4] - items[i, 3]) * group >= TILE_MIN_ROWS:
         _attend_item(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, qscale, out,

@@ -1,58 +1,44 @@
 """Every decoder layer of a step in one compiled call: the CPU table's ``decoder_layers``.
 
-The forward pass of ``model/llama.py`` calls nine kernels per layer. Each call from Python
-costs its dispatch (argument typing, the dispatcher's lookup, the interpreter's own objects),
-and in a decode step that cost is paid with cold caches: between two calls the step streams
-megabytes of weights through the caches. Measured on the 2-vCPU EPYC after 16 MB streamed
-(perf/RESULTS.md): a fused residual-add RMSNorm of one token took 32 us against 3.7 us warm, a
-``linear`` of a [64, 576] weight 34 against 5.5; 270 such calls per step of the default model
-were several milliseconds of a ~35 ms single-sequence decode step.
+``decoder_layers`` runs the kernels of ``model/llama.py``'s layer loop (the bodies of ``rows.py``,
+``linear.py`` and ``attention.py``, unchanged) in the same order from one ``@njit`` function that
+loops over the layers, so a step makes one call from Python instead of nine per layer (each of
+which pays the dispatcher with caches the weight stream has just evicted). Everything that depends
+only on the step's shapes is planned once per step in Python: the tasks and tiles
+(``linear_plan``) of the four matrix products, the tasks of the row kernels, and the attention
+work items (the same for every layer). The layers' weights are stacked per kind (``[num_layers,
+...]``, ``LlamaForCausalLM.layer_stacks``) and the KV caches passed per layer (tuples; in the
+region, addresses), so the compiled loop can index them by layer.
 
-``decoder_layers`` runs the same kernels (the bodies of ``rows.py``, ``linear.py`` and
-``attention.py``, unchanged) in the same order from one ``@njit`` function that loops over the
-layers. Everything that depends only on the step's shapes is planned once per step in Python:
-the tasks and tiles (``linear_plan``) of the four matrix products, the tasks of the row kernels,
-and the attention work items (the same for every layer: the same sequences and lengths), so the
-thresholds stay the module constants the kernel tests set. The layers' weights are stacked per
-kind (``[num_layers, ...]``, ``LlamaForCausalLM.layer_stacks``) and the KV caches passed as
-tuples, so the compiled loop can index them by layer.
+**One parallel region per step** (``ONE_REGION``, with two threads or more): ``_layers_region``
+opens one ``prange`` region whose tasks all walk the same phases of every layer (norm, QKV
+product, RoPE and cache append, attention items, their merge, o_proj, norm, gate/up product,
+SwiGLU, down product) instead of one region per kernel call, each of which wakes the pool's
+sleeping threads (``kernels/cpu/threads.py``). A phase's work items (``linear.linear_items``: the
+weight-row blocks, streamed tiles or sgemm tiles of ``linear_into``'s own region, row blocks of
+``_ROWS_PER_ITEM``, attention items) are claimed from the phase's counter; each finished item is
+counted (``atomic_add``, acquire-release), and a task that finds no item left waits until the
+phase's count is complete before it starts the next phase (``atomic_load``, acquire). It never
+waits for an item nobody has claimed, so the region cannot deadlock when its tasks run one after
+another (a pool smaller than the plan, a nested call); the wait spins, then gives the core away
+each turn (``sched_yield``), so other work on the machine and the engine's scheduling thread still
+run. Same items, same arithmetic: bit-identical to the per-call path and the per-kernel loop
+(tests/model/test_forward.py).
 
-**One parallel region per step** (``ONE_REGION``, with two threads or more). A region per
-kernel call is ~120 regions per decode step, each waking the pool's sleeping threads (OpenMP's
-passive wait, ``kernels/cpu/threads.py``). ``_layers_region`` instead opens one ``prange`` region
-whose tasks all walk the same phases of every layer (norm, QKV product, RoPE and cache append,
-attention items, their merge, o_proj, norm, gate/up product, SwiGLU, down product). A phase's
-work items (``linear.linear_items``: the weight-row blocks, streamed tiles or sgemm tiles of
-``linear_into``'s own region, row blocks of ``_ROWS_PER_ITEM``, attention items) are claimed from
-the phase's counter; each finished item is counted (``atomic_add``, acquire-release), and a task that finds no item left waits until
-the phase's count is complete before it starts the next phase (``atomic_load``, acquire). It
-never waits for an item nobody has claimed, so the region cannot deadlock when its tasks run
-one after another (a pool smaller than the plan, a nested call); the wait spins a little, then
-gives the core away each turn (``sched_yield``), so a busy machine's other work and the
-engine's scheduling thread still run. Same items, same arithmetic: bit-identical to the
-per-call path and the per-kernel loop (tests/model/test_forward.py). Measured (perf/JOURNAL.md,
-fourth pass): 64 requests, 2 threads, +1-8% output tokens/s on a quiet machine, +18% with a
-busy process on one core; single-sequence decode within noise (+2-5% in one sitting, -6% in
-another).
+**Work items through a pointer.** Numba links the LLVM module of every callee into its caller and
+optimizes it again there, and a parallel region is four such libraries (the loop body, two gufunc
+wrappers, the function itself). The regions therefore call their work item function at its
+address (``_call_item``: Numba's calling convention through a pointer, after a check that the
+function was compiled for the call's argument types): ``_phase_item`` is compiled once, as any
+function, and each region's libraries carry only the region's own code. Likewise the products'
+entry leaves the int8 kernels out where no weight asked for them (``product_item``).
 
-**Compile time** (issue 31). Numba links the LLVM module of every callee into its caller and
-optimizes and code-generates the whole call tree again for each compiled function; a parallel
-region is four such libraries (the loop body, two gufunc wrappers, the function itself), so the
-layer loop's region with the attention, product and row kernels linked in was half of a cold
-start's compile. The regions therefore call their work item function at its address
-(``_call_item``: Numba's calling convention through a pointer, after a check that the function
-was compiled for the call's argument types): ``_phase_item`` is compiled once, as any function,
-and each region's libraries carry only the region's own code; each work item is one call
-through a pointer, where it was one call to ``_phase_item`` linked in. Likewise the products'
-entry without the int8 kernels where no weight asked for them (``product_item``).
-
-This is the CPU counterpart of replaying a captured CUDA graph: one launch per step instead of
-one per kernel. The compiled call releases the GIL (``nogil``): in-process engines run the forward
-on a background thread (``ThreadedExecutor``) while the calling thread schedules the next step,
-which a GIL held through the whole forward would stall until the forward returned.
+The compiled call releases the GIL (``nogil``): in-process engines run the forward on a background
+thread (``ThreadedExecutor``) while the calling thread schedules the next step.
 
 Sources: llama.cpp's CPU thread pool (``ggml_graph_compute``: threads stay in one region for the
-whole graph and meet at a barrier after each node) for the shape; the counters are this module's.
+whole graph and meet at a barrier after each node) for the shape, the CPU counterpart of replaying
+a captured CUDA graph (one launch per step); the counters are this module's.
 """
 
 from __future__ import annotations
@@ -134,7 +120,7 @@ def wait_items_done(done, k, n):
 # kernels of linear.py) or a QuantizedStack's table (int64 [num_layers, S, 4]: each layer's
 # product is S weight segments in GGUF types, written side by side into the output, e.g. q, k
 # and v into qkv). The three functions below are resolved by the weights' type when a region is
-# compiled, so the float32 model compiles exactly what it did before. With a table, ``int8`` (an
+# compiled, so a float32 model's regions compile only the float32 kernels. With a table, ``int8`` (an
 # argument of the regions) picks the products' entry: None where no weight was asked for int8
 # activations (``quant_task_rows_f32``: the integer kernels stay out of the region's call tree and
 # are never compiled), True where some were (``quant_task_rows``, which takes either kind of id).
@@ -301,9 +287,9 @@ def _layers_region(residual, hidden, x, qkv, q, attn, gate_up, act, ln1, qkv_w, 
     # the items of each phase from its claim counter, and waits at the phase's end until all of
     # its items are done (never for an item nobody took: no deadlock if tasks run one by one).
     # The KV caches come as addresses (cache_addrs [L, 2]: layer's key, value) of arrays shaped
-    # like cache_like, not as tuples: a tuple of one array per layer made LLVM's SROA pass take
-    # minutes on this function (quadratic in the tuple's size; 2 x 30 arrays for the default
-    # model), while the views made here have the type the tuple's items had (the same callees)
+    # like cache_like, not as tuples (LLVM's SROA pass is quadratic in a tuple's size, here 2 x
+    # num_layers arrays), while the views made here have the type the tuple's items had (the same
+    # callees)
     T = residual.shape[0]
     L = ln1.shape[0]
     attn2 = attn.reshape(T, attn.shape[1] * attn.shape[2])
@@ -495,8 +481,8 @@ _cache_table = ((), None)   # (weak references to the KV cache arrays, their add
 
 def _cache_addresses(kv_caches):
     # [L, 2] int64 data addresses of the layers' (key, value) caches for _layers_region, kept
-    # while the steps after pass the same arrays (the engine's caches: one table per run; ~7 us
-    # to check against ~150 us to read 60 addresses). Weak references: the table neither keeps
+    # while the steps after pass the same arrays (the engine's caches: one table per run; checking
+    # them is cheaper than reading the addresses again). Weak references: the table neither keeps
     # a released cache alive nor matches a new array at a freed one's address
     global _cache_table
     arrays = [c for pair in kv_caches for c in pair]

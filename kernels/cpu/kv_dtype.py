@@ -13,11 +13,11 @@ and its bit patterns in ``uint16`` would collide with bfloat16's, which the kern
 the arrays' dtype.
 
 A 16-bit cache halves the KV memory (twice the blocks for one budget) and the bytes a decode
-reads per key. Every kernel that touches the cache computes in float32 as before: writers round
+reads per key. Every kernel that touches the cache computes in float32: writers round
 their float32 result once on the store (``from_f32``), readers widen each element as they load it
 (``to_f32``, and ``kernels/cpu/simd.py``'s vector loads), exactly (every bfloat16 value is a
 float32). The kernels are generic in the cache's dtype: Numba compiles a variant per dtype when it
-is first called with it, so the float32 path neither changes nor compiles anything more.
+is first called with it, so a float32 cache compiles only the float32 variant.
 
 Sources: bfloat16 (Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", 2019;
 rounding as PyTorch's ``round_to_nearest_even`` and ggml's ``ggml_compute_fp32_to_bf16``, NaN kept

@@ -4,25 +4,22 @@ Two shapes, two kernels, both parallel over the threads of ``kernels.cpu.threads
 
 * **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading
   the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (64
-  with AVX-512, 24 with AVX2: the decode steps of that many sequences), reading each weight
-  once still beat sgemm's packed tiles. A Numba kernel streams each weight row once (four rows
+  with AVX-512, 24 with AVX2: the decode steps of that many sequences) a kernel that reads each
+  weight once takes the place of sgemm's packed tiles. A Numba kernel streams each weight row once (four rows
   at a time, from separate places of the item, so that more reads are in flight) and takes its
   dot product with every token, ``TOKENS_PER_PASS`` tokens per pass over the rows: 4 where the
   kernels are compiled with AVX-512 (16 sums per pass: each loaded weight value feeds 4 of them
   and each token value 4, 2 multiply-adds per load), 2 with AVX2, whose 16 registers cannot
-  hold 16 sums (against the former 2 tokens x 2 rows: 1.3-1.6x at T = 8..24 with either,
-  perf/RESULTS.md). Float32, vectorised by LLVM into 8- or 16-lane partial sums added at the
+  hold 16 sums. Float32, vectorised by LLVM into 8- or 16-lane partial sums added at the
   end, a blocked summation whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks
   take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
 * **More rows** (prefill chunks, decode steps of more sequences): where the streaming kernel
   takes up to 64 tokens (AVX-512) and BLAS runs no AVX-512 kernels (``STREAM_TILES``), the
   same kernel on tiles of ``GEMV_BLOCK_ROWS`` weight rows x a chunk of at most
   ``GEMV_MAX_ROWS`` tokens (chunks of equal size), the tiles of one weight block consecutive
-  so that it is read from L2: its 4 x 4 register block in AVX-512 code ran at 1.22-1.44x the
-  sgemm tiles from T = 65 to 512 with the AVX2 OpenBLAS kernels this project's environment
-  selects, and at 0.60-0.90x OpenBLAS's AVX-512 kernels from T = 128 (perf/JOURNAL.md,
-  eleventh pass). Otherwise BLAS ``sgemm`` on 2-D tiles of the output (``tile_m`` tokens x ``tile_n`` weight
-  rows), each tile one single-threaded call, tiles taken by the threads from a shared counter.
+  so that it is read from L2 (in place of OpenBLAS's AVX2 kernels, which this project's
+  environment selects). Otherwise BLAS ``sgemm`` on 2-D tiles of the output (``tile_m`` tokens
+  x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken by the threads from a shared counter.
   Each call packs its own weight tile; tiles are large enough (>= 64 x 64 outputs over the
   whole ``K``) that the packing stays a small share.
 
@@ -49,16 +46,10 @@ _F32 = np.float32
 _WIDE = compiles_avx512()
 # tokens per pass of the streaming kernel: 4 x 4 (token, weight row) sums need 16 vector
 # accumulators, which AVX2's 16 registers cannot hold beside the loaded values (6 of them
-# spilled to the stack, reloaded and stored every iteration). Measured with the kernels compiled
-# for each level on the Zen 5 VM (perf/JOURNAL.md, ninth pass), T = 8..24, 1 thread: AVX-512,
-# 4 tokens 1.11-1.15x 2 tokens; AVX2, 2 tokens 1.32-1.40x the old 2 x 2 kernel, 4 tokens 1.14-1.19x
+# spilled to the stack, reloaded and stored every iteration)
 TOKENS_PER_PASS = 4 if _WIDE else 2
 # up to this many tokens the streaming kernel, else sgemm tiles (OpenBLAS packs and computes a
-# thin output poorly). With the kernels compiled for AVX2 the streaming kernel is even with the
-# tiles from T = 32 (0.91-1.05x at T = 32-64, 1 and 2 threads; the 2-token kernel of earlier
-# passes was 1.1-1.6x the tiles at T = 8..24 on Zen 3). With AVX-512, against the tiles at T =
-# 32 / 48 / 64: 1.26-1.35x with AVX2 OpenBLAS, 1.07-1.58x with OpenBLAS's AVX-512 kernels; at
-# T = 96-128 AVX-512 OpenBLAS catches up (0.84-1.19x)
+# thin output poorly): 64 in AVX-512 code, 24 in AVX2 code, about where each meets the tiles' rate
 GEMV_MAX_ROWS = 64 if _WIDE else 24
 GEMV_BLOCK_ROWS = 32       # weight rows per work item of the streaming kernel
 
@@ -73,9 +64,7 @@ def _blas_runs_avx512() -> bool:
 
 # Above GEMV_MAX_ROWS tokens: the streaming kernel on tiles of GEMV_BLOCK_ROWS weight rows x
 # token chunks of at most GEMV_MAX_ROWS where it takes 64 tokens (AVX-512) and sgemm does not
-# run AVX-512 kernels, else sgemm tiles. On the Zen 5 VM (perf/JOURNAL.md, eleventh pass), T =
-# 65-512: 1.22-1.44x OpenBLAS's AVX2 (Haswell) tiles, 0.60-0.90x its AVX-512 (SkylakeX) ones
-# from T = 128 (about 135 GFLOP/s per thread against 200)
+# run AVX-512 kernels, else sgemm tiles
 STREAM_TILES = GEMV_MAX_ROWS >= 64 and not _blas_runs_avx512()
 _PARALLEL_MIN_WEIGHTS = 1 << 16   # smaller weights: run on the calling thread
 
@@ -175,8 +164,7 @@ def _dot1(x, t, weight, r, out):
 def _gemv_rows(x, weight, out, r0, r1, t0, t1):
     # out[t0:t1, r0:r1] = x[t0:t1] @ weight[r0:r1].T. Four weight rows at a time, read as
     # interleaved streams (rows r0 + i, r0 + i + n/4, ...: one core then keeps more memory reads
-    # in flight than with one sequential stream, measured +50% GB/s for one token on the shared
-    # EPYC), against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 or L2 for
+    # in flight than with one sequential stream), against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 or L2 for
     # the later passes), then pairs, then one
     n = r1 - r0
     q = n // 4
@@ -310,10 +298,7 @@ def gemm_tiles(T: int, N: int, threads: int) -> tuple[int, int]:
     the packing share of a tile goes as ``1 / tile_m + 1 / tile_n``: tiles as square as the
     output allows. Among cuts into ``n_m`` row tiles (at least 64 tokens, at most 512) and
     weight-row tiles (multiples of 16, 64..512) that give about 4 tiles per thread (dynamic
-    balance) where the output has room, the one with the least packing per output. Measured at
-    T = 512 with 2 threads (perf/RESULTS.md): down_proj 142 -> 160 GFLOP/s against the whole-row
-    tiles this replaced; o_proj ``[576, 576]`` stays at its 1-thread rate with every tiling tried,
-    which this rule does not explain.
+    balance) where the output has room, the one with the least packing per output.
     """
     target = 4 * threads
     best = None

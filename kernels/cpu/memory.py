@@ -10,14 +10,11 @@ Linux hands out transparent huge pages (THP) to every anonymous mapping when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always``, and with ``madvise`` (the default
 of many distributions, and of this machine) only to ranges marked ``madvise(MADV_HUGEPAGE)``.
 NumPy marks its own allocations of 4 MiB and more (``NUMPY_MADVISE_HUGEPAGE``, on by default for
-Linux 4.6+), but the kernel can only use the whole 2 MiB-aligned pages inside a marked range: a
-6 MiB ``np.zeros`` array got 4 MiB of huge pages here, an array below 4 MiB none, and the head and
-tail of every array (up to 2 MiB each) stay on 4 KiB pages. ``huge_page_zeros`` maps anonymous
-memory (zero-filled by the kernel), starts the array on a 2 MiB boundary and marks it from 2 MiB
-up, so all of it can be huge pages. What that gains depends on how much NumPy left uncovered: on
-the 2-vCPU EPYC this project measures on, decode attention over caches of 1.5-25 MB per layer
-read its K/V 6-17% faster, a plain read of the same blocks 1-19% (perf/JOURNAL.md, seventh pass);
-a cache of hundreds of MB per layer was almost all on huge pages already.
+Linux 4.6+), but the kernel can only use the whole 2 MiB-aligned pages inside a marked range: an
+array below 4 MiB gets none, and the head and tail of every array (up to 2 MiB each) stay on 4 KiB
+pages. ``huge_page_zeros`` maps anonymous memory (zero-filled by the kernel), starts the array on a
+2 MiB boundary and marks it from 2 MiB up, so all of it can be huge pages. What that gains depends
+on how much NumPy leaves uncovered: most for caches of a few MB per layer, little for hundreds.
 
 Where THP is off (``never``), madvise is missing (not Linux) or refuses, the array is the same
 anonymous memory on normal pages: results never depend on it. Arrays below

@@ -6,14 +6,14 @@ and the store and reload of every decoded value, and a second loop, are not. Her
 a row are decoded in registers (the codes unpacked as ``quant_int8`` does, converted to float32 and
 scaled with the reference's float32 operations, so every weight value is bit-identical to
 ``dequantize``'s) and multiplied-added straight into 32 float32 lanes per token (4 vectors of 8 on
-AVX2, 2 of 16 on AVX-512, as LLVM splits them), alternating blocks between two sets of accumulators
-(the intrinsics take ``nt`` tokens; one is what measured faster). The sums are float32 dot products
+AVX2, 2 of 16 on AVX-512, as LLVM splits them); an intrinsic of ``nt`` = 1 token alternates blocks
+between two sets of accumulators, one of ``nt`` = ``_NT`` tokens keeps one set per token. The sums are float32 dot products
 of ``K`` terms with the exactly dequantized weights in another order than ``_rows``': within the
 same bound (``gamma(K) sum |x_k w_k|``).
 
 Q4_K, Q5_K and Q6_K (``_make_fdot_superblock``) take one 256-value superblock per loop trip, every byte
-offset in it a constant and the block's scales decoded as vectors in registers (the per-block form
-spent most of its instructions on index arithmetic: 5 G weights/s on one Zen 4 thread, now 9-12).
+offset in it a constant and the block's scales decoded as vectors in registers (a per-block form
+spends most of its instructions on index arithmetic).
 Where the reference's weight is ``a * q + b`` with ``a * q`` exact (Q4_1: an 11-bit ``d`` times a
 4-bit code; Q4_K / Q5_K: ``d * sc``, 17 bits, times a 4- or 5-bit code; all under float32's 24), it is computed
 as one fused multiply-add: its one rounding is the reference's addition, so the value is the same.
@@ -39,9 +39,7 @@ __all__ = ["FUSED_TYPES", "FUSED_MAX_TOKENS", "fused_rows"]
 FUSED_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
 FUSED_MAX_TOKENS = 8
 """Products of at most this many tokens take ``fused_rows``; more, ``quant_linear``'s decoded rows
-and dot products (``_rows``). Measured (Zen 4, 1 thread, CPU time; Llama-3.2-1B's q projection,
-the products per second of the two against each other): at 4 tokens the fused passes are 1.8x for
-Q4_K, 1.2-1.3x for Q6_K, Q4_1 and Q8_0; at 8, 1.05-1.25x; at 16, 0.9x (two sittings, noisy)."""
+and dot products (``_rows``)."""
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _FL, _HALF = ir.FloatType(), ir.HalfType()

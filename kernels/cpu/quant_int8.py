@@ -28,8 +28,6 @@ as llama.cpp's ``ggml_vec_dot_q4_0_q8_0`` / ``q4_1_q8_1`` / ``q8_0_q8_0`` / ``q4
   sc sum x`` from the activations' half sums (one ``vpmaddwd`` with the 16 scales, as llama.cpp's
   ``bsums``), one conversion and one ``<8 x float>`` multiply-add with ``d_w sc * d_x`` per
   superblock; Q4_K's and Q5_K's mins as one ``<8 x float>`` multiply-add of ``dmin m`` with ``d_x sum q``.
-  Measured on Zen 4, one thread, one token, Llama-3.2-1B's shapes: Q4_K 6 -> 18-28 G weights/s
-  and Q6_K 6 -> 13-24 (the machine shared: noisy) against the per-block form this replaced.
 * Up to 4 tokens per pass over a row (``_idot_<type>_<n>``: the codes unpacked once, 4 float
   accumulators), the row's bytes in L1 for the next 4.
 

@@ -17,8 +17,7 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   blocks for AVX2; fast-math: LLVM vectorises each sum into 8- or 16-lane partial sums, float32
   accumulation). Up to ``FUSED_MAX_TOKENS`` (8) tokens of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K
   (decode steps): decoded and multiplied in one pass instead, in registers, 4 tokens per pass
-  over a row (``quant_fused.py``: the same exact weight values, no scratch row; measured there
-  against the path above: 1.2-1.8x at 4 tokens, 1.05-1.25x at 8, 0.9x at 16). The results are
+  over a row (``quant_fused.py``: the same exact weight values, no scratch row). The results are
   float32 dot products with the exactly dequantized weights: what the default model's golden
   outputs were computed from, so this stays that model's default.
 * **int8 activations** (``quant_kernel_type(q, "int8")``, ``quant_linear(...,
@@ -27,51 +26,21 @@ Two ways of computing, chosen per weight (``quant_kernel_type``) and per product
   weight codes with them (``vpdpbusd`` with AVX512-VNNI, ``vpmaddubsw`` + ``vpmaddwd`` with AVX2),
   converted and multiplied-added by the scales once per 8 blocks (256 values), as llama.cpp's
   ``ggml_vec_dot_*_q8_*``. For Q8_0, Q4_0,
-  Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding (a
-  relative 0.4-0.7% of the largest output on random data; bounds in ``tests/kernels/test_quant_int8.py``),
-  so the default model keeps float32; every other quantized GGUF file takes this path by default
-  (``--activation-quantization auto``, ``model.loader.resolve_activation_quantization``). Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weights with int8 activations (the
-  layers' when the stacks are built, lm_head's and the embedding table's in the CPU table's
-  ``prepare_weight``) are interleaved by 8 rows (``kernel_layout``, kernel types ``*_X8``,
-  ``quant_x8.py``): no horizontal sums, faster than the row kernel at
-  every size, and it takes every token count.
+  Q4_1, Q4_K, Q5_K and Q6_K; the results differ from the float32 path by the activations' rounding
+  (bounds in ``tests/kernels/test_quant_int8.py``), so the default model keeps float32; every other
+  quantized GGUF file takes this path by default (``--activation-quantization auto``,
+  ``model.loader.resolve_activation_quantization``). Q4_K, Q6_K, Q8_0, Q4_0 and Q4_1 weights with
+  int8 activations (the layers' when the stacks are built, lm_head's and the embedding table's in
+  the CPU table's ``prepare_weight``) are interleaved by 8 rows (``kernel_layout``, kernel types
+  ``*_X8``, ``quant_x8.py``): no horizontal sums, and it takes every token count.
 
-Which way, measured (``python -m perf.quant_linear --shapes 1b-q 1b-down default-up --types Q8_0
-Q4_K Q6_K Q4_1 --rows 1 4 8 16 --threads 1 2 --rounds 2 --activations float32 int8``; AMD EPYC Zen 4,
-2 cores, quiet (load 0.9), AVX-512 F/BW/VL/VNNI: integer products as AVX512-VNNI, float32 vectors of
-16 lanes; after both paths' superblock / grouped kernels and the fused passes up to 8 tokens): the
-ratio of the int8 path's tokens per CPU second to the float32-activation path's, lowest-highest
-over Llama-3.2-1B's q projection (K = N = 2048), its down projection (K = 8192, N = 2048), the
-default model's up projection (K = 576, N = 1536; Q8_0 and Q4_1 only) and 1 and 2 threads:
+Which way: with int8 activations asked for, the integer path up to ``INT8_MAX_TOKENS`` tokens (16
+with AVX512-VNNI, 8 with AVX2; ``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K), and the float32 path above
+that (prefill chunks: the decoded tiles and BLAS's packed float32 sgemm, exact). Where Numba
+compiles for neither AVX2 nor AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps
+float32 activations.
 
-  ====  ===========  ===========  ===========  ===========
-  T     Q8_0         Q4_K         Q6_K         Q4_1
-  ====  ===========  ===========  ===========  ===========
-  1     0.99-2.3     1.6-3.2      1.5-3.1      0.92-2.2
-  4     0.80-1.6     1.2-1.9      1.4-1.7      0.94-1.6
-  8     0.98-1.6     1.7-2.1      (float32)    1.2-1.8
-  16    0.86-1.4     1.3-1.8      (float32)    0.95-2.1
-  ====  ===========  ===========  ===========  ===========
-
-(The low ends are the default model's K = 576 rows: 18 blocks, where both paths are short.) An
-earlier sitting, before the superblock kernels, compiled for AVX2 on the same machine
-(``NUMBA_CPU_NAME=haswell``, a feature list without AVX-512: ``vpmaddubsw`` + ``vpmaddwd``, float32
-vectors of 8 lanes; 1 thread; the q projection / the default model's up projection): T = 1 Q8_0
-2.5 / 1.9, Q4_K 2.6, Q6_K 2.6, Q4_1 2.2 / 1.9; T = 4 1.8 / 1.3, 1.2, 2.0, 1.5 / 1.2; T = 16 1.0 /
-0.88, 1.2, 0.99, 0.95 / 0.73. So with int8 activations asked for: the integer path up to
-``INT8_MAX_TOKENS`` tokens, 16 with AVX512-VNNI and 8 with AVX2 (between its 4 and 16, not
-measured) (``INT8_MAX_TOKENS_Q6_K`` = 4 for Q6_K: at 8 tokens its integer path measured 0.8-0.9x), and the
-float32 path above that (prefill chunks: the decoded tiles and BLAS's packed float32 sgemm are as
-fast as the integer products there, and exact). Where Numba compiles for neither AVX2 nor
-AVX512-VNNI (``quant_int8.ISA`` is ``None``), every product keeps float32 activations. Speeds at ``T =
-1`` (Llama-3.2-1B's q and down projections, this sitting): one thread, the float32-activation path
-7-13 G weights/s (compute-bound: the decode and the float32 multiply-adds), the integer path 12-29;
-two threads 13-19 and 20-47.
-
-**More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS`` = 32; measured, Llama-3.2-1B q
-projection, 1 thread, noisy: at 17 tokens the decode-and-dot passes take 6100-6500 tokens per CPU
-second and the tiles 3700, at 32 6200-6900 and 5500-5700, at 48 6650-6900 and at 64 the tiles
-7300-7700): a task decodes a tile of
+**More tokens** (prefill chunks, above ``QUANT_GEMV_MAX_TOKENS`` = 32): a task decodes a tile of
 ``QUANT_SCRATCH_ROWS`` weight rows into its scratch once and multiplies every token against it
 with one single-threaded ``sgemm`` (BLAS's packed kernels; the decoding is then a ``1 / T`` share
 of the work), as the float32 path's sgemm tiles (``linear.py``).
@@ -264,11 +233,8 @@ def decode_row(row, qtype, buf):
     scalar remainder, 16 lanes x an unroll of 2-4 not fitting); Q5_0 and Q5_1 loop over a block's
     values to a count derived from the arrays' lengths (``vpb``, the values per block) instead of a
     literal, with which LLVM unrolled the loop fully and then vectorised the loop over *blocks*,
-    gathering bytes one by one. Measured on the shared Zen 4 machine (AVX-512, 1 thread, noisy; the
-    float32 dot product that follows runs at 15-20 G values/s from L1): Q4_0 13, Q4_1 9.5, Q6_K
-    9.3, Q5_K 7.3, Q4_K 5.7 G values/s (each 1-1.4 with plain loops; Q8_0 4.8 with the opaque count,
-    10.8 with the vector code); Q5_0 / Q5_1 1.5 (scalar: their fifth bits come from a 32-bit field,
-    not bytes)."""
+    gathering bytes one by one. Q5_0 and Q5_1 stay scalar: their fifth bits come from a 32-bit
+    field, not bytes."""
     nbytes = row.shape[0]
     if qtype == F32:
         bits = buf.view(np.uint32)
@@ -473,10 +439,9 @@ def quant_rows(x, w, qtype, out, col0, buf, r0, r1):
 def quant_item_rows(T, K, N, interleaved, tasks):
     """Weight rows per work item of a product of ``T`` tokens and ``N`` rows of ``K`` values, shared
     by ``tasks`` tasks: for decode-sized steps about ``_ITEM_WEIGHTS`` weights (``QUANT_BLOCK_ROWS``
-    to ``QUANT_SCRATCH_ROWS`` rows, a multiple of 8: each item's claim and call cost ~0.1-0.2 us, a
-    tenth of a 16-row item of the default model's 576-value rows; measured there on one thread,
-    16 -> 48 rows: 16-17 -> 14 ms per decode step), ``QUANT_SCRATCH_ROWS`` for the sgemm tiles (a
-    larger tile amortises the call and its packing of ``x``).
+    to ``QUANT_SCRATCH_ROWS`` rows, a multiple of 8, so that each item's claim and call stay a
+    small share of it), ``QUANT_SCRATCH_ROWS`` for the sgemm tiles (a larger tile amortises the
+    call and its packing of ``x``).
 
     An ``interleaved`` weight's (``kernel_layout``'s ``*_X8`` kinds) decode-sized items are about
     ``_ITEM_WEIGHTS_X8`` weights (whole groups of ``X8_ROWS`` rows; ``x8_rows`` needs no scratch
@@ -484,11 +449,7 @@ def quant_item_rows(T, K, N, interleaved, tasks):
     to groups of 8: about that many items per task), so that the tasks still share every product.
     A decode step's products do nothing but stream their weights, and each item is one stream that
     the hardware prefetchers must pick up again (the tasks' items alternate in memory), so long
-    items are what counts, as llama.cpp's repacked products take 4 chunks per thread.
-    Measured (Llama-3.2-1B shape Q4_K_M, int8 activations, 2 threads, in one process alternating,
-    decode at a 512-token context, ms per token, median of 6): 2^17 weights 41; 2^20 33-35; 2^21
-    with 2 items per task 33.5; the rows of one task's quarter of each product 33.7. (Before, the
-    items were also capped at ``QUANT_SCRATCH_ROWS`` rows, so ~2^17 weights at this shape.)"""
+    items are what counts, as llama.cpp's repacked products take 4 chunks per thread."""
     if T > QUANT_GEMV_MAX_TOKENS:
         return QUANT_SCRATCH_ROWS
     if interleaved:

@@ -54,12 +54,8 @@ corr)``, ``acc - corr`` at the end. The same terms as ``quant_int8``'s Q4_K kern
 activations, the integer sums exact), summed in another order: the results agree to float32
 rounding (``tests/kernels/test_quant_int8.py`` checks both against the same derived bounds).
 
-Measured (one thread, AMD EPYC Zen 4, AVX-512 VNNI; Llama-3.2-1B's up projection K = 2048, N = 8192
-and down projection K = 8192, N = 2048; G multiply-adds per second, from L3 / from DRAM, 8 copies
-of the weight): one token 66-74 / 36-42 against the row kernel's 29-36 / 25-33; 4 tokens 52-102 /
-50-51 against 43-50 / 29-47; 16 tokens 83-86 / 86-89 against 42-46 / 43. So it also takes prefill
-chunks (every token count: the row kernel hands more than ``INT8_MAX_TOKENS`` to float32 tiles and
-sgemm, ~37 G/s per thread).
+It takes every token count, prefill chunks included (the row kernel hands more than
+``INT8_MAX_TOKENS`` tokens to float32 tiles and sgemm).
 
 Sources: llama.cpp ``ggml/src/ggml-cpu/repack.cpp`` (``block_q4_Kx8``, ``make_block_q4_Kx8``: the
 idea of interleaving rows so a product's lanes are rows), ``arch/x86/repack.cpp``
@@ -97,9 +93,7 @@ _Q40_BYTES = QUANT_TYPES[Q4_0].block_bytes   # 18
 _Q41_BYTES = QUANT_TYPES[Q4_1].block_bytes   # 20
 # where the interleaved Q6_K layout's 32-byte code chunks start in a group's superblock: in the
 # order the kernel first reads them, every first touch of a cache line at a higher address than the
-# last (measured, one token, one thread, from DRAM, Llama-3.2-1B's up projection: low bits then high
-# bits as two regions 6-8 G multiply-adds/s, low bits by p with the high bits after each pair
-# 16-22, this order 26-28; the row kernel 14-19)
+# last (the hardware prefetchers then follow one forward stream)
 @njit(cache=True, inline="always")
 def _q6k_ql_at(p, c):
     return 144 + 768 * (p // 2) + (512 + 128 * (c // 4) if p % 2 else 256 * (c // 4)) + 32 * (c % 4)

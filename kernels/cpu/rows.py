@@ -63,8 +63,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 @njit(cache=True)
 def _copy_blocks_kernel(cache, block_mapping):
     # element by element over the flattened blocks: a block assignment (cache[dst] = cache[src])
-    # also compiled Numba's shape-mismatch message, string formatting that took ~5 s of a cold
-    # start for shapes that always match
+    # would also compile Numba's shape-mismatch message (string formatting, slow to compile) for
+    # shapes that always match
     n = cache.size // max(1, cache.shape[0])
     flat = cache.reshape((cache.shape[0], n))
     for i in range(block_mapping.shape[0]):
@@ -265,8 +265,8 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 @njit(cache=True, fastmath=True, error_model="numpy")
 def _silu_and_mul_rows(x, out, t0, t1):
     # silu(g) = g / (1 + e^-g), e^-g = 2^(-g log2 e) (vectorised, see kernels/cpu/math.py). error_model
-    # "numpy": Python's model checks each division for a zero divisor, a branch that kept LLVM
-    # from vectorising the loop (3.5 ns per element, 1.0 without the check)
+    # "numpy": Python's model checks each division for a zero divisor, a branch that keeps LLVM
+    # from vectorising the loop
     inter = out.shape[1]
     for t in range(t0, t1):
         for i in range(inter):
@@ -312,7 +312,7 @@ def silu_and_mul(x, out=None):
 def prepare_weight(w):
     """A weight as the CPU table stores it: a C-contiguous float32 copy of ``w`` (``[out, in]`` or
     ``[n]``). Linear weights stay ``[out, in]``: the decode kernel then streams contiguous rows and
-    BLAS takes ``W.T`` as a transpose flag (a pre-transposed copy measured no faster for prefill).
+    BLAS takes ``W.T`` as a transpose flag.
     Weights of 2 MiB and more go on transparent huge pages (``memory.huge_page_zeros``, kernels/cpu/memory.py)."""
     if np.size(w) * 4 < HUGE_PAGE_MIN_BYTES:
         return np.ascontiguousarray(w, dtype=_F32)

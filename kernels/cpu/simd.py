@@ -20,12 +20,11 @@ the Numba caller like any ``@intrinsic`` (no call, no reference counting of the 
   row of ``pv_rows``.
 * ``qk16_rows`` / ``pv_rows``: ``qk16`` and ``pv`` for the query rows of one KV head (a GQA
   group) at once, each key or value vector loaded once for all the rows; every sum is the one-row
-  sum, in the same order (the same bits). From L2 on Zen 4, a Llama-3.2-1B decode item (GQA 4, 64-wide
-  heads, float32 cache) took 0.10 ms per layer against 0.13-0.15 row by row.
+  sum, in the same order (the same bits).
 
 For the prefill tiles (many query rows against a chunk of keys), small dense products with
-register blocking as in a GEMM microkernel, where OpenBLAS's AVX2 kernels on inner dimensions
-of 64-128 reached about half of this core's rate:
+register blocking as in a GEMM microkernel, in place of OpenBLAS's AVX2 kernels, which fall well
+short of the core's rate on inner dimensions of 64-128:
 
 * ``transpose_rows``: a chunk's key rows (scattered over the cache's blocks) into the columns
   of a ``[head_dim, chunk]`` buffer, ``W x W`` blocks transposed in registers.

@@ -10,8 +10,7 @@ with *single-threaded* BLAS ``sgemm`` calls. So there is exactly one set of work
 * **BLAS threads**: held at one with ``threadpoolctl`` when the CPU kernel table is first used
   (``apply_thread_policy``). A multi-threaded OpenBLAS next to a Numba pool means two sets of
   threads on the same cores; OpenBLAS's idle workers keep spinning after each call, so the
-  Numba region that follows ran with one core missing (issue 9 measured attention 2.6x slower
-  with 2 threads than with 1).
+  Numba region that follows would run with a core missing.
 * **Dynamic work distribution**: a region's tasks take work items (tiles, KV-head groups, weight
   row blocks) from one shared atomic counter (``fetch_add``), largest items first where sizes
   differ. A thread that the OS delays (a busy machine) holds back only the item it is on, not a
@@ -40,10 +39,8 @@ import threading
 
 # Before Numba starts its OpenMP pool (at the first parallel call): threads that finish a region
 # sleep at once instead of spinning (GNU OpenMP spins up to GOMP_SPINCOUNT = 300000 pauses by
-# default). Measured on the shared 2-core machine (load ~4.4, a 2-thread region of ~30 us of
-# work): default policy median 17 us but mean 2.8 ms and p90 8 ms (a spinning thread holds the
-# core its partner needs); passive: median 37 us, p99 52 us. The user's own OMP_WAIT_POLICY or
-# GOMP_SPINCOUNT wins. OMP_WAIT_POLICY_SET_BY_FOLIO tells child processes (benchmark peers) to
+# default): on a busy machine a spinning thread holds the core its partner needs. The user's
+# own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. OMP_WAIT_POLICY_SET_BY_FOLIO tells child processes (benchmark peers) to
 # drop it again.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "passive"
@@ -91,9 +88,7 @@ def prefetch(typingctx, arr, offset):
     """Hint the CPU to load the cache line of element ``offset`` (flat, in elements) of ``arr``
     into L2 (LLVM ``llvm.prefetch``: read, locality 2, ``prefetcht1`` on x86); no effect on
     results. Into L2, not L1 (locality 3): decode attention requests a KV block's lines in bursts
-    of dozens, more than the L1's miss buffers hold; with L2 as the target its decode items read
-    their K/V ~25% faster in a Llama-3.2-1B decode step on Zen 4, and 2.5x on one thread alone
-    (perf/JOURNAL.md, issue 29 attention)."""
+    of dozens, more than the L1's miss buffers hold."""
     def codegen(context, builder, sig, args):
         a = context.make_array(sig.args[0])(context, builder, args[0])
         p = builder.bitcast(builder.gep(a.data, [args[1]]), cgutils.voidptr_t)
@@ -209,7 +204,7 @@ if _addr is None:
     _addr = _sgemm_fallback.address
 llvm_binding.add_symbol(_SGEMM_SYMBOL, _addr)
 
-# OpenMP first (the measured layer); TBB's spinning work-stealing pool last
+# OpenMP first (its passive wait, set above); TBB's spinning work-stealing pool last
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
 
@@ -254,8 +249,8 @@ def num_threads() -> int:
     ``numba_threads`` holds for every thread, and is applied to the calling thread here.
 
     Every kernel call asks, so it is read straight from the threading layer:
-    ``numba.get_num_threads()`` takes two locks per call, which cost ~20 us each time the caches
-    are cold (a decode step streams megabytes of weights between two kernel calls)."""
+    ``numba.get_num_threads()`` takes two locks per call, costly when the caches are cold (a
+    decode step streams megabytes of weights between two kernel calls)."""
     n = _calling_thread_count()
     if _threads is not None and n != _threads:
         numba.set_num_threads(_threads)
@@ -272,7 +267,7 @@ def region_guard():
     run without the GIL (and the entry points release it, ``nogil``), so two Python threads (two
     in-process engines) can launch parallel regions at once; OpenMP and TBB take that, but
     workqueue (Numba's choice where libgomp is missing) aborts the whole process ("Concurrent
-    access has been detected"; main before ``nogil`` aborted the same way). Source: Numba's
+    access has been detected"). Source: Numba's
     documentation, "The Threading Layers" (thread safety of each layer)."""
     global _guard
     if _guard is None:
