@@ -7,7 +7,7 @@ Two protocols (``typing.Protocol``; ``isinstance`` checks only that the members 
 * ``Executor``: what the engine drives. ``submit(plan)`` hands a plan over and returns at once,
   ``get_result()`` returns the oldest submitted plan's result (waiting for it), and plans run in
   the order submitted. That lets the engine prepare and submit step N+1 while step N runs
-  (overlap scheduling). ``ipc.executor.ZmqExecutor`` (a worker process) is one; for a
+  (overlap scheduling). ``ipc.zmq_executor.ZmqExecutor`` (a worker process) is one; for a
   ``StepRunner`` in this process the engine builds an ``InlineExecutor`` (runs each plan at
   ``submit``, no overlap) or a ``ThreadedExecutor`` (runs plans on one background thread, as
   SGLang's overlap scheduler runs its model worker).

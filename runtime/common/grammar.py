@@ -1,8 +1,6 @@
 """Structured outputs: a request's constraint -> a grammar -> a token bitmask per step.
 
-The grammar engine is llguidance (guidance-ai/llguidance, MIT; chosen against xgrammar by the
-figures of ``perf/grammar_libraries.py`` in perf/RESULTS.md: masks as fast or faster, no torch in
-the install). A constraint (``StructuredOutputsParams``: ``json``, ``regex``, ``choice``,
+The grammar engine is llguidance (guidance-ai/llguidance, MIT). A constraint (``StructuredOutputsParams``: ``json``, ``regex``, ``choice``,
 ``grammar`` or ``json_object``, vLLM's names) becomes one llguidance grammar string
 (``grammar_text``); a ``LLMatcher`` over the model's tokenizer walks it token by token and fills a
 bitmask of the tokens allowed next.
@@ -49,8 +47,8 @@ and the scheduler process for the ZeroMQ door and, again, for HTTP requests) che
 which costs milliseconds for a typical schema and nothing for a cached one. The worker builds each
 sequence's matcher from the same text, copying a cached matcher per grammar text (llguidance builds
 the lexer lazily, so a copy is cheap); the worker's grammar tokenizer is built when its first
-constrained sequence arrives (about 1 s once, at 49k tokens; shared with the validator in one
-process).
+constrained sequence arrives (once: it walks the whole vocabulary; shared with the validator in
+one process).
 """
 
 from __future__ import annotations
@@ -118,7 +116,7 @@ _TOKENIZER_LOCK = threading.Lock()
 
 def grammar_tokenizer(tokenizer_json: str, eos_token_ids) -> "object":
     """The llguidance ``LLTokenizer`` of a ``tokenizer.json`` text with the engine's EOS ids (built
-    once per process per tokenizer: about 1 s for a 49k vocabulary, 3 s for 128k)."""
+    once per process per tokenizer: a pass over the whole vocabulary, seconds for a large one)."""
     key = (hashlib.sha1(tokenizer_json.encode()).hexdigest(), tuple(int(t) for t in eos_token_ids))
     with _TOKENIZER_LOCK:
         tok = _TOKENIZERS.get(key)

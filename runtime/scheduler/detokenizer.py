@@ -9,8 +9,7 @@ characters only, and join up to exactly the final text.
   bytes, read from the vocabulary through GPT-2's byte <-> character table and checked against
   the library's own ``decode([id])`` the first time the id is seen. A sequence's new text is then
   one table lookup and one C-level UTF-8 decode that holds an incomplete trailing character back
-  (``codecs.utf_8_decode(..., final=False)``): no tokenizer call per token (about 0.3 us instead
-  of 1.5-2 us, perf/RESULTS.md).
+  (``codecs.utf_8_decode(..., final=False)``): no tokenizer call per token.
 * Any other tokenizer (Metaspace / byte-fallback decoders, e.g. SentencePiece models): the
   sliding-window technique of Hugging Face text-generation-inference and vLLM (``prefix_offset`` /
   ``read_offset``). We decode ``ids[prefix_offset:]`` and ``ids[prefix_offset:read_offset]``; the

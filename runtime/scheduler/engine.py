@@ -170,8 +170,8 @@ class LLMEngine:
 
     @cached_property
     def grammar_validator(self) -> GrammarValidator:
-        """Checks constraints before admission (built on first use: the grammar tokenizer takes
-        about a second; ``runtime/common/grammar.py``)."""
+        """Checks constraints before admission (built on first use: the grammar tokenizer walks
+        the whole vocabulary; ``runtime/common/grammar.py``)."""
         return GrammarValidator(self.tokenizer.hf.to_str(), self.eos_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -274,7 +274,7 @@ class LLMEngine:
     # -- warm-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Run throwaway requests so that every kernel a first batch of clients meets is compiled
-        (Numba, on a cold compile cache ~1-2 min) or loaded before any timed or served request.
+        (Numba; minutes on a cold compile cache) or loaded before any timed or served request.
 
         Shapes, one phase after the other (run together they would make one batch, and the
         single-sequence shapes would never run): one prompt shorter than a block (the serial

@@ -10,7 +10,7 @@ last delta, or in the ``abort`` delta if it had not finished.
 Detokenization runs here, on the scheduler's thread, once per step for all sequences of the step;
 with a byte-level BPE tokenizer it is a table lookup and a C-level UTF-8 decode per token (no
 tokenizer call), and with overlap scheduling it runs while the worker computes the next step
-(the reasons and figures are in docs/architecture.md and perf/RESULTS.md).
+(docs/architecture.md, "Detokenization").
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ class GrammarMatchers:
 
     Args:
         tokenizer_json: a zero-argument callable returning the model's ``tokenizer.json`` text
-            (called once, when the first constrained sequence arrives: the grammar tokenizer takes
-            about 1 s to build for a 49k vocabulary, so engines that never constrain never pay it).
+            (called once, when the first constrained sequence arrives: building the grammar
+            tokenizer walks the whole vocabulary, so engines that never constrain never pay it).
     """
 
     def __init__(self, tokenizer_json):

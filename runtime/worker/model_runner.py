@@ -146,7 +146,9 @@ def profile_step_shape(max_num_batched_tokens: int, max_num_seqs: int, max_model
 
 
 class ModelRunner:
-    """Load the model, allocate the KV cache and run steps (the in-process Executor).
+    """Load the model, allocate the KV cache and run steps: the ``StepRunner`` that an executor
+    drives (``InlineExecutor`` / ``ThreadedExecutor`` in this process, ``ipc.zmq_executor.ZmqExecutor``
+    in a worker process of ``ipc/worker_process.py``).
 
     Args:
         engine_config: the engine's ``EngineConfig`` (model, device, block_size, KV sizing, seed).
@@ -164,8 +166,11 @@ class ModelRunner:
     Raises:
         ValueError / FileNotFoundError / RuntimeError: from loading or sizing (bad model, no
         memory for a single block, cuda without a GPU, a dtype or KV cache dtype the device does
-        not run: CPU runs float32 weights and activations and a float32 or bfloat16 KV cache,
-        CUDA bfloat16 weights and KV cache with float32 math).
+        not run). The CPU serves weights as stored (``--dtype auto``: float32, 16-bit floats, GGUF
+        types, or quantized as they load with ``quantization``) or all float32 (``--dtype
+        float32``), with float32 activations or, for weights in quantized GGUF types, int8 ones
+        (``activation_quantization``), and a float32 or bfloat16 KV cache; CUDA serves bfloat16
+        weights and KV cache with float32 math (``model.loader.load_model``).
     """
 
     def __init__(self, engine_config: EngineConfig):

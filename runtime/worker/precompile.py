@@ -1,9 +1,8 @@
 """Compile the CPU kernels of the serving paths into Numba's on-disk cache, in parallel processes.
 
-A server's first step on a fresh clone compiled every kernel it met, one after the other, in the
-worker process: 100-120 s of silence (issue 31). ``precompile`` compiles the same signatures
-before that step, with explicit signatures (``JOBS``), in ``processes`` child processes, while
-the worker loads the model; the worker's first step then loads the machine code from the cache
+Without it, a server's first step on a fresh clone compiles every kernel it meets, one after the
+other, in the worker process. ``precompile`` compiles the same signatures before that step, with
+explicit signatures (``JOBS``), in ``processes`` child processes, while the worker loads the model; the worker's first step then loads the machine code from the cache
 (``jit_cache``). It reports each compiled kernel to ``progress``.
 
 Numba's cache is safe to share between processes for *different* functions only: two processes
@@ -16,16 +15,14 @@ for it (``AFTER``): the layer loop's work item (``forward._phase_item``), which 
 attention, product and row kernels, compiles after them, loading theirs, while the other process
 compiles what only the steps' Python code calls and the parallel regions (``LANES``).
 
-What a cold start compiles is kept small (issue 31): Numba links every callee's LLVM module into
+What a cold start compiles is kept small: Numba links every callee's LLVM module into
 its caller and optimizes and code-generates the whole tree again for each compiled function (a
 parallel region four times: the loop body, two gufunc wrappers, the function), so the cost is a
 tree's size times the levels above it. Hence: the regions call their item function at its address
 instead of linking it (``forward._call_item``); the products' entry leaves out the integer kernels
 unless int8 activations were asked for (variant ``quantized-int8``); one signature per function
 (``lm_head`` runs the layers' product entry, ``forward.quantized_linear``); ``attention_item``
-inlined; no parallel loops besides the ``prange``. Measured as the LLVM instructions each
-library hands to the optimizer, summed over the default model's jobs: 349k before, 115k after
-(``perf/startup.py`` has the times).
+inlined; no parallel loops besides the ``prange``.
 
 The KV caches are the jobs' only 4-D arrays (``F4``): float32, or with ``--kv-cache-dtype
 bfloat16`` uint16 (``kernels/cpu/kv_dtype.py``). ``precompile`` compiles the variants of the
@@ -34,8 +31,7 @@ float32 cache variant and the default server none of the bfloat16 ones. Likewise
 (``VARIANTS``): float32 stacks, or GGUF-typed weights (a ``.gguf`` file served as stored), never both.
 
 Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
-parallel region per step) is listed; with one thread the first step compiles its own path, as
-before. ``tests/runtime/worker/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
+parallel region per step) is listed; with one thread the first step compiles its own path. ``tests/runtime/worker/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
 A kernel whose arguments change needs its job changed with it (that test fails until it is).
 
     python -m folio.runtime.worker.precompile [--variant V] [--check] [--kv-cache-dtype NAME] [GROUP ...]
@@ -66,7 +62,7 @@ class Job:
     function: str
     signature: str       # argument types, in the names of ``_types()`` (F2: C-contiguous float32 2-D, ...)
     group: str           # jobs of one group run in one process, in order (shared callees)
-    seconds: float       # rough cost on a cold cache (2-vCPU EPYC, load ~3): the progress bar's weight
+    seconds: float       # rough cost on a cold cache, in seconds: the progress bar's weight
     what: str            # for people
 
     @property
