@@ -1,14 +1,21 @@
 """The Llama decoder forward pass over a flattened varlen batch and a paged KV cache.
 
 Written against a kernel table (``folio.kernels.table.KernelTable``, from
-``folio.kernels.get_kernels``) and its array module ``kernels.xp`` only, so the same code runs on NumPy + Numba (CPU) and CuPy + CUDA kernels (GPU).
+``folio.kernels.get_kernels``) and its array module ``kernels.xp`` only: NumPy + Numba kernels on
+the CPU, CuPy + CUDA kernels on the GPU. The per-layer loop of ``forward`` is what the CUDA table
+runs, one kernel launch per operation (captured as CUDA graphs for decode steps by
+``runtime/worker/device_step.py``); the CPU table runs every layer of a step in one compiled call
+(``decoder_layers``, ``kernels/cpu/forward.py``) over weights stacked per kind
+(``layer_stacks``), the same kernels in the same order. Weights in GGUF block types or 16-bit
+floats (``QuantizedWeight``) are served by the CPU table only.
 
 Architecture: Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
 Models"; Hugging Face ``modeling_llama.py`` naming): pre-norm decoder layers of RMSNorm ->
 grouped-query attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual, a final
 RMSNorm and an ``lm_head`` (tied to the embedding table when ``tie_word_embeddings``).
 As in vLLM, q/k/v projections are fused into one ``[q + 2 kv, hidden]`` weight and gate/up into
-one ``[2 * intermediate, hidden]`` weight at load time, so a layer runs four matrix products; RoPE
+one ``[2 * intermediate, hidden]`` weight at load time (weights kept in their stored types: segments
+that the products write side by side into one output), so a layer runs four matrix products; RoPE
 and the KV-cache append run as one operation on the fused projection (``rope_and_cache``), and the
 residual add is fused with the next RMSNorm. Activations live in a ``Workspace`` of buffers sized
 once (grown only when a step has more tokens than any before): nothing is allocated per layer.
@@ -113,8 +120,11 @@ class LlamaForCausalLM:
 
     Args:
         config: the model's ``ModelConfig``.
-        weights: a mapping of Hugging Face-named float32 arrays (NumPy, see ``model/weights.py``,
-            or already on the table's device, e.g. ``--load-format dummy`` on a GPU); not modified.
+        weights: a mapping of Hugging Face names to tensors (``model/weights.py``,
+            ``model/gguf_weights.py``): float32 NumPy arrays, bfloat16 bits as uint16 (for the
+            GPU), ``QuantizedWeight`` matrices in GGUF or 16-bit types (CPU only; the norms stay
+            float32), or arrays already on the table's device (e.g. ``--load-format dummy`` on a
+            GPU); not modified.
         kernels: a kernel table (``get_kernels("cpu")`` or ``get_kernels("cuda")``).
     Raises:
         ValueError: a tensor is missing or has the wrong shape (the message names it).
