@@ -72,7 +72,7 @@ class SamplingState:
         self._out[: len(out)] = out
         self._num_out = len(out)
         self.rng = make_rng(seed, engine_seed, seq_id)
-        self.matcher = None  # the grammar matcher of a constrained sequence (structured_outputs.py)
+        self.matcher = None  # the grammar matcher of a constrained sequence (grammar_matchers.py)
         self.grammar_vocab = 0
         if self._num_out and not params.greedy:
             self.rng.random(self._num_out)  # fast-forward: one uniform per token already sampled
