@@ -3,14 +3,14 @@
 ``@njit(cache=True)`` stores machine code beside each module (``__pycache__``) and reuses it
 while the function's *own* source file is unchanged: Numba does not look at the files of the
 functions it calls. The CPU kernels call across files (``forward.py``'s layer loop links the
-products of ``linear.py``, the attention of ``attention.py``, the row kernels of ``rows.py``, all
-of them ``math.py``'s ``exp2`` and ``threads.py``' atomics), so a change to one of them (an
-upgrade, a checkout) would leave its callers running machine code built from the old source
-(a cached layer loop keeping an old ``linear.GEMV_MAX_ROWS``). Here every CPU kernel module's cache entries carry one stamp, the SHA-256 of
-all those modules' source, so a change to any of them recompiles all of them. A module outside
-this folder whose cached functions call the kernels (``perf.bench.kernel_rates``' regions) asks
-for the same with ``cover(__file__)`` before it defines them: its entries then carry the stamp
-and the digest of its own source.
+products of ``linear.py``, the attention of ``attention.py``, the row kernels of ``rows.py``, all of
+them ``math.py``'s ``exp2`` and ``threads.py``' atomics), so a change to one of them (an upgrade, a
+checkout) would leave its callers running machine code built from the old source (a cached layer
+loop keeping an old ``linear.GEMV_MAX_ROWS``). Here every CPU kernel module's cache entries carry
+one stamp, the SHA-256 of all those modules' source, so a change to any of them recompiles all of
+them. A module outside this folder whose cached functions call the kernels
+(``perf.bench.kernel_rates``' regions) asks for the same with ``cover(__file__)`` before it defines
+them: its entries then carry the stamp and the digest of its own source.
 
 How: Numba picks a cache locator per function from ``CacheImpl._locator_classes`` (its own
 classes: ``NUMBA_CACHE_DIR``, beside the source, the user-wide cache, ...); ``install`` puts in

@@ -2,26 +2,26 @@
 
 Two shapes, two kernels, both parallel over the threads of ``kernels.cpu.threads``' policy:
 
-* **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading
-  the weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (64
-  with AVX-512, 24 with AVX2: the decode steps of that many sequences) a kernel that reads each
-  weight once takes the place of sgemm's packed tiles. A Numba kernel streams each weight row once (four rows
-  at a time, from separate places of the item, so that more reads are in flight) and takes its
+* **Few rows** (decode steps, ``T <= GEMV_MAX_ROWS``): one token's product is bound by reading the
+  weights from memory (2 T flops per 4-byte weight); up to ``GEMV_MAX_ROWS`` tokens (64 with
+  AVX-512, 24 with AVX2: the decode steps of that many sequences) a kernel that reads each weight
+  once takes the place of sgemm's packed tiles. A Numba kernel streams each weight row once (four
+  rows at a time, from separate places of the item, so that more reads are in flight) and takes its
   dot product with every token, ``TOKENS_PER_PASS`` tokens per pass over the rows: 4 where the
-  kernels are compiled with AVX-512 (16 sums per pass: each loaded weight value feeds 4 of them
-  and each token value 4, 2 multiply-adds per load), 2 with AVX2, whose 16 registers cannot
-  hold 16 sums. Float32, vectorised by LLVM into 8- or 16-lane partial sums added at the
-  end, a blocked summation whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks
-  take blocks of ``GEMV_BLOCK_ROWS`` weight rows.
-* **More rows** (prefill chunks, decode steps of more sequences): where the streaming kernel
-  takes up to 64 tokens (AVX-512) and BLAS runs no AVX-512 kernels (``STREAM_TILES``), the
-  same kernel on tiles of ``GEMV_BLOCK_ROWS`` weight rows x a chunk of at most
-  ``GEMV_MAX_ROWS`` tokens (chunks of equal size), the tiles of one weight block consecutive
-  so that it is read from L2 (in place of OpenBLAS's AVX2 kernels, which this project's
-  environment selects). Otherwise BLAS ``sgemm`` on 2-D tiles of the output (``tile_m`` tokens
-  x ``tile_n`` weight rows), each tile one single-threaded call, tiles taken by the threads from a shared counter.
-  Each call packs its own weight tile; tiles are large enough (>= 64 x 64 outputs over the
-  whole ``K``) that the packing stays a small share.
+  kernels are compiled with AVX-512 (16 sums per pass: each loaded weight value feeds 4 of them and
+  each token value 4, 2 multiply-adds per load), 2 with AVX2, whose 16 registers cannot hold 16
+  sums. Float32, vectorised by LLVM into 8- or 16-lane partial sums added at the end, a blocked
+  summation whose rounding error grows with ``K / 8`` terms, not ``K``. Tasks take blocks of
+  ``GEMV_BLOCK_ROWS`` weight rows.
+* **More rows** (prefill chunks, decode steps of more sequences): where the streaming kernel takes
+  up to 64 tokens (AVX-512) and BLAS runs no AVX-512 kernels (``STREAM_TILES``), the same kernel on
+  tiles of ``GEMV_BLOCK_ROWS`` weight rows x a chunk of at most ``GEMV_MAX_ROWS`` tokens (chunks of
+  equal size), the tiles of one weight block consecutive so that it is read from L2 (in place of
+  OpenBLAS's AVX2 kernels, which this project's environment selects). Otherwise BLAS ``sgemm`` on
+  2-D tiles of the output (``tile_m`` tokens x ``tile_n`` weight rows), each tile one
+  single-threaded call, tiles taken by the threads from a shared counter. Each call packs its own
+  weight tile; tiles are large enough (>= 64 x 64 outputs over the whole ``K``) that the packing
+  stays a small share.
 
 Source: the GotoBLAS/BLIS layered GEMM (Goto & van de Geijn 2008, "Anatomy of High-Performance
 Matrix Multiplication") for why tiles of the output are independent units of work.
@@ -163,9 +163,9 @@ def _dot1(x, t, weight, r, out):
 @njit(cache=True, fastmath=True)
 def _gemv_rows(x, weight, out, r0, r1, t0, t1):
     # out[t0:t1, r0:r1] = x[t0:t1] @ weight[r0:r1].T. Four weight rows at a time, read as
-    # interleaved streams (rows r0 + i, r0 + i + n/4, ...: one core then keeps more memory reads
-    # in flight than with one sequential stream), against every token, TOKENS_PER_PASS tokens per pass (the rows stay in L1 or L2 for
-    # the later passes), then pairs, then one
+    # interleaved streams (rows r0 + i, r0 + i + n/4, ...: one core then keeps more memory reads in
+    # flight than with one sequential stream), against every token, TOKENS_PER_PASS tokens per pass
+    # (the rows stay in L1 or L2 for the later passes), then pairs, then one
     n = r1 - r0
     q = n // 4
     for i in range(q):

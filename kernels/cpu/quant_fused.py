@@ -7,9 +7,9 @@ a row are decoded in registers (the codes unpacked as ``quant_int8`` does, conve
 scaled with the reference's float32 operations, so every weight value is bit-identical to
 ``dequantize``'s) and multiplied-added straight into 32 float32 lanes per token (4 vectors of 8 on
 AVX2, 2 of 16 on AVX-512, as LLVM splits them); an intrinsic of ``nt`` = 1 token alternates blocks
-between two sets of accumulators, one of ``nt`` = ``_NT`` tokens keeps one set per token. The sums are float32 dot products
-of ``K`` terms with the exactly dequantized weights in another order than ``_rows``': within the
-same bound (``gamma(K) sum |x_k w_k|``).
+between two sets of accumulators, one of ``nt`` = ``_NT`` tokens keeps one set per token. The sums
+are float32 dot products of ``K`` terms with the exactly dequantized weights in another order than
+``_rows``': within the same bound (``gamma(K) sum |x_k w_k|``).
 
 Q4_K, Q5_K and Q6_K (``_make_fdot_superblock``) take one 256-value superblock per loop trip, every byte
 offset in it a constant and the block's scales decoded as vectors in registers (a per-block form

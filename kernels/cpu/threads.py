@@ -39,9 +39,9 @@ import threading
 
 # Before Numba starts its OpenMP pool (at the first parallel call): threads that finish a region
 # sleep at once instead of spinning (GNU OpenMP spins up to GOMP_SPINCOUNT = 300000 pauses by
-# default): on a busy machine a spinning thread holds the core its partner needs. The user's
-# own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. OMP_WAIT_POLICY_SET_BY_FOLIO tells child processes (benchmark peers) to
-# drop it again.
+# default): on a busy machine a spinning thread holds the core its partner needs. The user's own
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. OMP_WAIT_POLICY_SET_BY_FOLIO tells child processes
+# (benchmark peers) to drop it again.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "passive"
     os.environ["OMP_WAIT_POLICY_SET_BY_FOLIO"] = "1"
