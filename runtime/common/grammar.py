@@ -1,9 +1,9 @@
 """Structured outputs: a request's constraint -> a grammar -> a token bitmask per step.
 
-The grammar engine is llguidance (guidance-ai/llguidance, MIT). A constraint (``StructuredOutputsParams``: ``json``, ``regex``, ``choice``,
-``grammar`` or ``json_object``, vLLM's names) becomes one llguidance grammar string
-(``grammar_text``); a ``LLMatcher`` over the model's tokenizer walks it token by token and fills a
-bitmask of the tokens allowed next.
+The grammar engine is llguidance (guidance-ai/llguidance, MIT). A constraint
+(``StructuredOutputsParams``: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``,
+vLLM's names) becomes one llguidance grammar string (``grammar_text``); a ``LLMatcher`` over the
+model's tokenizer walks it token by token and fills a bitmask of the tokens allowed next.
 
 Where the matchers live, and why
 --------------------------------

@@ -9,7 +9,8 @@ Sequences are named by integer ``seq_id`` (a request with ``n > 1`` has ``n`` se
 Sampling state (parameters, prompt ids, the per-sequence RNG, generated ids for penalties) lives
 on the worker from the step that first schedules the sequence (``new_seqs``) until
 ``finished_seq_ids`` names it; the worker appends every token it samples to the sequence's history
-and advances the sequence's grammar matcher, if it is constrained (``runtime/worker/grammar_matchers.py``).
+and advances the sequence's grammar matcher, if it is constrained
+(``runtime/worker/grammar_matchers.py``).
 
 Overlap scheduling: the scheduler may hand over plan N+1 before plan N's result is back. A
 sequence that samples in step N and decodes in step N+1 then has ``PLACEHOLDER_TOKEN_ID`` as its

@@ -18,8 +18,9 @@ children share every block by reference count; the shared partly filled last blo
 write when each writes its next token, as for ``n > 1``), and frees a beam that has none at once.
 ``BeamState`` holds the arithmetic: which extensions survive, which finish, and the final ranking.
 
-Where folio differs from vLLM (docs/architecture.md, "Beam search"): the length in the length penalty counts the
-generated tokens only (vLLM counts the prompt too), at least 1; ties are broken by the parent beam's rank, then the token id (vLLM: sort order).
+Where folio differs from vLLM (docs/architecture.md, "Beam search"): the length in the length
+penalty counts the generated tokens only (vLLM counts the prompt too), at least 1; ties are broken
+by the parent beam's rank, then the token id (vLLM: sort order).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Without it, a server's first step on a fresh clone compiles every kernel it meets, one after the
 other, in the worker process. ``precompile`` compiles the same signatures before that step, with
-explicit signatures (``JOBS``), in ``processes`` child processes, while the worker loads the model; the worker's first step then loads the machine code from the cache
-(``jit_cache``). It reports each compiled kernel to ``progress``.
+explicit signatures (``JOBS``), in ``processes`` child processes, while the worker loads the model;
+the worker's first step then loads the machine code from the cache (``jit_cache``). It reports each
+compiled kernel to ``progress``.
 
 Numba's cache is safe to share between processes for *different* functions only: two processes
 that add signatures of one function at once can both write their entry under the same data file
@@ -30,8 +31,10 @@ configured cache dtype only (the kernels have one per dtype), so a bfloat16 serv
 float32 cache variant and the default server none of the bfloat16 ones. Likewise for the weights
 (``VARIANTS``): float32 stacks, or GGUF-typed weights (a ``.gguf`` file served as stored), never both.
 
-Only what a worker with two or more kernel threads runs (``forward._layers_region``: one
-parallel region per step) is listed; with one thread the first step compiles its own path. ``tests/runtime/worker/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to compile.
+Only what a worker with two or more kernel threads runs (``forward._layers_region``: one parallel
+region per step) is listed; with one thread the first step compiles its own path.
+``tests/runtime/worker/test_warm_up.py`` checks that the jobs leave nothing for the warm-up to
+compile.
 A kernel whose arguments change needs its job changed with it (that test fails until it is).
 
     python -m folio.runtime.worker.precompile [--variant V] [--check] [--kv-cache-dtype NAME] [GROUP ...]
