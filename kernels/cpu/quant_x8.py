@@ -93,7 +93,7 @@ _Q40_BYTES = QUANT_TYPES[Q4_0].block_bytes   # 18
 _Q41_BYTES = QUANT_TYPES[Q4_1].block_bytes   # 20
 # where the interleaved Q6_K layout's 32-byte code chunks start in a group's superblock: in the
 # order the kernel first reads them, every first touch of a cache line at a higher address than the
-# last (the hardware prefetchers then follow one forward stream)
+# last
 @njit(cache=True, inline="always")
 def _q6k_ql_at(p, c):
     return 144 + 768 * (p // 2) + (512 + 128 * (c // 4) if p % 2 else 256 * (c // 4)) + 32 * (c % 4)
