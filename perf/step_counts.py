@@ -2,7 +2,7 @@
 
 The CUDA kernel table runs under the SIMT emulator (tests/simt) with a device that counts every
 kernel launch and cuBLAS call, every copy and every synchronisation (the counting device of
-tests/runtime/worker/test_device_step.py). The counts are those of a GPU run: the same Python issues the same
+tests/support/device_cases.py). The counts are those of a GPU run: the same Python issues the same
 launches; only the kernels' execution differs. A SmolLM2-shaped model (30 layers, GQA 9:3,
 head_dim 64) with small widths: counts do not depend on widths.
 
@@ -27,13 +27,12 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, default=4)
     args = p.parse_args(argv)
 
-    from test_device_step import TINY, CountingDevice, Seq, plan_for
-
     from folio.kernels.cuda import table as cuda_ops
     from folio.runtime.common.config import EngineConfig
     from folio.runtime.worker.model_runner import ModelRunner
     from folio.runtime.common.sampling_params import SamplingParams
     from simt.table import simt_kernels
+    from support.device_cases import TINY, CountingDevice, Seq, plan_for
 
     d = tempfile.mkdtemp(prefix="folio-counts-")
     cfg = dict(TINY, num_hidden_layers=args.layers, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

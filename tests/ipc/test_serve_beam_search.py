@@ -3,8 +3,8 @@ the HTTP process's ``use_beam_search`` extension.
 
 The worker is ``tests/support/ipc_fake_runner.EchoRunner``: its made-up logprobs (``echo_logprobs``, a
 function of the last token) make the expected beams computable by the independent search of
-tests/support/beam_reference.py; the real model's numbers are tested offline (test_beam_search.py,
-test_prompt_logprobs.py), so this file checks the serving path: messages, routing, the final
+tests/support/beam_reference.py; the real model's numbers are tested offline (tests/runtime/scheduler/test_beam_search.py,
+tests/runtime/scheduler/test_prompt_logprobs.py), so this file checks the serving path: messages, routing, the final
 one-message result, errors, and the blocks coming back.
 """
 

@@ -12,6 +12,7 @@ import numba
 import numpy as np
 import pytest
 from numba import njit, prange
+from support import ROOT, TESTS_DIR
 from support.numerics import dot_bound
 
 from folio.kernels.cpu import table as cpu
@@ -176,7 +177,7 @@ x, w = rng.standard_normal((40, 70)).astype(np.float32), rng.standard_normal((50
 assert np.all(np.abs(cpu.linear(x, w) - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w))
 print("ok")
 """
-    env = dict(os.environ, FOLIO_CPU_SGEMM="fallback", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, FOLIO_CPU_SGEMM="fallback", PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS_DIR)]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
@@ -218,7 +219,7 @@ for threads, (N, K) in ((1, (50, 70)), (2, (130, 520))):
             assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= dot_bound(x, w)), (threads, T)
 print("ok")
 """
-    path = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    path = os.pathsep.join([str(ROOT), str(TESTS_DIR)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt",
                NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=path)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

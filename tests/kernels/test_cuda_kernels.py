@@ -28,6 +28,7 @@ from folio.kernels.cuda import table as cuda_ops
 from folio.kernels import reference
 from folio.kernels.cuda.table import CudaKernels, bf16_bits_to_float32, float32_to_bf16_bits
 from simt.runner import require_compiler
+from support.fake_raw_kernel import FakeRawKernel
 
 ON_GPU = os.environ.get("FOLIO_TEST_CUDA", "") not in ("", "0")
 
@@ -365,22 +366,11 @@ def test_table_declares_bf16_storage(kt):
     assert kt.matmul_input_dtype == np.uint16
 
 
-class _FakeKernel:
-    def __init__(self, static=0):
-        self.shared_size_bytes = static
-        self.max_dynamic_shared_size_bytes = 48 * 1024
-        self.calls = []
-
-    def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
-        # CuPy's RawKernel signature exactly (tests/kernels/test_cupy_conformance.py): shared_mem keyword-only
-        self.calls.append(shared_mem)
-
-
 def test_shared_memory_opt_in_counts_static_shared_memory():
     # the decode kernel has 256 bytes of static shared memory (block reductions) beside its dynamic
     # buffer: a dynamic request that fits the opt-in limit alone but not with the static part must
     # be refused before launch, and an accepted one must raise the kernel's dynamic limit
-    fake = _FakeKernel(static=256)
+    fake = FakeRawKernel(static=256)
     kt = CudaKernels(np, lambda n: fake, gemm=None, smem_limit=100 * 1024)
     with pytest.raises(ValueError, match=r"needs 102300 bytes of dynamic \+ 256 of static"):
         kt._launch("k", (1,), (32,), (), shared_mem=102300)
@@ -393,7 +383,7 @@ def test_shared_memory_opt_in_counts_static_shared_memory():
 
 def test_every_kernel_is_fetched_when_the_table_is_built():
     fetched = []
-    CudaKernels(np, lambda n: fetched.append(n) or _FakeKernel(), gemm=None, kernel_names=cuda_sources.all_kernel_names())
+    CudaKernels(np, lambda n: fetched.append(n) or FakeRawKernel(), gemm=None, kernel_names=cuda_sources.all_kernel_names())
     assert fetched == cuda_sources.all_kernel_names()
     assert "paged_attention_prefill_d128_kernel" in fetched and "sample_kernel" in fetched
 

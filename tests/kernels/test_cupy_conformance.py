@@ -148,9 +148,9 @@ def cupy_launch_signature():
 
 def _fakes():
     from simt.runner import SimtKernel
-    from test_cuda_kernels import _FakeKernel
+    from support.fake_raw_kernel import FakeRawKernel
 
-    return {"simt": SimtKernel.__call__, "test_cuda_kernels._FakeKernel": _FakeKernel.__call__}
+    return {"simt": SimtKernel.__call__, "support.fake_raw_kernel.FakeRawKernel": FakeRawKernel.__call__}
 
 
 def test_kernel_fakes_have_cupys_launch_signature():

@@ -151,7 +151,7 @@ def test_a_table_without_an_operation_does_not_conform():
 
 def test_runners_and_executors_conform():
     from support.ipc_fake_runner import EchoRunner
-    from test_scheduler import FakeExecutor
+    from support.fake_executor import FakeExecutor
     runners = [EchoRunner(EngineConfig(), num_blocks=8), FakeExecutor(8, 4)]
     for runner in runners:
         assert_conforms(runner, StepRunner)

@@ -2,9 +2,9 @@
 weights through the fused forward, and the errors a bad file gives.
 
 The expectations are independent of the kernels under test: the dense float64 Llama of
-``test_forward.dense_llama_logits`` on the *dequantized* weights (``quant_reference.dequantize``, itself
+``support.llama_forward.dense_llama_logits`` on the *dequantized* weights (``quant_reference.dequantize``, itself
 bit-exact with gguf-py, tests/kernels/test_quant_reference.py), and the files' own values as gguf-py reads
-them (``test_gguf_import.write_tiny_gguf``).
+them (``support.tiny_gguf.write_tiny_gguf``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from folio.model.registry import resolve_model
 from folio.runtime.common.config import DEFAULT_MODEL, EngineConfig
 from folio.model.weights import dummy_weights
 from support.quant_cases import random_weight
-from test_forward import dense_llama_logits, run_paged, tiny_atol
-from test_gguf_import import write_tiny_gguf
+from support.llama_forward import dense_llama_logits, run_paged, tiny_atol
+from support.tiny_gguf import write_tiny_gguf
 
 # every matrix's K (256, 512) a whole number of k-quant super-blocks
 SMALL = dict(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -71,7 +71,7 @@ def _folio_home(tmp_path, monkeypatch):
 def test_each_type_forward_matches_the_float_reference_on_its_values(name):
     # whole prefill (decoded tiles + sgemm), chunks of 7 (decode-and-dot kernel) and one token at a
     # time, against the float64 forward on the dequantized weights: the same bound as the float32
-    # model (test_forward.tiny_atol), since the weights are exactly those values and only the
+    # model (llama_forward.tiny_atol), since the weights are exactly those values and only the
     # rounding of the products differs
     config = ModelConfig(**SMALL)
     stored, values = _weights_of_type(config, name)

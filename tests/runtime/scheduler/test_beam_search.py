@@ -1,11 +1,11 @@
 """Beam search on the real default model (SmolLM2-135M-Instruct, CPU) against an independent NumPy
 beam search (tests/support/beam_reference.py) over the model's own logits computed without the KV cache:
-every prefix the reference looks at is a fresh full prefill (tests/model/test_forward.run_paged), no
+every prefix the reference looks at is a fresh full prefill (tests/support/llama_forward.run_paged), no
 K/V reused from one step to the next, while the engine decodes its beams over shared, forked and
 copied-on-write blocks.
 
 Tolerance, from the arithmetic: the engine and the reference compute the same float32 logits in
-different schedules (batched decode over the paged cache vs one whole prefill). test_forward.py
+different schedules (batched decode over the paged cache vs one whole prefill). tests/model/test_forward.py
 holds every schedule of the forward to within ``numerics.forward_logit_atol`` of a whole prefill
 (absolute, per logit; it scales with the largest logit, here the largest the reference saw on
 any prefix). A logprob is ``logit - logsumexp(logits)`` and logsumexp moves by at most the largest
@@ -25,8 +25,8 @@ from support.beam_reference import reference_beam_search
 from folio import LLM, BeamSearchParams, SamplingParams
 from folio.runtime.common.config import EngineConfig
 from support.numerics import forward_logit_atol
-from test_engine import BlockRegion
-from test_forward import max_dot_len
+from support.engine_cases import BlockRegion
+from support.llama_forward import max_dot_len
 
 NUM_BLOCKS = 320
 BLOCK_SIZE = 4   # small blocks: prompts and beams cross block boundaries, forks share partial blocks

@@ -24,7 +24,7 @@ from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.outputs import RequestOutput
 from folio.runtime.common.sampling_params import BeamSearchParams, SamplingParams
 from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, StepResult
-from test_scheduler import EOS, FakeTokenizer, RecordingEngine, prompt
+from support.fake_executor import EOS, FakeTokenizer, RecordingEngine, prompt
 
 V = 50
 

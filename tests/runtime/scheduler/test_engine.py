@@ -10,10 +10,8 @@ golden prompt the token ids in tests/data/smollm2_135m.json (an independent impl
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +20,10 @@ from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.outputs import RequestOutput
 
 from support import GOLDEN_PATH
+from support.engine_cases import (DEFAULT_REGION, GREEDY2, NUM_BLOCKS, TEXTS, BlockRegion, long_prompt,
+                                  make_llm)
 
 GOLDEN = GOLDEN_PATH
-NUM_BLOCKS = 256
 
 
 @pytest.fixture(scope="module")
@@ -33,42 +32,6 @@ def runner():
     r = ModelRunner(EngineConfig(device="cpu", num_kv_blocks_override=NUM_BLOCKS))
     yield r
     r.shutdown()
-
-
-class BlockRegion:
-    """The shared worker seen through its own range of physical blocks.
-
-    Engines over one worker each have their own block pool and prefix cache; giving each a
-    disjoint block range keeps one engine's writes out of blocks another still has cached.
-    """
-
-    def __init__(self, runner, offset, num_blocks):
-        assert offset + num_blocks <= runner.num_blocks
-        self._runner = runner
-        self.offset = offset
-        self.num_blocks = num_blocks
-        self.model_config = runner.model_config
-        self.model_dir = runner.model_dir
-
-    def execute(self, plan):
-        bs = self._runner.block_size
-        slots = plan.slot_mapping.copy()
-        slots[slots >= 0] += self.offset * bs
-        return self._runner.execute(dataclasses.replace(
-            plan, slot_mapping=slots, block_tables=plan.block_tables + self.offset,
-            block_copies=plan.block_copies + self.offset))
-
-    def shutdown(self):
-        pass
-
-
-DEFAULT_REGION = 128  # blocks [0, 128) belong to the module's default engine, the rest is scratch
-
-
-def make_llm(runner, num_blocks=None, **kw):
-    """A new engine over the scratch blocks (one scratch engine with caching alive at a time)."""
-    region = BlockRegion(runner, DEFAULT_REGION, num_blocks or NUM_BLOCKS - DEFAULT_REGION)
-    return LLM(executor=region, device="cpu", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -92,27 +55,7 @@ def golden_case():
     return json.loads(GOLDEN.read_text())["greedy_cases"][0]
 
 
-TEXTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "List three colors:",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "1, 2, 3, 4,",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "Water boils at",
-    "import numpy as np\nx = np.arange(10)\nprint(",
-    "Q: What is the largest planet in the solar system?\nA:",
-    "Hello",
-    "The following is a short poem about autumn leaves falling slowly from the trees:\n",
-    "In 1969,",
-    "SELECT name FROM users WHERE",
-    "Translate to French: good morning ->",
-    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z A B C D E F G H I J K L M N O P",
-    "Photosynthesis is the process by which",
-]
-
 GREEDY4 = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-GREEDY2 = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
 def test_golden_prompt_matches_reference_implementation(llm):
@@ -131,19 +74,10 @@ def test_batched_16_prompts_equal_each_alone(llm):
     assert llm.get_metrics()["num_free_blocks"] == DEFAULT_REGION
 
 
-def _long_prompt(llm, n):
-    tok = llm.get_tokenizer()
-    text = " ".join(TEXTS)
-    ids = tok.encode(text)
-    while len(ids) < n:
-        ids = ids + ids
-    return ids[:n]
-
-
 # 40: chunks end inside a block (40 = 2.5 blocks of 16) and on one (80); 48 (3 blocks) in the slow set
 @pytest.mark.parametrize("budget", [40, pytest.param(48, marks=pytest.mark.slow)])
 def test_chunked_prefill_equals_unchunked(runner, llm, budget):
-    prompts = [_long_prompt(llm, n) for n in (63, 64, 65, 96)]
+    prompts = [long_prompt(llm, n) for n in (63, 64, 65, 96)]
     # different starting points so the four prompts do not share cached blocks
     prompts = [p[i:] + p[:i] for i, p in enumerate(prompts)]
     chunked = make_llm(runner, max_num_batched_tokens=budget, enable_prefix_caching=False)
@@ -155,7 +89,7 @@ def test_chunked_prefill_equals_unchunked(runner, llm, budget):
 
 
 def test_prefix_caching_on_equals_off(runner, llm):
-    base = _long_prompt(llm, 40)
+    base = long_prompt(llm, 40)
     prompts = [base + tail for tail in ([11], [12, 13], [14, 15, 16])]
     off = make_llm(runner, enable_prefix_caching=False)
     on = make_llm(runner)
@@ -169,7 +103,7 @@ def test_prefix_caching_on_equals_off(runner, llm):
 
 
 def test_same_prompt_twice_in_one_call(runner, llm):
-    p = _long_prompt(llm, 50)
+    p = long_prompt(llm, 50)
     fresh = make_llm(runner)
     a, b = fresh.generate([{"prompt_token_ids": p}, {"prompt_token_ids": p}], GREEDY2, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -178,7 +112,7 @@ def test_same_prompt_twice_in_one_call(runner, llm):
 
 
 def test_fully_cached_two_block_prompt_three_times(runner, llm):
-    p = _long_prompt(llm, 32)
+    p = long_prompt(llm, 32)
     fresh = make_llm(runner)
     runs = [fresh.generate({"prompt_token_ids": p}, GREEDY2, use_tqdm=False)[0] for _ in range(3)]
     assert len({tuple(r.outputs[0].token_ids) for r in runs}) == 1
@@ -189,7 +123,7 @@ def test_fully_cached_two_block_prompt_three_times(runner, llm):
 
 
 def test_cache_salt_separates_tenants(runner, llm):
-    p = _long_prompt(llm, 40)
+    p = long_prompt(llm, 40)
     fresh = make_llm(runner)
     outs = [fresh.generate({"prompt_token_ids": p, "cache_salt": s}, GREEDY2, use_tqdm=False)[0]
             for s in ("a", "b", "a")]
@@ -315,13 +249,13 @@ def test_edge_inputs_and_engine_keeps_serving(runner, llm):
     assert z.finished and z.outputs[0].token_ids == [] and z.outputs[0].text == ""
     assert z.outputs[0].finish_reason == "length"
     serves()
-    p63 = _long_prompt(llm, 63)
+    p63 = long_prompt(llm, 63)
     (ok,) = short.generate({"prompt_token_ids": p63}, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                            use_tqdm=False)
     assert len(ok.outputs[0].token_ids) == 1 and ok.outputs[0].finish_reason == "length"
     serves()
     with pytest.raises(ValueError, match="max_model_len"):
-        short.generate({"prompt_token_ids": _long_prompt(llm, 64)}, SamplingParams(max_tokens=1), use_tqdm=False)
+        short.generate({"prompt_token_ids": long_prompt(llm, 64)}, SamplingParams(max_tokens=1), use_tqdm=False)
     serves()
     m = short.get_metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"] and m["num_waiting"] == 0

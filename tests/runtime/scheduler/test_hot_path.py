@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from folio.model.tokenizer import Tokenizer
 from folio.runtime.scheduler.detokenizer import IncrementalDetokenizer
 from folio.runtime.common.sampling_params import SamplingParams
-from test_block_pool import OPS, Harness
+from support.kv_cache_harness import OPS, Harness
 
 
 def assert_rows_match(h: Harness) -> None:

@@ -1,5 +1,5 @@
 """``SamplingParams.prompt_logprobs`` on the real default model against the logits of one full
-prefill of the prompt (no KV cache reused, tests/model/test_forward.run_paged), cold and with the
+prefill of the prompt (no KV cache reused, tests/support/llama_forward.run_paged), cold and with the
 prompt's blocks already in the prefix cache, chunked, forked (n > 1) and batched.
 
 Tolerance, from the arithmetic (as tests/runtime/scheduler/test_beam_search.py): every schedule of the forward stays
@@ -16,9 +16,9 @@ import pytest
 
 from folio import LLM, SamplingParams
 from folio.runtime.common.config import EngineConfig
-from test_engine import BlockRegion
+from support.engine_cases import BlockRegion
 from support.numerics import forward_logit_atol
-from test_forward import max_dot_len, run_paged
+from support.llama_forward import max_dot_len, run_paged
 
 TEXT = ("The following is a short poem about autumn leaves falling slowly from the trees, written by a "
         "child who loves the colours of October, the smell of rain and the long walks home from school:")

@@ -12,7 +12,7 @@ from folio.model.attention_metadata import AttentionMetadata
 from folio.model.loader import allocate_kv_caches
 from folio.runtime.common.sampling_params import SamplingParams
 from folio.runtime.common.step import NewSequence, StepPlan
-from test_device_step import BS, CountingDevice, make_runner, make_table, model_dir, modules  # noqa: F401
+from support.device_cases import BS, CountingDevice, make_runner, make_table, model_dir
 
 K = 6
 

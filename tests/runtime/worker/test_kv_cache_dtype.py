@@ -20,8 +20,8 @@ from folio import SamplingParams
 from folio.cli import build_parser
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.worker.model_runner import ModelRunner, kv_cache_dtype
-
-NUM_BLOCKS = 256
+from support.engine_cases import DEFAULT_REGION, GREEDY2, NUM_BLOCKS, TEXTS, BlockRegion, long_prompt, make_llm
+from support.runner_plans import CASE_A, Seq, finish_plan, make_plan
 
 
 def test_engine_config_takes_vllms_names_only():
@@ -97,14 +97,12 @@ def runner():
 
 @pytest.fixture(scope="module")
 def llm(runner):
-    from test_engine import DEFAULT_REGION, BlockRegion
     from folio import LLM
     return LLM(executor=BlockRegion(runner, 0, DEFAULT_REGION), device="cpu")
 
 
 def test_prefix_caching_on_equals_off(runner, llm):
-    from test_engine import GREEDY2, _long_prompt, make_llm
-    base = _long_prompt(llm, 40)
+    base = long_prompt(llm, 40)
     prompts = [base + tail for tail in ([11], [12, 13], [14, 15, 16])]
     off = make_llm(runner, enable_prefix_caching=False)
     on = make_llm(runner)
@@ -117,7 +115,6 @@ def test_prefix_caching_on_equals_off(runner, llm):
 
 
 def test_tiny_pool_with_preemptions_equals_ample(runner, llm):
-    from test_engine import TEXTS, make_llm
     tok = llm.get_tokenizer()
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
     prompts = [tok.encode(t) for t in TEXTS[3:7]]
@@ -134,7 +131,6 @@ def test_block_copy_equals_the_block_computed_in_place(runner):
     # same prompt prefilled into block 4, copied 4 -> 7 (uint16 bits) and decoded from block 7:
     # the same greedy token (two rows of one batch may differ in their last float32 bits, hence
     # by a bfloat16 ulp in the cache: compared as tokens, the copy as bits)
-    from test_model_runner import CASE_A, Seq, _finish_plan, make_plan
     prompt = CASE_A["prompt_ids"]
     greedy = SamplingParams(temperature=0.0)
     for kc, vc in runner.kv_caches:   # blocks other tests' engines used before
@@ -157,7 +153,7 @@ def test_block_copy_equals_the_block_computed_in_place(runner):
         np.testing.assert_array_equal(kc[7, :len(prompt)], kc[4, :len(prompt)])
         np.testing.assert_array_equal(vc[7, :len(prompt)], vc[4, :len(prompt)])
         assert vc[7, len(prompt)].any() and not vc[4, len(prompt)].any()
-    assert runner.execute(_finish_plan(2, [31, 32])).error is None
+    assert runner.execute(finish_plan(2, [31, 32])).error is None
 
 
 def test_n4_seeded_samples_share_blocks(llm):
@@ -166,7 +162,6 @@ def test_n4_seeded_samples_share_blocks(llm):
     # compared with the request batched among others: a row's float32 results may differ in their
     # last bits with the batch around it (tiles), which the bfloat16 rounding of a key or value can
     # turn into a whole bfloat16 ulp (2^-8), enough to move a temperature-1 sample
-    from test_engine import DEFAULT_REGION
     tok = llm.get_tokenizer()
     p = tok.encode("My favourite animal is")
     sp = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=6, ignore_eos=True)

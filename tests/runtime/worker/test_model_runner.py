@@ -3,7 +3,6 @@ contract), checked against the golden greedy tokens, a NumPy penalty reference, 
 arithmetic."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,13 +13,12 @@ from folio.model.loader import allocate_kv_caches
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.worker.model_runner import ModelRunner, max_useful_blocks, mem_available_bytes, num_kv_blocks
 from folio.runtime.common.sampling_params import SamplingParams
-from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, NewSequence, StepPlan
+from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, NewSequence
 
 from support import GOLDEN_PATH
+from support.runner_plans import BS, CASE_A, Seq, finish_plan, make_plan
 
 GOLDEN = json.loads(GOLDEN_PATH.read_text(encoding="utf-8"))
-CASE_A = next(c for c in GOLDEN["greedy_cases"] if c["id"] == "a")
-BS = 16
 NUM_BLOCKS = 64
 
 
@@ -30,39 +28,6 @@ def runner(default_model_dir):
                                  num_kv_blocks_override=NUM_BLOCKS, seed=3))
     yield r
     r.shutdown()
-
-
-class Seq:
-    """A hand-rolled sequence on fixed blocks (what the scheduler would track)."""
-
-    def __init__(self, seq_id, prompt, blocks, params, seed=None):
-        self.seq_id, self.tokens, self.blocks = seq_id, list(prompt), list(blocks)
-        self.num_computed = 0
-        self.new = NewSequence(seq_id, list(prompt), [], params.to_dict(), seed, [2])
-
-
-def make_plan(step_id, seqs, new=(), finished=(), copies=None):
-    """One step: each seq computes all its not-yet-computed tokens and samples its last one."""
-    ids, pos, slots, qsl, lens, rows = [], [], [], [0], [], []
-    width = max(len(s.blocks) for s in seqs)
-    table = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        p = np.arange(s.num_computed, len(s.tokens))
-        ids += s.tokens[s.num_computed:]
-        pos += p.tolist()
-        slots += (np.asarray(s.blocks)[p // BS] * BS + p % BS).tolist()
-        qsl.append(qsl[-1] + len(p))
-        lens.append(len(s.tokens))
-        rows.append(qsl[-1] - 1)
-        table[i, :len(s.blocks)] = s.blocks
-        s.num_computed = len(s.tokens)
-    return StepPlan(step_id=step_id, input_ids=np.array(ids, np.int64), positions=np.array(pos, np.int64),
-                    slot_mapping=np.array(slots, np.int64), query_start_loc=np.array(qsl, np.int32),
-                    seq_lens=np.array(lens, np.int32), block_tables=table,
-                    seq_ids=np.array([s.seq_id for s in seqs], np.int64), logits_indices=np.array(rows, np.int64),
-                    sample_seq_ids=np.array([s.seq_id for s in seqs], np.int64), new_seqs=[s.new for s in new],
-                    finished_seq_ids=list(finished),
-                    block_copies=np.zeros((0, 2), np.int64) if copies is None else np.array(copies, np.int64))
 
 
 def run(runner, seqs, steps, step0=0, finish=True):
@@ -76,15 +41,9 @@ def run(runner, seqs, steps, step0=0, finish=True):
             s.tokens.append(t)
             out[s.seq_id].append(t)
     if finish:
-        res = runner.execute(_finish_plan(step0 + steps, [s.seq_id for s in seqs]))
+        res = runner.execute(finish_plan(step0 + steps, [s.seq_id for s in seqs]))
         assert res.error is None
     return out
-
-
-def _finish_plan(step_id, seq_ids):
-    e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
-    return StepPlan(step_id, e64, e64, e64, np.zeros(1, np.int32), e32, np.zeros((0, 1), np.int32), e64, e64, e64,
-                    finished_seq_ids=list(seq_ids))
 
 
 def test_golden_greedy_tokens(runner):
@@ -114,7 +73,7 @@ def test_placeholder_inputs_take_the_previous_sample(runner):
         assert res.error is None, res.error
         got += res.sampled_token_ids.tolist()
     assert got == CASE_A["generated_ids_until_eos"][:6]
-    assert runner.execute(_finish_plan(7, [11])).error is None
+    assert runner.execute(finish_plan(7, [11])).error is None
 
 
 def test_block_copy_before_forward(runner):
@@ -130,7 +89,7 @@ def test_block_copy_before_forward(runner):
     res = runner.execute(make_plan(1, [s], copies=[[3, 7]]))
     assert res.error is None and res.sampled_token_ids.tolist() == [CASE_A["generated_ids_until_eos"][1]]
     np.testing.assert_array_equal(runner.kv_caches[0][0][7, :len(prompt)], runner.kv_caches[0][0][3, :len(prompt)])
-    runner.execute(_finish_plan(2, [2]))
+    runner.execute(finish_plan(2, [2]))
 
 
 def test_seeded_sampling_same_alone_and_batched(runner):
@@ -198,7 +157,7 @@ def test_logprobs_in_step_result(runner):
     atol = 2 * forward_logit_atol(c.num_hidden_layers, max(c.hidden_size, c.intermediate_size),
                                   np.array(lc["top5_logits"]), schedules=2)
     np.testing.assert_allclose(res.logprobs[0, 1:], np.array(lc["top5_logits"]) - lc["logsumexp"], atol=atol)
-    runner.execute(_finish_plan(1, [40]))
+    runner.execute(finish_plan(1, [40]))
 
 
 def test_errors_become_step_results(runner):
@@ -224,7 +183,7 @@ def test_chunked_prefill_step_samples_nothing(runner):
     s.tokens = list(prompt)
     res = runner.execute(make_plan(1, [s]))
     assert res.sampled_token_ids.tolist() == [7042]
-    runner.execute(_finish_plan(2, [60]))
+    runner.execute(finish_plan(2, [60]))
 
 
 def test_kv_sizing_arithmetic():

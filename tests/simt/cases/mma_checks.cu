@@ -1,5 +1,5 @@
 // Warp-level matrix operations of kernels/cuda/common.cuh, checked against NumPy in
-// tests/test_simt_mma.py: on the SIMT emulator by default, on a GPU with FOLIO_TEST_CUDA=1 (which
+// tests/simt/test_mma.py: on the SIMT emulator by default, on a GPU with FOLIO_TEST_CUDA=1 (which
 // checks the emulator's fragment layout against the hardware's).
 #include "../../../kernels/cuda/common.cuh"
 
