@@ -15,6 +15,7 @@ import pytest
 from perf.bench.static_batching import StaticBatchScheduler
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.sampling_params import SamplingParams
+from folio.runtime.common.step import PLACEHOLDER_TOKEN_ID, StepResult
 
 from support.fake_executor import V, FakeExecutor, FakeTokenizer, RecordingEngine, expected, prompt
 
