@@ -60,12 +60,13 @@ run: $(STAMP)
 	@$(PY) -m folio.demo $(if $(PORT),--port $(PORT))
 
 # Leaves a server running: ZeroMQ on tcp://127.0.0.1:5555 (make repl, folio.Client), HTTP on
-# http://127.0.0.1:8000 (OpenAI API, /metrics, the chat page at /).
+# http://127.0.0.1:8000 (OpenAI API, /metrics, the chat page at /). Another ZeroMQ address:
+# `make serve ADDRESS=tcp://127.0.0.1:6000` (or ipc://PATH), then `make repl ADDRESS=...` the same.
 serve: $(STAMP)
-	$(VENV)/bin/folio serve $(if $(PORT),--port $(PORT))
+	$(VENV)/bin/folio serve $(if $(ADDRESS),--address $(ADDRESS)) $(if $(PORT),--port $(PORT))
 
 repl: $(STAMP)
-	$(VENV)/bin/folio repl
+	$(VENV)/bin/folio repl $(if $(ADDRESS),--address $(ADDRESS))
 
 # Sets up and runs the default (fast) test suite, printing the reason of every skip (-rs);
 # `make test PYTEST_ARGS="-m slow"` for the long ones (docs/testing.md: before each release).

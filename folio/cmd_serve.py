@@ -1,7 +1,8 @@
 """``folio serve``: one engine, two doors.
 
     folio serve [--model M] [--address tcp://127.0.0.1:5555 | ipc://PATH] [--host 127.0.0.1] [--port 8000]
-                [--api-key KEY] [--served-model-name NAME ...] [--chat-template FILE|TEMPLATE]
+                [--api-key KEY | --api-key-file PATH] [--allowed-origins ORIGIN ...]
+                [--served-model-name NAME ...] [--chat-template FILE|TEMPLATE]
                 [--device cpu|cuda|auto] [--max-model-len N] [--max-num-seqs N] ...
                 [--data-parallel-size N --data-parallel-backend ray [--ray-address ADDR] [--threads-per-replica T]]
 
@@ -111,8 +112,17 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP host to serve the OpenAI-compatible API on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, printed when ready)")
     p.add_argument("--api-key", default=None,       # the key itself never appears in --help
-                   help="HTTP requests to /v1, /tokenize and /detokenize must send 'Authorization: Bearer KEY' "
-                        "(default: $FOLIO_API_KEY if set, else none)%(default).0s")
+                   help="HTTP requests to /v1, /tokenize, /detokenize and /metrics must send 'Authorization: "
+                        "Bearer KEY' (default: --api-key-file, else $FOLIO_API_KEY if set, else none; a key given "
+                        "here shows in ps, the other two do not)%(default).0s")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line) instead of the command line")
+    p.add_argument("--metrics-without-key", action="store_true",
+                   help="with an API key, leave /metrics open (for a Prometheus scraper without the key)")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins (scheme://host[:port]; '*': any) whose web pages may call the HTTP API "
+                        "besides the server's own (CORS); a request from another origin gets 403. Also vLLM's "
+                        "form, a JSON list (None: the server's own origin only)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the HTTP API answers to; the first is used in responses "
                         "(None: the --model value)")
@@ -172,13 +182,15 @@ def _run(a: argparse.Namespace) -> int:
     import os
     import time
     from .api.http_process import HttpProcess, bind_http, http_url, load_chat_template
+    from .api.middleware import parse_origins
     from .ipc.scheduler_process import Server
     from .ipc.transport import private_ipc_address
     from .model.config import ModelConfig
     from .model.registry import resolve_model
 
     config = engine_config_from_args(a)
-    api_key = a.api_key if a.api_key is not None else (os.environ.get("FOLIO_API_KEY") or None)
+    api_key = resolve_api_key(a.api_key, a.api_key_file)
+    a.allowed_origins = parse_origins(a.allowed_origins)
     t0 = time.monotonic()
     model_dir = resolve_model(config.model)                 # imports a GGUF once
     max_model_len = config.resolve_max_model_len(ModelConfig.from_pretrained(model_dir).max_position_embeddings)
@@ -234,6 +246,28 @@ def _run(a: argparse.Namespace) -> int:
         http_sock.close()
     print("folio serve: stopped", file=sys.stderr, flush=True)
     return code
+
+
+def resolve_api_key(key: str | None, key_file: str | None) -> str | None:
+    """The HTTP API key: ``--api-key``, else the first line of ``--api-key-file``, else
+    ``$FOLIO_API_KEY`` (as vLLM reads ``VLLM_API_KEY``), else None.
+
+    Raises:
+        ValueError: both flags, or a key file that cannot be read or holds no key.
+    """
+    import os
+    if key is not None and key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {key_file}: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {key_file}: the file's first line is empty")
+        return key
+    return key if key is not None else (os.environ.get("FOLIO_API_KEY") or None)
 
 
 def _start_kernel_compile(config):

@@ -55,6 +55,15 @@ def load_chat_template(value: str | None) -> str | None:
     return text
 
 
+def is_loopback_address(address: str) -> bool:
+    """Whether a bound socket's address is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
 async def _serve(server, sock: socket.socket, ready_fd: int | None) -> None:
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not task.done():
@@ -79,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-capacity-tokens", type=int, required=True)
     p.add_argument("--chat-template", default=None)
     p.add_argument("--max-request-bytes", type=int, default=None, help="largest request body (413 beyond); 0: none")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="the engine's max_num_seqs (bounds a request's choices)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], help="browser origins allowed besides the server's own")
+    p.add_argument("--metrics-without-key", action="store_true", help="/metrics needs no API key")
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0)
     a = p.parse_args(argv)
@@ -100,14 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     template = load_chat_template(a.chat_template)
     if template is not None:
         tokenizer.set_chat_template(template)
+    sock = socket.socket(fileno=a.listen_fd)
     serving = OpenAIServing(scheduler_address=a.scheduler_address, tokenizer=tokenizer,
-                     served_model_names=a.served_model_name, model_root=a.model_root,
-                     max_model_len=a.max_model_len, kv_capacity_tokens=a.kv_capacity_tokens,
-                     api_key=os.environ.get("FOLIO_API_KEY") or None, max_request_bytes=a.max_request_bytes or None)
+                            served_model_names=a.served_model_name, model_root=a.model_root,
+                            max_model_len=a.max_model_len, kv_capacity_tokens=a.kv_capacity_tokens,
+                            api_key=os.environ.get("FOLIO_API_KEY") or None,
+                            max_request_bytes=a.max_request_bytes or None, max_num_seqs=a.max_num_seqs,
+                            allowed_origins=a.allowed_origins, loopback_bind=is_loopback_address(sock.getsockname()[0]),
+                            metrics_need_key=not a.metrics_without_key)
     level = a.uvicorn_log_level
     config = uvicorn.Config(build_app(serving), log_level=level, access_log=level in ("info", "debug", "trace"),
                             timeout_graceful_shutdown=a.graceful_shutdown_s, lifespan="on")
-    sock = socket.socket(fileno=a.listen_fd)
     try:
         asyncio.run(_serve(uvicorn.Server(config), sock, a.ready_fd))
     except KeyboardInterrupt:
@@ -169,7 +184,8 @@ class HttpProcess:
 
     Args:
         sock: the listening socket (``bind_http``); scheduler_address: where the HTTP process's
-            ``AsyncClient`` connects; args: the remaining ``main`` flags as ``{flag: value}``;
+            ``AsyncClient`` connects; args: the remaining ``main`` flags as ``{flag: value}`` (a
+            list: several values; True: the flag alone; None, False or []: left out);
             api_key: passed in the environment.
     Raises:
         RuntimeError: the process exited or did not report ready within ``startup_timeout`` s.
@@ -188,9 +204,9 @@ class HttpProcess:
         cmd = [sys.executable, "-m", "folio.api.http_process", "--scheduler-address", scheduler_address,
                "--listen-fd", str(sock.fileno()), "--ready-fd", str(w), "--parent-pid", str(os.getpid())]
         for flag, value in args.items():
-            if value is None:
+            if value is None or value is False or value == []:
                 continue
-            cmd += [flag, *(value if isinstance(value, list) else [str(value)])]
+            cmd += [flag] if value is True else [flag, *(value if isinstance(value, list) else [str(value)])]
         try:
             # its own session, as the worker's: signals to folio serve's group reach only the
             # scheduler, which stops this process in order

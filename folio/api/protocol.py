@@ -13,12 +13,15 @@ HTTP status, as vLLM sends it.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+# the roles of OpenAI's chat messages (an unknown role is a 400 naming ``messages``)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class APIError(Exception):
@@ -105,7 +108,7 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Literal[CHAT_ROLES]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
 

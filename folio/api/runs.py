@@ -17,9 +17,9 @@ from typing import AsyncIterator
 
 from ..ipc.client import StreamDelta
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
-from .serving import (LOGPROB_FLOOR, BeamSearchGroup, OpenAIServing, RequestGroup, beam_search_params, response_format_constraint,
-                      sampling_params)
-from .tool_calls import ToolCallParser, parse_tool_calls, resolve_tool_choice, tool_constraint
+from .serving import (LOGPROB_FLOOR, BeamSearchGroup, OpenAIServing, RequestGroup, beam_search_params, json_options,
+                      response_format_constraint, sampling_params)
+from .tool_calls import ToolCallParser, parse_tool_calls, resolve_tool_choice, tool_constraint, validate_tools
 
 log = logging.getLogger("folio.api")
 
@@ -133,6 +133,21 @@ SSE_DONE = "data: [DONE]\n\n"
 # /v1/completions
 # ---------------------------------------------------------------------------------------------
 
+def num_prompts(prompt) -> int:
+    """How many prompts the prompt field's form holds (a text or one list of ids: 1), read before
+    anything is tokenized."""
+    if isinstance(prompt, str) or not isinstance(prompt, list) or not prompt or all(isinstance(x, int) for x in prompt):
+        return 1
+    return len(prompt)
+
+
+def num_samples(req) -> tuple[int, str]:
+    """``(samples per prompt, the field that sets it)``: ``n``, or a beam search's width."""
+    if req.use_beam_search and req.beam_width is not None:
+        return req.beam_width, "beam_width"
+    return req.n, "n"
+
+
 def completion_prompts(serving: OpenAIServing, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """``[(text or None, token ids)]`` of the prompt field's four forms. Raises ``APIError(400)``."""
     p = req.prompt
@@ -229,6 +244,7 @@ class CompletionRun(_Run):
 
     def __init__(self, serving: OpenAIServing, req: CompletionRequest):
         serving.check_model(req.model)
+        serving.check_choices(num_prompts(req.prompt), *num_samples(req))    # before any per-choice work
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -275,21 +291,13 @@ class ChatRun(_Run):
 
     def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest):
         serving.check_model(req.model)
+        serving.check_choices(1, *num_samples(req))              # before any per-choice work
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if req.tools is not None:
+            validate_tools(req.tools)
         self.tool_mode, self.tool_name = resolve_tool_choice(req.tools, req.tool_choice)
-        structured, so_param = response_format_constraint(req.response_format), "response_format"
-        if req.structured_outputs is not None:
-            if structured is not None:
-                raise APIError(400, "response_format and structured_outputs cannot both constrain the output",
-                               "structured_outputs")
-            structured, so_param = req.structured_outputs, "structured_outputs"
-        tool_so = tool_constraint(req.tools, self.tool_mode, self.tool_name, req.parallel_tool_calls) \
-            if self.tool_mode in ("required", "named") else None
-        if tool_so is not None:
-            if structured is not None:
-                raise APIError(400, f"tool_choice {self.tool_mode!r} cannot be combined with {so_param}", "tool_choice")
-            structured, so_param = tool_so, "tools"
+        structured, so_param = self._constraint(req)
         text = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs, req.tools if self.tool_mode != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -303,6 +311,36 @@ class ChatRun(_Run):
         sampling = sampling_params(req, max_tokens, self.top_k, renames, structured)
         serving.check_structured_outputs(sampling, so_param)
         super().__init__(serving, req, [ids], sampling, "chatcmpl")
+
+    def _constraint(self, req: ChatCompletionRequest) -> tuple[dict | None, str]:
+        """``(structured_outputs dict or None, the field it came from)``: at most one of
+        ``response_format``, ``structured_outputs`` and a ``required`` / named ``tool_choice``;
+        ``structured_outputs`` that holds only JSON options (``disable_any_whitespace``,
+        ``whitespace_pattern``) tunes the JSON of either of the others instead.
+
+        Raises:
+            APIError(400): two constraints, or JSON options with no JSON constraint to apply to.
+        """
+        structured, so_param = response_format_constraint(req.response_format), "response_format"
+        options = json_options(req.structured_outputs)
+        if req.structured_outputs is not None and options is None:
+            if structured is not None:
+                raise APIError(400, "response_format and structured_outputs cannot both constrain the output",
+                               "structured_outputs")
+            structured, so_param = req.structured_outputs, "structured_outputs"
+        tool_so = tool_constraint(req.tools, self.tool_mode, self.tool_name, req.parallel_tool_calls) \
+            if self.tool_mode in ("required", "named") else None
+        if tool_so is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {self.tool_mode!r} cannot be combined with {so_param}", "tool_choice")
+            structured, so_param = tool_so, "tools"
+        if options is not None:
+            if structured is None:
+                raise APIError(400, f"structured_outputs sets only {', '.join(options)}, which tune a JSON "
+                                    "constraint, and the request has none (response_format json_object or "
+                                    "json_schema, or tool_choice required or named)", "structured_outputs")
+            structured = {**structured, **options}
+        return structured, so_param
 
     def _response_extra(self) -> dict:
         return {"prompt_logprobs": prompt_logprobs_json(self.serving, self.acc.prompt_logprobs[0])}   # as vLLM

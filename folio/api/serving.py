@@ -83,6 +83,12 @@ class OpenAIServing:
         api_key: the Bearer key ``/v1`` routes need, or None.
         max_request_bytes: the largest request body taken (413 beyond), or None: no limit.
         max_workers: threads of the pool that runs the per-request CPU work (``offload``).
+        max_num_seqs: the engine's most sequences in one step, which bounds one request's choices
+            (``check_choices``), or None: not checked here.
+        allowed_origins: browser origins allowed besides the server's own (``*``: any).
+        loopback_bind: the server listens on a loopback address: the ``Host`` header must name
+            loopback (``middleware.py``).
+        metrics_need_key: with an ``api_key``, ``/metrics`` needs it too.
     """
 
     scheduler_address: str
@@ -97,6 +103,10 @@ class OpenAIServing:
     _token_text: dict = field(default_factory=dict)
     max_request_bytes: int | None = None
     max_workers: int = 4
+    max_num_seqs: int | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    loopback_bind: bool = False
+    metrics_need_key: bool = True
     inputs: InputProcessor = field(init=False)
     _grammars: GrammarValidator | None = field(init=False, default=None)
 
@@ -175,6 +185,27 @@ class OpenAIServing:
         except InputError as e:
             raise api_error_from(e) from None
 
+    def check_choices(self, num_prompts: int, n: int, n_param: str = "n") -> None:
+        """Bound the request's choices before anything is built for them: ``n`` samples (or beams)
+        of each of ``num_prompts`` prompts all run side by side, so ``n`` and ``num_prompts x n``
+        must each be at most ``max_num_seqs``; each choice is at most ``max_model_len`` tokens
+        (``check_length``), so what one request holds is at most ``max_num_seqs x max_model_len``
+        tokens of output.
+
+        Raises:
+            APIError(400): ``n`` (named ``n_param``) or the prompts (``prompt``) over the limit.
+        """
+        limit = self.max_num_seqs
+        if limit is None or not isinstance(n, int) or n < 1:    # (n < 1: SamplingParams' message)
+            return
+        if n > limit:
+            raise APIError(400, f"{n_param} ({n}) exceeds max_num_seqs ({limit}): the samples of one request run "
+                                "side by side", n_param)
+        if num_prompts * n > limit:
+            raise APIError(400, f"{num_prompts} prompts x {n_param} ({n}) = {num_prompts * n} choices exceed "
+                                f"max_num_seqs ({limit}): one request's choices run side by side; send the "
+                                "prompts in several requests", "prompt")
+
     def check_structured_outputs(self, sampling: dict, param: str) -> None:
         """Build the request's constraint (``sampling["structured_outputs"]``) before it is sent:
         in the HTTP process's thread, bounded in time, cached by its text
@@ -191,7 +222,7 @@ class OpenAIServing:
         try:
             self._grammars.check(StructuredOutputsParams.from_dict(so), param)
         except (GrammarError, ValueError) as e:
-            raise APIError(400, str(e), param) from None
+            raise APIError(400, grammar_message(str(e), param), param) from None
 
     def check_length(self, num_prompt: int, max_tokens: int | None, param: str = "prompt",
                      max_tokens_param: str = "max_tokens") -> None:
@@ -200,6 +231,29 @@ class OpenAIServing:
             self.inputs.check_length(num_prompt, max_tokens, param=param, max_tokens_param=max_tokens_param)
         except InputError as e:
             raise api_error_from(e) from None
+
+
+def grammar_message(message: str, param: str) -> str:
+    """A grammar error's message for the client: llguidance reports an internal limit it hits (a
+    grammar with too many symbols) as a Rust panic with a ``<backtrace>``; that becomes one
+    sentence saying the constraint is too large (the panic goes to the log)."""
+    if "<backtrace>" not in message and ": panic: " not in message:
+        return message
+    log.info("%s: the grammar compiler failed: %s", param, message.split("<backtrace>", 1)[0].strip())
+    return (f"{param}: the constraint is too large or too complex to compile (the grammar it makes is over the "
+            "compiler's limits); make it smaller")
+
+
+# the fields of ``structured_outputs`` that tune a JSON constraint rather than set one: a chat
+# request may send them beside ``response_format`` or a tool constraint
+JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern")
+
+
+def json_options(so) -> dict | None:
+    """``structured_outputs``' JSON options when that is all it holds (``JSON_OPTIONS``), else None."""
+    if isinstance(so, dict) and so and set(so) <= set(JSON_OPTIONS):
+        return dict(so)
+    return None
 
 
 def response_format_constraint(fmt: dict | None) -> dict | None:

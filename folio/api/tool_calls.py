@@ -39,19 +39,52 @@ from .protocol import APIError
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
+def _function(i: int, t) -> tuple[str, dict]:
+    """``(name, parameters schema)`` of ``tools[i]``. Raises ``APIError(400)``."""
+    f = t.get("function") if isinstance(t, dict) else None
+    if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(f, dict) \
+            or not isinstance(f.get("name"), str) or not f["name"]:
+        raise APIError(400, f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}", "tools")
+    params = f.get("parameters") or EMPTY_PARAMETERS
+    if not isinstance(params, dict):
+        raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    return f["name"], params
+
+
 def _functions(tools: list[dict]) -> dict[str, dict]:
     """``name -> parameters schema`` of the request's tools. Raises ``APIError(400)``."""
-    out = {}
+    return dict(_function(i, t) for i, t in enumerate(tools))
+
+
+def validate_tools(tools: list[dict]) -> None:
+    """Check a request's ``tools`` whatever the ``tool_choice``: each is ``{type: function,
+    function: {name, parameters}}``, no name is given twice, and each ``parameters`` is a JSON
+    schema llguidance can read (its grammar validated without a tokenizer, well under a
+    millisecond for a small schema; a ``required`` or named choice's constraint is compiled whole
+    later, ``OpenAIServing.check_structured_outputs``).
+
+    Raises:
+        APIError(400, param tools): naming the tool at fault.
+    """
+    import llguidance
+
+    from ..runtime.common.grammar import GrammarError, grammar_text, parser_limits
+    from ..runtime.common.sampling_params import StructuredOutputsParams
+    seen: dict[str, int] = {}
     for i, t in enumerate(tools):
-        f = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(f, dict) \
-                or not isinstance(f.get("name"), str) or not f["name"]:
-            raise APIError(400, f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}", "tools")
-        params = f.get("parameters") or EMPTY_PARAMETERS
-        if not isinstance(params, dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        out[f["name"]] = params
-    return out
+        name, params = _function(i, t)
+        if name in seen:
+            raise APIError(400, f"tools[{i}]: the function name {name!r} is already used by tools[{seen[name]}]; "
+                                "function names must be unique", "tools")
+        seen[name] = i
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar_text(StructuredOutputsParams(json=params)),
+                                                          None, limits=parser_limits())
+        except (GrammarError, ValueError) as e:
+            error = str(e)
+        if error:
+            raise APIError(400, f"tools[{i}].function.parameters ({name}) is not a valid JSON schema: "
+                                f"{error.split('<backtrace>', 1)[0].strip()}", "tools")
 
 
 def resolve_tool_choice(tools: list[dict] | None, tool_choice: Any) -> tuple[str, str | None]:

@@ -65,6 +65,12 @@ import numpy as np
 COMPILE_TIMEOUT_S = 10.0   # most seconds a constraint may take to build before admission
 MAX_GRAMMAR_CHARS = 1 << 20   # the longest constraint text accepted (1 MiB)
 CACHE_SIZE = 256           # grammars remembered per validator / per worker
+# the whitespace between JSON tokens (llguidance's ``whitespace_pattern``): by default llama.cpp's
+# JSON grammar's ``ws ::= | " " | "\n" [ \t]{0,20}`` (grammars/json.gbnf), at most one space or
+# one newline and 20 spaces or tabs, so that a model cannot pad with whitespace until max_tokens;
+# ANY_WHITESPACE is llguidance's own default (any amount)
+JSON_WHITESPACE = r"( |\n[ \t]{0,20})?"
+ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]*"
 
 
 class GrammarError(ValueError):
@@ -93,12 +99,13 @@ def grammar_text(so) -> str:
     """
     llg = _llg()
     try:
-        compact = {"whitespace_flexible": False} if so.disable_any_whitespace else None
+        whitespace = {"whitespace_flexible": False} if so.disable_any_whitespace else \
+            {"whitespace_flexible": True, "whitespace_pattern": so.whitespace_pattern or JSON_WHITESPACE}
         if so.json is not None:
             schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=compact)
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=whitespace)
         if so.json_object:
-            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=compact)
+            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=whitespace)
         if so.regex is not None:
             return llg.LLMatcher.grammar_from_regex(so.regex)
         if so.choice is not None:

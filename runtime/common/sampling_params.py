@@ -30,9 +30,12 @@ class StructuredOutputsParams:
         grammar: a context-free grammar in the EBNF/GBNF form llama.cpp uses (``root ::= ...``) or
             llguidance's Lark form.
         json_object: ``True``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
-        disable_any_whitespace: JSON without whitespace between its tokens (by default any
-            amount is allowed, as in vLLM; a small model may then emit newlines until
-            ``max_tokens``).
+        disable_any_whitespace: JSON without whitespace between its tokens (vLLM's name).
+        whitespace_pattern: for ``json`` and ``json_object``, a regular expression of the
+            whitespace allowed between JSON tokens (vLLM's name). ``None``: at most one space,
+            or one newline and up to 20 spaces or tabs (``grammar.JSON_WHITESPACE``, llama.cpp's
+            JSON grammar), so that a small model cannot pad an open object with newlines until
+            ``max_tokens``; ``grammar.ANY_WHITESPACE`` allows any amount.
 
     How the constraint is enforced, and how it behaves under overlap scheduling, ``n > 1``,
     preemption, prefix caching, stop strings, EOS and ``max_tokens``:
@@ -49,6 +52,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self):
         set_kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
@@ -81,6 +85,13 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs json_object must be a bool")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs disable_any_whitespace must be a bool")
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+                raise ValueError("structured_outputs whitespace_pattern must be a non-empty string (a regex)")
+            if self.disable_any_whitespace:
+                raise ValueError("structured_outputs whitespace_pattern and disable_any_whitespace cannot both be set")
+            if self.json is None and not self.json_object:
+                raise ValueError("structured_outputs whitespace_pattern applies to json and json_object only")
 
     @property
     def kind(self) -> str:

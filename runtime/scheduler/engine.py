@@ -284,7 +284,8 @@ class LLMEngine:
         copied on write: the block-copy kernel). Each makes two tokens. Prompts that do not fit the model's
         length or the KV cache are left out, and so is the n = 2 request where ``max_num_seqs`` is 1
         (``add_request`` would refuse it); the prefix cache is emptied after, so no warm-up
-        block is ever a hit. The warm-up's requests count in ``get_metrics()`` like any others.
+        block is ever a hit, and the counters of ``get_metrics()`` start again from zero (as
+        vLLM's ``reset_prefix_cache`` resets its prefix-cache stats): the warm-up is not counted.
 
         Raises:
             RuntimeError: the engine has unfinished requests (they would share the warm-up's steps).
@@ -310,6 +311,13 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         self.scheduler.reset_prefix_cache()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero the cumulative counters of ``get_metrics()`` (steps, tokens, times, prefix-cache
+        queries and hits, preemptions, evictions); the gauges (blocks, sequences) stay as they are."""
+        self.stats = {k: type(v)() for k, v in self.stats.items()}
+        self.scheduler.reset_counters()
 
     # -- counters ------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, Any]:

@@ -279,6 +279,11 @@ class KVCacheManager:
         """Blocks with no reference (plain free or cached-free)."""
         return self.pool.get_num_free_blocks()
 
+    def reset_counters(self) -> None:
+        """Zero prefix_cache_queries, prefix_cache_hits and the pool's num_evictions."""
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.pool.num_evictions = 0
+
     def get_metrics(self) -> dict:
         """num_total_blocks, num_free_blocks, num_cached_blocks (full blocks registered in the
         prefix cache, in use or free), num_evictions, prefix_cache_queries, prefix_cache_hits."""

@@ -558,6 +558,11 @@ class Scheduler:
         self._finished_seq_ids[:0] = finished
 
     # -- counters ----------------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        """Zero num_preemptions and the KV manager's counters (``KVCacheManager.reset_counters``)."""
+        self.num_preemptions = 0
+        self.kv_cache_manager.reset_counters()
+
     def get_metrics(self) -> dict:
         """The KV manager's counters (``KVCacheManager.get_metrics``) plus num_preemptions,
         num_running, num_waiting (sequences), kv_tokens_held / kv_tokens_allocated (token slots

@@ -175,6 +175,13 @@ def test_32_concurrent_streams(echo_http, tokenizer):
 
 # -- errors ------------------------------------------------------------------------------------------------
 
+DEEP_SCHEMA = {"type": "string"}      # an array of arrays ... 500 deep
+for _ in range(500):
+    DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
+# 4,000 properties, 490 KB: a grammar over llguidance's limit of 65,525 symbols
+WIDE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "array", "items": {
+    "type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}} for i in range(4000)}}
+
 BAD_REQUESTS = [   # (path, body, text the message must contain, param)
     ("/v1/completions", b"{not json", "not valid JSON", None),
     ("/v1/completions", {}, "prompt", "prompt"),
@@ -230,6 +237,37 @@ BAD_REQUESTS = [   # (path, body, text the message must contain, param)
     ("/v1/completions", b'{"prompt": "x \\ud83d"}', "Unicode", "prompt"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "Unicode", "messages"),
     ("/tokenize", b'{"prompt": "\\ud800"}', "Unicode", "prompt"),
+    # a request's choices (prompts x n) run side by side: at most max_num_seqs (256), refused before
+    # anything is built for them
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 200}, "2 prompts x n (200) = 400 choices exceed max_num_seqs (256)",
+     "prompt"),
+    ("/v1/completions", {"prompt": [[1]] * 300}, "300 choices exceed max_num_seqs (256)", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 257},
+     "n (257) exceeds max_num_seqs (256)", "n"),
+    # nesting that recursive code (the JSON decoder, pydantic, dataclasses.asdict) would not survive
+    ("/v1/completions", b'{"prompt": "x", "extra": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested too deeply", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"json": DEEP_SCHEMA}},
+     "nested too deeply", None),
+    # roles and tools are checked whatever the tool_choice
+    ("/v1/chat/completions", {"messages": [{"role": "banana", "content": "x"}]}, "messages.0.role", "messages"),
+    ("/tokenize", {"messages": [{"role": "banana", "content": "x"}]}, "messages.0.role", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools[0].function.parameters (f) is not a valid JSON schema: Invalid type: nonsense", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}},
+        {"type": "function", "function": {"name": "f"}}]}, "tools[2]: the function name 'f' is already used by tools[0]",
+     "tools"),
+    # llguidance's panic on a grammar over its symbol limit becomes one sentence (no <backtrace>)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": WIDE_SCHEMA}}},
+     "response_format: the constraint is too large or too complex to compile", "response_format"),
+    # JSON options of structured_outputs tune another JSON constraint; alone they constrain nothing
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "structured_outputs": {"disable_any_whitespace": True}}, "sets only disable_any_whitespace",
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a+", "whitespace_pattern": " ?"}},
+     "whitespace_pattern applies to json and json_object only", "structured_outputs"),
 ]
 
 
@@ -246,7 +284,8 @@ def test_invalid_input_is_a_400_in_openai_shape(http, path, body, needle, param)
     kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body}
     err = _check_error(http.post(path, **kw), 400)
-    assert needle in err["message"] and err["type"] == "invalid_request_error"
+    assert needle in err["message"] and err["type"] == "invalid_request_error", err
+    assert "backtrace" not in err["message"] and "panic" not in err["message"], err
     if param is not None:
         assert err["param"] == param
 
@@ -259,8 +298,10 @@ def test_401_404_405_and_the_server_keeps_serving(echo_http, http, zmq_client):
         r = httpx.post(url + "/v1/completions", json=ok, headers=headers)
         assert _check_error(r, 401)["type"] == "authentication_error"
     assert _check_error(httpx.get(url + "/v1/models"), 401)
-    for path in ("/health", "/metrics", "/version", "/"):          # open without a key
+    for path in ("/health", "/version", "/"):          # open without a key
         assert httpx.get(url + path).status_code == 200, path
+    assert _check_error(httpx.get(url + "/metrics"), 401)                 # unless --metrics-without-key
+    assert httpx.get(url + "/metrics", headers=AUTH).status_code == 200
     err = _check_error(http.post("/v1/completions", json={**ok, "model": "gpt-4"}), 404)
     assert "gpt-4" in err["message"] and err["param"] == "model"
     _check_error(http.get("/v1/models/gpt-4"), 404)
@@ -271,6 +312,76 @@ def test_401_404_405_and_the_server_keeps_serving(echo_http, http, zmq_client):
     assert http.post("/v1/completions", json={**ok, "model": "smollm2-135m-instruct"}).status_code == 200
     assert idle_metrics(zmq_client)["num_free_blocks"] == idle
     assert http.get("/health").status_code == 200
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out + [g for c in out for g in _children(c)]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def test_a_huge_n_is_refused_before_the_http_process_builds_anything(echo_http, http):
+    # the 80-byte request of issue 48: 4 prompts x a million samples. Refused from the numbers alone,
+    # the HTTP process's peak memory does not move; built first (4 million choices), it grew by 1.4 GB
+    http_pid = next(p for p in _children(echo_http[0].pid) if "folio.api.http_process" in _cmdline(p))
+    before = _peak_rss_bytes(http_pid)
+    err = _check_error(http.post("/v1/completions", json={"prompt": ["hi", "hi", "hi", "hi"], "max_tokens": 4,
+                                                          "n": 1000000}), 400)
+    assert err["param"] == "n" and "n (1000000) exceeds max_num_seqs (256)" in err["message"]
+    assert _peak_rss_bytes(http_pid) - before < 50 << 20
+    assert http.post("/v1/completions", json={"prompt": ["hi"] * 4, "max_tokens": 4, "n": 64}).status_code == 200
+
+
+def test_cross_site_requests_and_foreign_hosts_are_refused(echo_http, http):
+    url = echo_http[2]
+    port = url.rsplit(":", 1)[1]
+    ok = {"prompt": [1000], "max_tokens": 2}
+    # what a web page on another site can send without a preflight: a text/plain (form) POST
+    err = _check_error(http.post("/v1/completions", content=json.dumps(ok), headers={"Content-Type": "text/plain"}), 415)
+    assert "application/json" in err["message"]
+    # and whatever it sends, it sends with its Origin
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("OPTIONS", "/v1/completions")):
+        r = http.request(method, path, json=ok if method == "POST" else None,
+                         headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert _check_error(r, 403)["type"] == "permission_error" and "access-control-allow-origin" not in r.headers
+    # the server's own page (its origin: http:// + the Host it was reached by) is served
+    assert http.post("/v1/completions", json=ok, headers={"Origin": url}).status_code == 200
+    # DNS rebinding: a name other than loopback's reached this loopback server
+    err = _check_error(http.post("/v1/completions", json=ok, headers={"Host": f"evil.example:{port}"}), 403)
+    assert "evil.example" in err["message"]
+    for host in (f"localhost:{port}", f"[::1]:{port}", "127.0.0.2", f"app.localhost:{port}"):
+        assert http.post("/v1/completions", json=ok, headers={"Host": host}).status_code == 200, host
+    # JSON types other than application/json itself, and a body without a type (as FastAPI reads it)
+    for ctype in ("application/json; charset=utf-8", "application/vnd.api+json", None):
+        r = http.post("/v1/completions", content=json.dumps(ok), headers={"Content-Type": ctype} if ctype else {})
+        assert r.status_code == 200, (ctype, r.text)
+
+
+def test_json_options_tune_response_format_and_tool_constraints(http):
+    ask = [{"role": "user", "content": "x"}]
+    for extra in ({"response_format": {"type": "json_object"}},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},
+                  {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}):
+        for options in ({"disable_any_whitespace": True}, {"whitespace_pattern": "[ ]?"}):
+            r = http.post("/v1/chat/completions", json={"messages": ask, "max_tokens": 2, **extra,
+                                                        "structured_outputs": options})
+            assert r.status_code == 200, (extra, options, r.text)
+    err = _check_error(http.post("/v1/chat/completions", json={
+        "messages": ask, "response_format": {"type": "json_object"}, "structured_outputs": {"whitespace_pattern": "(["}}),
+        400)
+    assert err["param"] == "response_format" and "regex" in err["message"]
 
 
 def test_503_when_the_engine_is_gone():
@@ -422,6 +533,45 @@ def test_prometheus_metrics_while_busy():
             assert m[("folio:num_requests_running", ())] == m[("folio:num_requests_waiting", ())] == 0
             assert m[("folio:kv_cache_usage_perc", ())] == 0.0
             assert m[("folio:num_preemptions_total", ())] == c.get_metrics()["num_preemptions"] >= 1
+    finally:
+        stop_server(proc)
+
+
+def test_a_fresh_server_key_file_open_metrics_allowed_origins_and_the_models_own_name(tmp_path, default_model_dir):
+    # the model given as its folder; the key in a file (in no process's command line); /metrics
+    # left open for a scraper; one other web origin allowed
+    key = "sk-folio-from-a-file"
+    (tmp_path / "key").write_text(key + "\n")
+    app = "http://app.example:3000"
+    proc, addr = spawn_server(ECHO + ["--model", str(default_model_dir), "--api-key-file", str(tmp_path / "key"),
+                                      "--metrics-without-key", "--allowed-origins", app], env=echo_env(), startup_timeout=180)
+    try:
+        url = proc.http_url
+        for pid in [proc.pid, *_children(proc.pid)]:
+            assert key not in _cmdline(pid), _cmdline(pid)
+        with Client(addr, timeout=60) as c:
+            steps = c.get_metrics()["num_steps"]
+        metrics = _scrape(httpx.Client(base_url=url, timeout=60))          # no key
+        # the warm-up ran (its kernels are compiled) but is not counted: a fresh server counts from zero
+        assert steps == 0
+        assert metrics[("folio:prefix_cache_queries_total", ())] == 0
+        assert metrics[("folio:prompt_tokens_total", ())] == 0
+        assert _check_error(httpx.get(url + "/v1/models"), 401)
+        auth = {"Authorization": f"Bearer {key}"}
+        models = httpx.get(url + "/v1/models", headers=auth).json()
+        assert [m["id"] for m in models["data"]] == [str(default_model_dir), "smollm2-135m-instruct"]
+        for name in ("smollm2-135m-instruct", str(default_model_dir)):
+            r = httpx.post(url + "/v1/completions", headers=auth, json={"model": name, "prompt": [1000], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == str(default_model_dir), r.text
+        # the allowed origin: preflight answered, CORS headers on the answer; another origin: 403
+        pre = httpx.options(url + "/v1/completions", headers={"Origin": app, "Access-Control-Request-Method": "POST",
+                                                             "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == app
+        r = httpx.post(url + "/v1/completions", headers={**auth, "Origin": app}, json={"prompt": [1000], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app
+        r = httpx.post(url + "/v1/completions", headers={**auth, "Origin": "http://app.example:3001"},
+                       json={"prompt": [1000], "max_tokens": 2})
+        assert _check_error(r, 403)
     finally:
         stop_server(proc)
 

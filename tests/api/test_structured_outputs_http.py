@@ -84,6 +84,38 @@ def test_json_object_choice_and_regex_through_extra_body(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+# llama.cpp's JSON grammar (grammars/json.gbnf): ``ws ::= | " " | "\n" [ \t]{0,20}`` between tokens
+LLAMA_CPP_WS = re.compile(r"( |\n[ \t]{0,20})?")
+
+
+def _whitespace_between_tokens(text: str) -> list[str]:
+    """The runs of whitespace outside the strings of a (possibly cut) JSON text."""
+    runs, run, in_string, escaped = [], "", False, False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch in " \t\n\r":
+            run += ch
+        else:
+            runs.append(run)
+            run, in_string = "", ch == '"'
+    return runs + [run]
+
+
+def test_json_object_whitespace_is_bounded_by_default(client):
+    # with any whitespace allowed, about one sample in five of this prompt (temperature 1) pads the
+    # object with blank lines and indentation (seed 0: two of these eight); bounded as llama.cpp's
+    # JSON grammar bounds it, none can
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "List two fruits in JSON."}],
+                                       max_tokens=60, temperature=1.0, seed=0, n=8,
+                                       response_format={"type": "json_object"})
+    for choice in r.choices:
+        text = choice.message.content
+        assert all(LLAMA_CPP_WS.fullmatch(ws) for ws in _whitespace_between_tokens(text)), text
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+
+
 def _args_valid(call, tools):
     params = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), params)
@@ -236,6 +268,29 @@ def test_auto_parses_hermes_and_llama3_json_calls():
     # text that is not a call stays text: an unknown function, prose, broken JSON
     for text in ('{"name": "unknown", "parameters": {}}', "Sunny, 20 degrees.", '<tool_call>{"name": </tool_call>'):
         assert parse_tool_calls(text, "auto", tools, None) == (text, [])
+
+
+def test_the_json_whitespace_options(default_model_dir):
+    # what each setting's grammar accepts, token by token through llguidance's matcher: by default
+    # llama.cpp's bound, ANY_WHITESPACE anything, disable_any_whitespace nothing
+    from folio.model.tokenizer import Tokenizer
+    from folio.runtime.common.grammar import ANY_WHITESPACE, grammar_text, grammar_tokenizer, new_matcher
+    from folio.runtime.common.sampling_params import StructuredOutputsParams
+    tok = Tokenizer.from_pretrained(default_model_dir)
+    lltok = grammar_tokenizer(tok.hf.to_str(), tok.eos_token_ids)
+
+    def accepts(text, **options):
+        m = new_matcher(lltok, grammar_text(StructuredOutputsParams(json_object=True, **options)))
+        return all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+
+    texts = {'{"a":[1,2]}': (True, True, True), '{"a": [1, 2]}': (True, True, False),
+             '{\n  "a": [\n    1\n  ]\n}': (True, True, False), '{\n' + " " * 20 + '"a": 1}': (True, True, False),
+             '{\n' + " " * 21 + '"a": 1}': (False, True, False), '{\n\n"a": 1}': (False, True, False),
+             '{ \n"a": 1}': (False, True, False), '{"a":\n\n\n\n 1}': (False, True, False)}
+    for text, (bounded, any_ws, compact) in texts.items():
+        assert accepts(text) == bounded, text
+        assert accepts(text, whitespace_pattern=ANY_WHITESPACE) == any_ws, text
+        assert accepts(text, disable_any_whitespace=True) == compact, text
 
 
 def test_required_schema_accepts_only_the_functions():

@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,6 +87,45 @@ def test_a_busy_http_port_fails_before_the_model_loads():
         r = run_folio("serve", "--port", str(port), "--address", f"tcp://127.0.0.1:{free_port()}")
     assert r.returncode == 1 and f"{port}" in r.stderr and "--port 0" in r.stderr
     assert "loading" not in r.stdout and "Traceback" not in r.stderr
+
+
+def test_the_api_key_comes_from_a_flag_a_file_or_the_environment(tmp_path, monkeypatch):
+    from folio.cmd_serve import resolve_api_key
+    monkeypatch.setenv("FOLIO_API_KEY", "from-env")
+    assert resolve_api_key(None, None) == "from-env"       # as vLLM reads VLLM_API_KEY
+    assert resolve_api_key("from-flag", None) == "from-flag"
+    (tmp_path / "key").write_text("from-file\nsecond line\n")
+    assert resolve_api_key(None, str(tmp_path / "key")) == "from-file"
+    monkeypatch.delenv("FOLIO_API_KEY")
+    assert resolve_api_key(None, None) is None
+    (tmp_path / "empty").write_text("\n")
+    for key, path, needle in ((None, tmp_path / "empty", "empty"), (None, tmp_path / "missing", "missing"),
+                              ("k", tmp_path / "key", "not both")):
+        with pytest.raises(ValueError, match=needle):
+            resolve_api_key(key, str(path))
+    # refused before anything loads, like the other flags' errors; and so is an origin that is not one
+    for flags, needle in ((["--api-key", "k", "--api-key-file", str(tmp_path / "key")], "not both"),
+                          (["--allowed-origins", "evil.example"], "not an origin")):
+        r = run_folio("serve", "--port", "0", "--address", f"tcp://127.0.0.1:{free_port()}", *flags)
+        assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "loading" not in r.stdout
+
+
+def test_allowed_origins_take_vllms_json_list_too():
+    from folio.api.middleware import parse_origins
+    assert parse_origins(['["http://A.example:3000/", "https://b.example"]', "http://c.example,*"]) == \
+        ["http://a.example:3000", "https://b.example", "http://c.example", "*"]
+    assert parse_origins(None) == []
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_serve_and_repl_take_the_zeromq_address():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for target, want in (("serve", "folio serve --address tcp://127.0.0.1:6001 --port 8081"),
+                         ("repl", "folio repl --address tcp://127.0.0.1:6001")):
+        r = subprocess.run(["make", "-n", "-C", root, target, "ADDRESS=tcp://127.0.0.1:6001", "PORT=8081"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and want in r.stdout, r.stdout + r.stderr
 
 
 def test_clients_fail_fast_without_a_server(tmp_path):
