@@ -179,7 +179,6 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _run(a: argparse.Namespace) -> int:
-    import os
     import time
     from .api.http_process import HttpProcess, bind_http, http_url, load_chat_template
     from .api.middleware import parse_origins
