@@ -214,7 +214,7 @@ def apply_token_bitmask(logits, bitmask, xp=np):
 
 
 def sample(logits, states: list[SamplingState], xp=np, bitmask=None, bitmask_kernel=None) -> SamplerOutput:
-    """Sample one token for each row of ``logits``.
+    """Sample one token for each row of ``logits`` (the pipeline of the module docstring).
 
     Args:
         logits: ``[R, V]`` float32 xp array (the model's output for the rows to sample).
@@ -229,23 +229,39 @@ def sample(logits, states: list[SamplingState], xp=np, bitmask=None, bitmask_ker
         ``SamplerOutput`` with host arrays. The caller appends the tokens to the states.
     """
     R, V = logits.shape
-    params = [s.params for s in states]
     if R == 0:
         return SamplerOutput(np.zeros(0, dtype=np.int64))
-
-    # raw logprobs
-    want = [p.logprobs for p in params if p.logprobs is not None]
-    raw_lp = log_softmax(logits.astype(xp.float32), xp) if want else None
-
-    # structured outputs: what the grammar forbids
+    K = max_logprobs(states)
+    raw_lp = log_softmax(logits.astype(xp.float32), xp) if K is not None else None
     if bitmask is not None:
         if bitmask_kernel is not None:
             logits = bitmask_kernel(logits.astype(xp.float32, copy=True), xp.asarray(bitmask))
         else:
             logits = apply_token_bitmask(logits.astype(xp.float32), bitmask, xp)
-        constrained = logits
+    logits = _mask_min_tokens(logits, states, xp, grammar=bitmask is not None)
+    logits = _penalised(logits, states, xp)
 
-    # min_tokens: mask EOS and stop tokens
+    tokens = xp.zeros(R, dtype=xp.int64)
+    greedy = np.asarray([s.params.greedy for s in states])
+    if greedy.any():
+        g_idx = xp.asarray(np.nonzero(greedy)[0])
+        tokens[g_idx] = xp.argmax(logits[g_idx], axis=1).astype(xp.int64)
+    rand = np.nonzero(~greedy)[0]
+    if len(rand):
+        tokens[xp.asarray(rand)] = _sample_random(logits[xp.asarray(rand)], [states[i] for i in rand], xp)
+
+    out = SamplerOutput(to_numpy(tokens).astype(np.int64))
+    if raw_lp is not None:
+        out.logprobs, out.logprob_token_ids = _with_top_logprobs(raw_lp, tokens, K, xp)
+    return out
+
+
+def _mask_min_tokens(logits, states: list[SamplingState], xp, grammar: bool):
+    """``logits [R, V]`` with EOS (unless ignore_eos) and ``stop_token_ids`` at -inf in the rows
+    with fewer than ``min_tokens`` tokens out: a float32 copy where any row is masked, else
+    ``logits`` itself. With ``grammar`` (``logits`` already grammar-masked), a row left with no
+    token at all gets its grammar-masked row back: the grammar wins."""
+    V = logits.shape[1]
     rows, cols = [], []
     for i, st in enumerate(states):
         p = st.params
@@ -254,69 +270,63 @@ def sample(logits, states: list[SamplingState], xp=np, bitmask=None, bitmask_ker
             ids = [t for t in ids if 0 <= t < V]
             rows += [i] * len(ids)
             cols += ids
-    if rows:
-        logits = logits.astype(xp.float32, copy=True)
-        logits[xp.asarray(rows), xp.asarray(cols)] = _MASK
-        if bitmask is not None:  # a grammar that allows only EOS now: the grammar wins
-            dead = xp.isneginf(logits).all(axis=1)
-            if bool(dead.any()):
-                logits[dead] = constrained[dead]
+    if not rows:
+        return logits
+    masked = logits.astype(xp.float32, copy=True)
+    masked[xp.asarray(rows), xp.asarray(cols)] = _MASK
+    if grammar:
+        dead = xp.isneginf(masked).all(axis=1)
+        if bool(dead.any()):
+            masked[dead] = logits[dead]
+    return masked
 
-    # penalties
-    pen = [i for i, p in enumerate(params) if p.has_penalties]
-    if pen:
-        pen_idx = xp.asarray(np.asarray(pen, dtype=np.int64))
-        f32 = lambda vals: xp.asarray(np.asarray(vals, dtype=np.float32))  # noqa: E731
-        penalised = apply_penalties(
-            logits[pen_idx],
-            [states[i].prompt_token_ids for i in pen],
-            [states[i].output_token_ids for i in pen],
-            f32([params[i].repetition_penalty for i in pen]),
-            f32([params[i].frequency_penalty for i in pen]),
-            f32([params[i].presence_penalty for i in pen]), xp)
-        logits = logits.astype(xp.float32, copy=True) if not rows else logits
-        logits[pen_idx] = penalised
 
-    tokens = xp.zeros(R, dtype=xp.int64)
+def _penalised(logits, states: list[SamplingState], xp):
+    """``logits [R, V]`` with each penalised row through ``apply_penalties`` (a float32 copy), or
+    ``logits`` itself when no row has penalties."""
+    pen = [i for i, st in enumerate(states) if st.params.has_penalties]
+    if not pen:
+        return logits
+    pen_idx = xp.asarray(np.asarray(pen, dtype=np.int64))
+    params = [states[i].params for i in pen]
 
-    # greedy
-    greedy = np.asarray([p.greedy for p in params])
-    if greedy.any():
-        g = np.nonzero(greedy)[0]
-        g_idx = xp.asarray(g)
-        tokens[g_idx] = xp.argmax(logits[g_idx], axis=1).astype(xp.int64)
+    def f32(name):
+        return xp.asarray(np.asarray([getattr(p, name) for p in params], dtype=np.float32))
 
-    # random
-    rand = np.nonzero(~greedy)[0]
-    if len(rand):
-        rp = [params[i] for i in rand]
-        r_idx = xp.asarray(rand)
-        temp = np.asarray([p.temperature for p in rp], dtype=np.float32)
-        x = logits[r_idx].astype(xp.float32) / xp.asarray(temp)[:, None]
-        min_p = np.asarray([p.min_p for p in rp], dtype=np.float32)
-        if (min_p > 0).any():
-            ratio = xp.exp(x - x.max(axis=1, keepdims=True))  # p / p_max
-            x = xp.where(ratio < xp.asarray(min_p)[:, None], xp.float32(_MASK), x)
-        top_k = np.asarray([p.top_k for p in rp], dtype=np.int64)
-        top_p = np.asarray([p.top_p for p in rp], dtype=np.float32)
-        trunc = np.nonzero((top_k > 0) | (top_p < 1.0))[0]
-        if len(trunc):
-            t_idx = xp.asarray(trunc)
-            sub = x[t_idx]
-            thresh = _top_k_top_p_threshold(sub, top_k[trunc], top_p[trunc], xp)
-            x[t_idx] = xp.where(sub < thresh, xp.float32(_MASK), sub)
-        # inverse CDF with one uniform in (0, 1] per row from the sequence's own generator
-        u = np.asarray([1.0 - states[i].rng.random() for i in rand], dtype=np.float64)
-        w = xp.exp(x - x.max(axis=1, keepdims=True))
-        cdf = xp.cumsum(w, axis=1)
-        target = xp.asarray(u)[:, None] * cdf[:, -1:]
-        picked = (cdf < target).sum(axis=1)
-        tokens[r_idx] = xp.minimum(picked, V - 1).astype(xp.int64)
+    penalised = apply_penalties(logits[pen_idx], [states[i].prompt_token_ids for i in pen],
+                                [states[i].output_token_ids for i in pen], f32("repetition_penalty"),
+                                f32("frequency_penalty"), f32("presence_penalty"), xp)
+    logits = logits.astype(xp.float32, copy=True)
+    logits[pen_idx] = penalised
+    return logits
 
-    out = SamplerOutput(to_numpy(tokens).astype(np.int64))
-    if raw_lp is not None:
-        out.logprobs, out.logprob_token_ids = _with_top_logprobs(raw_lp, tokens, max(want), xp)
-    return out
+
+def _sample_random(logits, states: list[SamplingState], xp):
+    """``[r]`` int64 xp tokens of the random rows ``logits [r, V]`` (``states`` theirs, in order):
+    temperature, min_p, top_k then top_p, then the inverse CDF at one uniform in (0, 1] per row
+    from the sequence's own generator."""
+    V = logits.shape[1]
+    rp = [st.params for st in states]
+    temp = np.asarray([p.temperature for p in rp], dtype=np.float32)
+    x = logits.astype(xp.float32) / xp.asarray(temp)[:, None]
+    min_p = np.asarray([p.min_p for p in rp], dtype=np.float32)
+    if (min_p > 0).any():
+        ratio = xp.exp(x - x.max(axis=1, keepdims=True))  # p / p_max
+        x = xp.where(ratio < xp.asarray(min_p)[:, None], xp.float32(_MASK), x)
+    top_k = np.asarray([p.top_k for p in rp], dtype=np.int64)
+    top_p = np.asarray([p.top_p for p in rp], dtype=np.float32)
+    trunc = np.nonzero((top_k > 0) | (top_p < 1.0))[0]
+    if len(trunc):
+        t_idx = xp.asarray(trunc)
+        sub = x[t_idx]
+        thresh = _top_k_top_p_threshold(sub, top_k[trunc], top_p[trunc], xp)
+        x[t_idx] = xp.where(sub < thresh, xp.float32(_MASK), sub)
+    u = np.asarray([1.0 - st.rng.random() for st in states], dtype=np.float64)
+    w = xp.exp(x - x.max(axis=1, keepdims=True))
+    cdf = xp.cumsum(w, axis=1)
+    target = xp.asarray(u)[:, None] * cdf[:, -1:]
+    picked = (cdf < target).sum(axis=1)
+    return xp.minimum(picked, V - 1).astype(xp.int64)
 
 
 def _with_top_logprobs(raw_lp, first_ids, K: int, xp=np) -> tuple[np.ndarray, np.ndarray]:
