@@ -32,8 +32,10 @@ import threading
 import time
 import traceback
 
+import numpy as np
 import zmq
 
+from ..runtime.common.step import StepResult
 from . import messages as M
 from .transport import cleanup_ipc_address, make_socket, recv_frames, send_frames
 
@@ -106,66 +108,14 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
     hb = threading.Thread(target=_heartbeat_loop, args=(ctx, heartbeat_address, heartbeat_interval, parent_pid,
                                                         stop, addresses), daemon=True, name="folio-heartbeat")
     hb.start()
-
-    runner = None
     try:
-        # init
-        while True:
-            try:
-                msg_type, fields = M.decode(recv_frames(sock), max_message_bytes)
-            except M.MessageError as e:
-                send_frames(sock, M.error_reply(str(e)))
-                continue
-            if msg_type == "shutdown":
-                send_frames(sock, M.encode("shutdown_ack"))
-                return 0
-            if msg_type != "init":
-                send_frames(sock, M.error_reply(f"expected init, got {msg_type}"))
-                continue
-            break
-        try:
-            from ..runtime.common.config import EngineConfig
-            config = EngineConfig(**fields["config"])
-            runner = _load_factory(runner_factory)(config)
-            info = {"device": str(getattr(runner, "device", config.device)), "model": config.model}
-            act = getattr(getattr(runner, "model", None), "activation_quantization", None)
-            if isinstance(act, str):
-                info["activation_quantization"] = act
-            mc = getattr(runner, "model_config", None)
-            if mc is not None and hasattr(mc, "to_dict"):
-                info["model_config"] = mc.to_dict()
-            send_frames(sock, M.encode("ready", num_blocks=int(runner.num_blocks), pid=os.getpid(), info=info))
-        except Exception as e:
-            traceback.print_exc()   # before the reply: the server may stop the moment it reads it
-            send_frames(sock, M.error_reply(f"worker start-up failed: {type(e).__name__}: {e}", code="worker_init"))
+        fields = _wait_for_init(sock, max_message_bytes)
+        if fields is None:
+            return 0
+        runner = _start_runner(sock, fields, runner_factory)
+        if runner is None:
             return 1
-
-        # steps
-        last_sent = None
-        while True:
-            frames = recv_frames(sock)
-            received = time.perf_counter()
-            try:
-                msg_type, fields = M.decode(frames, max_message_bytes)
-                if msg_type == "shutdown":
-                    break
-                if msg_type != "step":
-                    raise M.MessageError(f"worker expects step or shutdown, got {msg_type}")
-                plan = M.plan_from_fields(fields)
-            except M.MessageError as e:
-                send_frames(sock, M.error_reply(str(e)))
-                continue
-            try:
-                result = runner.execute(plan)
-            except Exception as e:
-                traceback.print_exc()
-                from ..runtime.common.step import StepResult
-                import numpy as np
-                result = StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, np.int64),
-                                    error=f"{type(e).__name__}: {e}")
-            result.idle_time = 0.0 if last_sent is None else received - last_sent
-            send_frames(sock, M.encode_result(result))
-            last_sent = time.perf_counter()
+        _serve_steps(sock, runner, max_message_bytes)
         try:
             runner.shutdown()
         finally:
@@ -177,6 +127,75 @@ def run_worker(address: str, heartbeat_address: str, runner_factory: str, heartb
         hb.join(2 * heartbeat_interval + 1.0)
         if not hb.is_alive():
             ctx.term()
+
+
+def _wait_for_init(sock: zmq.Socket, max_message_bytes: int) -> dict | None:
+    """The fields of the first ``init`` message; ``None`` after a ``shutdown`` (acknowledged).
+    Anything else before it gets an ``error`` reply and is skipped."""
+    while True:
+        try:
+            msg_type, fields = M.decode(recv_frames(sock), max_message_bytes)
+        except M.MessageError as e:
+            send_frames(sock, M.error_reply(str(e)))
+            continue
+        if msg_type == "shutdown":
+            send_frames(sock, M.encode("shutdown_ack"))
+            return None
+        if msg_type == "init":
+            return fields
+        send_frames(sock, M.error_reply(f"expected init, got {msg_type}"))
+
+
+def _start_runner(sock: zmq.Socket, init_fields: dict, runner_factory: str):
+    """Build the runner from the ``init`` message's ``EngineConfig`` and answer ``ready`` (its
+    ``num_blocks``, our pid, what it runs on); on failure answer a ``worker_init`` error and return
+    ``None``."""
+    try:
+        from ..runtime.common.config import EngineConfig
+        config = EngineConfig(**init_fields["config"])
+        runner = _load_factory(runner_factory)(config)
+        info = {"device": str(getattr(runner, "device", config.device)), "model": config.model}
+        act = getattr(getattr(runner, "model", None), "activation_quantization", None)
+        if isinstance(act, str):
+            info["activation_quantization"] = act
+        mc = getattr(runner, "model_config", None)
+        if mc is not None and hasattr(mc, "to_dict"):
+            info["model_config"] = mc.to_dict()
+        send_frames(sock, M.encode("ready", num_blocks=int(runner.num_blocks), pid=os.getpid(), info=info))
+        return runner
+    except Exception as e:
+        traceback.print_exc()   # before the reply: the server may stop the moment it reads it
+        send_frames(sock, M.error_reply(f"worker start-up failed: {type(e).__name__}: {e}", code="worker_init"))
+        return None
+
+
+def _serve_steps(sock: zmq.Socket, runner, max_message_bytes: int) -> None:
+    """Answer each ``step`` with its ``step_result`` until ``shutdown``. A malformed message gets an
+    ``error`` reply; an exception inside a step becomes ``StepResult.error``. Each result carries
+    the time the worker waited for its plan after sending the previous result (``idle_time``)."""
+    last_sent = None
+    while True:
+        frames = recv_frames(sock)
+        received = time.perf_counter()
+        try:
+            msg_type, fields = M.decode(frames, max_message_bytes)
+            if msg_type == "shutdown":
+                return
+            if msg_type != "step":
+                raise M.MessageError(f"worker expects step or shutdown, got {msg_type}")
+            plan = M.plan_from_fields(fields)
+        except M.MessageError as e:
+            send_frames(sock, M.error_reply(str(e)))
+            continue
+        try:
+            result = runner.execute(plan)
+        except Exception as e:
+            traceback.print_exc()
+            result = StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, np.int64),
+                                error=f"{type(e).__name__}: {e}")
+        result.idle_time = 0.0 if last_sent is None else received - last_sent
+        send_frames(sock, M.encode_result(result))
+        last_sent = time.perf_counter()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,10 +152,9 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         FileNotFoundError: the model cannot be found.
         RuntimeError: ``cuda`` without a usable GPU.
     """
-    from .gguf_weights import gguf_source, load_gguf_weights
+    from .gguf_weights import gguf_source
     from .quantize import quantize_weights
-    from .registry import float32_import, resolve_model
-    from .weights import dummy_weights, load_weights
+    from .registry import resolve_model
 
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
@@ -175,36 +174,57 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
             (source is None or not stored):
         # float weights for sure (an import, or safetensors): refused before anything is loaded
         _refuse_activation_quantization(activation_quantization, dtype)
-    if load_format == "dummy":
-        if hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
-            weights = _DeviceDummyWeights(config, kernels)
-        else:
-            weights = dummy_weights(config, seed=0)
-    elif source is not None and stored:
-        # (--quantization of a file of quantized types is refused by quantize_weights, naming a tensor)
-        weights = load_gguf_weights(source, config)
-    else:
-        folder = float32_import(model_dir) if source is not None else model_dir
-        weights = load_weights(folder, config, keep_bf16=kernels.kv_cache_dtype == np.uint16,
-                               keep_16bit=stored)
+    weights = _read_weights(model_dir, config, kernels, load_format, source, stored)
     if quantization is not None:
         weights = quantize_weights(weights, quantization)
     activations = "none"
     if activation_quantization != "none":
-        quantized = []
-        if quantization is not None or (source is not None and stored and load_format != "dummy"):
-            # (only then: the GPU's dummy weights are made on the device as they are read)
-            quantized = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.type_name not in
-                         _FLOAT_TYPES]
-        if activation_quantization == "int8" and not quantized:
-            _refuse_activation_quantization(activation_quantization, dtype)
-        # (weights quantized at load are not the file's: the default model's rule does not apply)
-        activations = _activations(activation_quantization, bool(quantized), source if quantization is None else None)
-        for w in quantized if activations == "int8" else ():
-            w.activations = "int8"
+        # (only weights quantized at load, or a GGUF file's as stored: the GPU's dummy weights are
+        # made on the device as they are read)
+        in_gguf_types = quantization is not None or (source is not None and stored and load_format != "dummy")
+        activations = _set_activations(weights if in_gguf_types else {}, activation_quantization, dtype,
+                                       source if quantization is None else None)
     model = LlamaForCausalLM(config, weights, kernels)
     model.activation_quantization = activations
     return model, config, model_dir
+
+
+def _read_weights(model_dir: Path, config: ModelConfig, kernels, load_format: str, source, stored: bool):
+    """The weights ``load_model`` serves, by name: random ones of the config's shapes (``"dummy"``;
+    made on the device where the table can), a GGUF file's tensors as stored (``source`` with
+    ``stored``), else the safetensors of ``model_dir`` or of a GGUF file's float32 import (16-bit
+    kept with ``stored``, bfloat16 where the table's KV cache is bfloat16)."""
+    from .gguf_weights import load_gguf_weights
+    from .registry import float32_import
+    from .weights import dummy_weights, load_weights
+
+    if load_format == "dummy":
+        if hasattr(kernels, "random_weight"):  # made on the device: no host copy of an 8B model
+            return _DeviceDummyWeights(config, kernels)
+        return dummy_weights(config, seed=0)
+    if source is not None and stored:
+        # (--quantization of a file of quantized types is refused by quantize_weights, naming a tensor)
+        return load_gguf_weights(source, config)
+    folder = float32_import(model_dir) if source is not None else model_dir
+    return load_weights(folder, config, keep_bf16=kernels.kv_cache_dtype == np.uint16, keep_16bit=stored)
+
+
+def _set_activations(weights: Mapping, requested: str, dtype: str, stored_gguf) -> str:
+    """Resolve ``requested`` (``"auto"`` or ``"int8"``) for the weights in quantized GGUF types among
+    ``weights`` (``_activations``' rule; ``stored_gguf`` the file they are served from as stored,
+    or None) and mark each of them ``activations = "int8"`` where that is the answer; returns it.
+
+    Raises:
+        ValueError: ``"int8"`` with no weight in a quantized GGUF type.
+    """
+    quantized = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.type_name not in _FLOAT_TYPES]
+    if requested == "int8" and not quantized:
+        _refuse_activation_quantization(requested, dtype)
+    # (weights quantized at load are not the file's: the default model's rule does not apply)
+    activations = _activations(requested, bool(quantized), stored_gguf)
+    for w in quantized if activations == "int8" else ():
+        w.activations = "int8"
+    return activations
 
 
 def serves_quantized(name_or_path: str, dtype: str = "auto", quantization: str | None = None,
