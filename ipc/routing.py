@@ -13,9 +13,16 @@ The policy (after SGLang's cache-aware router and Ray Serve LLM's ``PrefixCacheA
    ``i``. The keys are the *router's own*: the chain's root is this process's random root, not
    a replica's, and nothing is exchanged with the replicas; the map records which replica the
    router sent each prefix block to, which is where that block was (last) computed and cached.
-   The longest matched prefix wins, if its replica is alive and not overloaded (its outstanding
-   tokens exceed the least-loaded replica's by more than ``balance_abs_tokens`` *and* are more
-   than ``balance_rel`` times them: then the load wins, as in SGLang's imbalance rule).
+   The longest matched prefix wins while its replica is alive and *not too far ahead in load*:
+   its outstanding tokens may exceed the least-loaded replica's by at most the tokens it already
+   holds of this prompt (``matched_blocks * block_size``, the prefill its cache saves), and never
+   by more than ``balance_abs_tokens``. Sent elsewhere, the request costs its whole prompt again
+   but waits behind less work; the prefix holder is chosen only where the prefill it saves pays
+   for the extra work queued before it (the load-aware affinity of consistent hashing with
+   bounded loads, Mirrokni et al. 2018, and of SGLang's router, whose balance threshold sends a
+   request to the least loaded worker once the loads diverge). So requests that share only a
+   chat template's first blocks spread over the replicas as they arrive together, while a
+   follow-up turn that shares its whole conversation goes back to the replica that holds it.
 2. **Least loaded.** Otherwise the replica with the fewest outstanding tokens (prompt tokens plus
    ``max_tokens`` of its requests in flight, released when each finishes); ties go to the fewest
    requests in flight, then round-robin after the replica chosen last (so an idle cluster spreads
@@ -70,20 +77,20 @@ class PrefixAwareRouter:
         num_replicas: replicas 0..N-1 (all alive at first).
         block_size: the replicas' ``block_size`` (tokens per KV block).
         max_blocks: bound of the prefix map (LRU) in block keys; at least 1.
-        balance_abs_tokens, balance_rel: the overload rule of the module docstring.
+        balance_abs_tokens: the most outstanding tokens by which the prefix holder may exceed the
+            least-loaded replica and still be chosen (the module docstring).
         min_match_blocks: the fewest matched blocks for prefix affinity to count.
     Raises:
         ValueError: a size below 1.
     """
 
     def __init__(self, num_replicas: int, block_size: int, max_blocks: int, *, balance_abs_tokens: int = 4096,
-                 balance_rel: float = 2.0, min_match_blocks: int = 1):
+                 min_match_blocks: int = 1):
         if num_replicas < 1 or block_size < 1 or max_blocks < 1 or min_match_blocks < 1:
             raise ValueError("num_replicas, block_size, max_blocks and min_match_blocks must be >= 1")
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.balance_abs_tokens = balance_abs_tokens
-        self.balance_rel = balance_rel
         self.min_match_blocks = min_match_blocks
         self.replicas = [ReplicaLoad() for _ in range(num_replicas)]
         self._owner: OrderedDict[BlockHash, int] = OrderedDict()   # block key -> replica, LRU order
@@ -119,7 +126,7 @@ class PrefixAwareRouter:
             raise NoReplicaError("no live engine replica to take the request")
         least = self._least_loaded(live)
         owner, matched = self._longest_match(keys, live)
-        by_prefix = owner is not None and matched >= self.min_match_blocks and not self._overloaded(owner, least)
+        by_prefix = owner is not None and matched >= self.min_match_blocks and self._within_bound(owner, least, matched)
         choice = owner if by_prefix else least
         for k in keys:                       # the newest copy of each block is on `choice`
             self._owner[k] = choice
@@ -168,10 +175,11 @@ class PrefixAwareRouter:
                 return owner, j + 1
         return None, 0
 
-    def _overloaded(self, owner: int, least: int) -> bool:
-        o = self.replicas[owner].outstanding_tokens
-        m = self.replicas[least].outstanding_tokens
-        return o - m > self.balance_abs_tokens and o > self.balance_rel * m
+    def _within_bound(self, owner: int, least: int, matched_blocks: int) -> bool:
+        """Whether the prefix holder's load is within the bound of the least loaded replica's: ahead
+        by at most the matched prefix's tokens, and at most ``balance_abs_tokens``."""
+        ahead = self.replicas[owner].outstanding_tokens - self.replicas[least].outstanding_tokens
+        return ahead <= min(matched_blocks * self.block_size, self.balance_abs_tokens)
 
     def snapshot(self) -> list[dict]:
         """Each replica's load as plain dicts (for metrics)."""

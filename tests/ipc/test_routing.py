@@ -3,6 +3,8 @@
 import pytest
 
 from folio.ipc.routing import NoReplicaError, PrefixAwareRouter
+from folio.model.tokenizer import Tokenizer
+from folio.runtime.inputs.input_processor import InputProcessor
 from folio.runtime.scheduler.kv_cache_utils import extend_block_hashes
 
 BS = 4
@@ -83,11 +85,12 @@ def test_ties_rotate():
 
 
 def test_overloaded_owner_loses_to_the_least_loaded():
-    r = PrefixAwareRouter(2, BS, 1000, balance_abs_tokens=50, balance_rel=2.0)
+    r = PrefixAwareRouter(2, BS, 1000, balance_abs_tokens=50)
     first = r.route(prompt(1, 2, []), max_tokens=100)       # owner now carries 108 tokens
-    d = r.route(prompt(1, 2, [1]), max_tokens=1)            # 108 - 0 > 50 and 108 > 2 * 0: the load wins
+    d = r.route(prompt(1, 2, [1]), max_tokens=1)            # 108 - 0 > 8 matched tokens: the load wins
     assert d.replica != first.replica and not d.by_prefix
     r.release(first)
+    r.release(d)
     # the block keys now map to d's replica (the newest copy)
     assert r.route(prompt(1, 2, [2])).replica == d.replica
 
@@ -136,3 +139,65 @@ def test_bad_sizes():
         PrefixAwareRouter(0, BS, 10)
     with pytest.raises(ValueError):
         PrefixAwareRouter(2, 0, 10)
+
+
+def test_owner_is_chosen_while_ahead_by_at_most_its_matched_tokens():
+    # the bound: the prefix holder may be ahead of the least loaded by the prefill it saves
+    r = PrefixAwareRouter(2, BS, 1000)
+    a = r.route(prompt(1, 5, []), max_tokens=0)             # 20 tokens on replica a
+    d = r.route(prompt(1, 5, [1]), max_tokens=0)            # ahead by 20 <= 5 blocks x 4 tokens: affinity
+    assert (d.replica, d.by_prefix) == (a.replica, True)
+    e = r.route(prompt(1, 5, [2]), max_tokens=0)            # ahead by 41 > 20: the other replica
+    assert e.replica != a.replica and not e.by_prefix
+    r2 = PrefixAwareRouter(2, BS, 1000, balance_abs_tokens=10)
+    a2 = r2.route(prompt(1, 5, []), max_tokens=0)
+    assert r2.route(prompt(1, 5, [1]), max_tokens=0).replica != a2.replica   # 20 > the cap of 10
+
+
+BLOCK = 16    # the replicas' default block_size
+
+
+@pytest.fixture(scope="module")
+def chat_inputs(default_model_dir):
+    return InputProcessor(Tokenizer.from_pretrained(default_model_dir), 4096)
+
+
+def _chat_ids(inputs, turns):
+    return inputs.tokenize(inputs.render_chat(turns), param="messages")
+
+
+QUESTIONS = ["What is the capital of France?", "Name three prime numbers.", "How do bees make honey?",
+             "Translate 'good morning' to Spanish.", "Why is the sky blue?", "Write a haiku about rain.",
+             "What is 17 times 23?", "Who wrote Hamlet?"]
+
+
+def test_concurrent_chats_sharing_a_template_spread(chat_inputs):
+    """Eight chats at once: the default model's template gives each the same first blocks (its
+    system prompt), so prefix affinity alone sent all eight to one replica; within the load bound
+    they spread evenly, as the least-loaded rule alone would spread them."""
+    prompts = [_chat_ids(chat_inputs, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    shared = min(next((j for j, (x, y) in enumerate(zip(prompts[0], p)) if x != y), len(p)) for p in prompts[1:])
+    assert shared >= BLOCK, "the template gives the chats at least one full block in common"
+    r = PrefixAwareRouter(2, BLOCK, 10_000)
+    decisions = [r.route(ids, max_tokens=256) for ids in prompts]      # all in flight together
+    per_replica = [sum(d.replica == i for d in decisions) for i in (0, 1)]
+    assert per_replica == [4, 4], per_replica
+    assert r.replicas[0].num_requests == r.replicas[1].num_requests == 4
+
+
+def test_a_follow_up_turn_goes_back_to_its_conversation(chat_inputs):
+    """A second turn shares its whole first turn (many blocks): it goes to the replica that holds
+    them while the loads are within that bound, though the template's blocks were remapped since."""
+    r = PrefixAwareRouter(2, BLOCK, 10_000)
+    long_answer = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    first_turns = [[{"role": "user", "content": q}, {"role": "assistant", "content": long_answer + q}]
+                   for q in QUESTIONS[:4]]
+    placed = [r.route(_chat_ids(chat_inputs, t), max_tokens=64) for t in first_turns]
+    assert {d.replica for d in placed} == {0, 1}
+    for d in placed:
+        r.release(d)
+    for turns, d in zip(first_turns, placed):
+        follow_up = _chat_ids(chat_inputs, turns + [{"role": "user", "content": "And then?"}])
+        again = r.route(follow_up, max_tokens=64)
+        assert again.replica == d.replica and again.by_prefix and again.matched_blocks * BLOCK >= 100
+        r.release(again)
