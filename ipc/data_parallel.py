@@ -45,7 +45,7 @@ import zmq.utils.monitor
 from . import messages as M
 from .client_socket import ClientSocket
 from .routing import Decision, NoReplicaError, PrefixAwareRouter
-from .transport import check_address, cleanup_ipc_address, make_socket, recv_frames, send_frames
+from .transport import check_address, cleanup_ipc_address, curve_client, make_socket, recv_frames, send_frames
 
 # engine metrics that are settings or means, not counts: not summed over replicas
 _NOT_SUMMED = {"block_size", "max_model_len", "uptime_s", "step_ipc_overhead_us"}
@@ -133,6 +133,9 @@ class DataParallelRouter(ClientSocket):
         on_replica_dead: ``f(index, reason)`` called (on this loop's thread) when a replica dies.
         heartbeat_timeout: seconds of silence from a replica's connection that count as death.
         fanout_timeout: seconds a ``health`` / ``metrics`` waits for the replicas.
+        curve: the cluster's ``transport.CurveKeys``: the router connects to the replicas as their
+            CURVE client (the replicas' doors admit only it), or ``None`` (doors without
+            authentication).
     Raises:
         ValueError: bad address.
     """
@@ -140,8 +143,9 @@ class DataParallelRouter(ClientSocket):
     def __init__(self, address: str, replica_addresses: list[str], input_processor, *, block_size: int,
                  max_blocks: int, allow_remote: bool = False, max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES,
                  on_replica_dead: Callable[[int, str], None] | None = None, heartbeat_timeout: float = 10.0,
-                 fanout_timeout: float = 3.0, replica_info: list[dict] | None = None):
+                 fanout_timeout: float = 3.0, replica_info: list[dict] | None = None, curve=None):
         self.address = check_address(address, allow_remote)
+        self.curve = curve
         self.inputs = input_processor
         self.max_message_bytes = max_message_bytes
         self.on_replica_dead = on_replica_dead
@@ -235,6 +239,8 @@ class DataParallelRouter(ClientSocket):
         s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.heartbeat_timeout))
         s.setsockopt(zmq.MAXMSGSIZE, -1)
+        if self.curve is not None:
+            curve_client(s, self.curve)
         r.monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         s.connect(address)
         r.sock, r.address, r.info, r.alive, r.dead_reason = s, address, dict(info), True, None

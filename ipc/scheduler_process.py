@@ -46,7 +46,7 @@ import zmq
 from ..runtime.scheduler.metrics import ServingStats
 from . import messages as M
 from .client_socket import ClientSocket
-from .transport import check_address, cleanup_ipc_address, make_socket
+from .transport import check_address, cleanup_ipc_address, curve_server, make_socket
 
 EXIT_WORKER_DIED = 3
 
@@ -88,6 +88,8 @@ class Server(ClientSocket):
         max_message_bytes: largest client message accepted (larger -> error reply).
         heartbeat_timeout: seconds of worker silence that count as death.
         exit_grace: seconds to keep answering (with errors) after the worker died, then exit.
+        curve: ``transport.CurveKeys`` every client must hold (CURVE encryption; only their client
+            key is admitted: a data-parallel replica's door), or ``None`` (no authentication).
     Raises:
         ValueError: bad address; ``WorkerDiedError``: the worker failed to start.
     """
@@ -95,7 +97,7 @@ class Server(ClientSocket):
     def __init__(self, config, address: str, *, allow_remote: bool = False, engine=None,
                  runner: str = "folio.runtime.worker.model_runner:ModelRunner",
                  max_message_bytes: int = M.DEFAULT_MAX_MESSAGE_BYTES, heartbeat_timeout: float = 10.0,
-                 exit_grace: float = 2.0):
+                 exit_grace: float = 2.0, curve=None):
         self.address = check_address(address, allow_remote)
         self.config = config
         self.max_message_bytes = max_message_bytes
@@ -120,10 +122,13 @@ class Server(ClientSocket):
         self.sock = make_socket(self._ctx, zmq.ROUTER, linger_ms=2000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes)  # beyond this zmq drops the peer
+        self._auth = curve_server(self._ctx, self.sock, curve) if curve is not None else None
         try:
             self.sock.bind(self.address)
         except zmq.ZMQError as e:
             self.sock.close(0)
+            if self._auth is not None:
+                self._auth.stop()
             raise ValueError(f"cannot bind {self.address}: {e}") from None
         if engine is None:
             from ..runtime.scheduler.engine import LLMEngine
@@ -212,6 +217,8 @@ class Server(ClientSocket):
             self.sock.close(linger=1000)
             for address in [self.address, *self._extra_addresses]:
                 cleanup_ipc_address(address)
+            if self._auth is not None:
+                self._auth.stop()
 
     # -- client side ------------------------------------------------------------------------------
     def _poll_clients(self, timeout_ms: int) -> None:

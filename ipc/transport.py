@@ -17,6 +17,7 @@ import socket as _socket
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Sequence
 
 import zmq
@@ -148,3 +149,65 @@ def send_frames(sock: zmq.Socket, frames: Sequence, identity: bytes | None = Non
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:
     """Receive one message as ``zmq.Frame`` objects (zero-copy)."""
     return sock.recv_multipart(flags=flags, copy=False)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The ZeroMQ CURVE keys of one data-parallel cluster (Z85-encoded, 40 bytes each): the
+    replicas' doors share the server pair, the router holds the one client pair they admit.
+
+    CURVE (CurveZMQ, ZeroMQ RFC 26) encrypts each connection and authenticates both ends in its
+    handshake; a peer without the client secret is refused there, before any message reaches
+    folio (``curve_server`` installs the check, ZeroMQ's ZAP handler as pyzmq implements it).
+    The keys are made per cluster by the door (``generate``) and reach the replicas as their
+    actors' arguments; nothing is written to disk.
+    """
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes = b""      # the router's alone: not given to the replicas
+
+    @classmethod
+    def generate(cls) -> "CurveKeys":
+        """Fresh key pairs (``zmq.curve_keypair``). Raises RuntimeError if libzmq lacks CURVE."""
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq has no CURVE security (needed to authenticate the replicas' doors)")
+        sp, ss = zmq.curve_keypair()
+        cp, cs = zmq.curve_keypair()
+        return cls(sp, ss, cp, cs)
+
+    def for_replicas(self) -> "CurveKeys":
+        """The keys without the client secret: what a replica needs."""
+        return CurveKeys(self.server_public, self.server_secret, self.client_public)
+
+
+class _OneClientKey:
+    """pyzmq's CURVE credentials provider admitting one client public key."""
+
+    def __init__(self, client_public: bytes):
+        self._key = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self._key
+
+
+def curve_server(ctx: zmq.Context, sock: zmq.Socket, keys: CurveKeys):
+    """Make ``sock`` (before it binds) a CURVE server admitting only ``keys.client_public``; starts
+    the context's ZAP handler (``zmq.auth.thread.ThreadAuthenticator``, one per context) and returns
+    it (``stop()`` it when the socket closes)."""
+    from zmq.auth.thread import ThreadAuthenticator
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_OneClientKey(keys.client_public))
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+    return auth
+
+
+def curve_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+    """Make ``sock`` (before it connects) the CURVE client of ``keys``' servers."""
+    sock.curve_secretkey = keys.client_secret
+    sock.curve_publickey = keys.client_public
+    sock.curve_serverkey = keys.server_public

@@ -30,14 +30,73 @@ from support.serve_helpers import ECHO, echo_chain, echo_env, pid_gone, poll_unt
 
 GREEDY = dict(temperature=0.0)
 # the module's cluster is a private one on loopback: no token authentication (Ray >= 2.5x enables it
-# by default for `ray start`, and a joining driver then needs the token file)
-NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
+# by default for `ray start`, and a joining driver then needs the token file), and Ray's
+# single-machine mode (its node IP, so every port it listens on, is loopback)
+NO_AUTH = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _free_port_pair():
+    """A port P of 127.0.0.1 with P + 1 free too (the two replicas' doors)."""
+    for _ in range(50):
+        p = _free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise AssertionError("no two consecutive free ports")
+
+
+RPC_PORT = _free_port_pair()
+
+
+def _listening(pids):
+    """``(ip, port, pid)`` of every TCP / UDP socket of ``pids`` that listens (TCP) or is bound
+    (UDP), from /proc/net/{tcp,tcp6,udp,udp6} and each process's socket inodes."""
+    import ipaddress
+    inodes = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    out = []
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        try:
+            with open(f"/proc/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if inode not in inodes or (table.startswith("tcp") and state != "0A"):   # 0A: LISTEN
+                continue
+            hexip, hexport = local.split(":")
+            raw = bytes.fromhex(hexip)
+            # the kernel prints each 32-bit word of the address in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = ipaddress.ip_address(raw)
+            out.append((ip, int(hexport, 16), inodes[inode]))
+    return out
+
+
+def _loopback(ip):
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
 def _descendants(pid):
@@ -92,7 +151,8 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def dp_server(ray_cluster):
     proc, address = spawn_server([*ECHO, "--data-parallel-size", "2", "--ray-address", ray_cluster,
-                                  "--max-num-seqs", "8", "--heartbeat-timeout", "5"],
+                                  "--max-num-seqs", "8", "--heartbeat-timeout", "5",
+                                  "--data-parallel-rpc-port", str(RPC_PORT)],
                                  env=echo_env(step_s=0.02, **NO_AUTH), startup_timeout=300)
     client = Client(address, timeout=60)
     try:
@@ -193,15 +253,15 @@ def test_metrics_and_health_per_replica(dp_server):
 
 
 def test_killed_replica_fails_its_streams_retries_the_rest_and_rejoins(dp_server):
-    """10 requests sharing a 3-block prefix go to one replica (prefix affinity); with max_num_seqs
-    8, at least 2 of them wait there without output when it is killed: those are retried on the
-    other replica and complete; those that streamed fail with replica_died. A request on the
-    other replica is untouched."""
+    """20 requests at once spread over the two replicas; with max_num_seqs 8, at least 2 of a
+    replica's wait there without output when it is killed: those are retried on the other replica
+    and complete; those that streamed fail with replica_died. The other replica's requests are
+    untouched."""
     import threading
     proc, client = dp_server
     m0 = client.get_metrics()
     prefix = [7000 + j for j in range(48)]
-    prompts = [prefix + [100 + k] for k in range(10)] + [[300, 301]]
+    prompts = [prefix + [100 + k] for k in range(20)]
     results = [None] * len(prompts)
 
     def run(k):
@@ -214,18 +274,20 @@ def test_killed_replica_fails_its_streams_retries_the_rest_and_rejoins(dp_server
         except ServerError as e:
             results[k] = (e.code, ids)
 
-    threads = []
-    for k in range(len(prompts)):
-        threads.append(threading.Thread(target=run, args=(k,), daemon=True))
-        threads[-1].start()
-        if k == 0:     # the first one places the prefix
-            poll_until(lambda: sum(r["routing"]["num_requests_routed_in_flight"]
-                                   for r in client.get_metrics()["replicas"]) == 1, 30, "the first request")
-    reps = poll_until(lambda: (lambda m: m["replicas"] if sorted(r["routing"]["num_requests_routed_in_flight"]
-                                                                 for r in m["replicas"]) == [1, 10]
-                               and max(r.get("num_running", 0) for r in m["replicas"]) >= 8 else None)(
-        client.get_metrics()), 60, "10 requests on one replica, 1 on the other, 8 running")
-    victim = next(r for r in reps if r["routing"]["num_requests_routed_in_flight"] == 10)
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+
+    def loaded(m):
+        in_flight = [r["routing"]["num_requests_routed_in_flight"] for r in m["replicas"]]
+        if sum(in_flight) == len(prompts) and any(n >= 10 and r.get("num_running", 0) == 8
+                                                  for n, r in zip(in_flight, m["replicas"])):
+            return m["replicas"]
+        return None
+
+    reps = poll_until(lambda: loaded(client.get_metrics()), 60, "20 requests in flight, 8 running on a replica of 10+")
+    victim = next(r for r in reps if r["routing"]["num_requests_routed_in_flight"] >= 10 and r["num_running"] == 8)
+    others = sum(r["routing"]["num_requests_routed_in_flight"] for r in reps if r is not victim)
     os.kill(victim["pid"], signal.SIGKILL)
     for t in threads:
         t.join(120)
@@ -233,7 +295,7 @@ def test_killed_replica_fails_its_streams_retries_the_rest_and_rejoins(dp_server
     retried = client.get_metrics()["router"]["num_retried"] - m0["router"]["num_retried"]
     assert retried >= 2
     ok = [k for k, r in enumerate(results) if r[0] == "ok"]
-    assert len(ok) == 1 + retried and len(prompts) - 1 in ok, results
+    assert len(ok) == others + retried, (others, retried, results)
     for k, (code, ids) in enumerate(results):
         if code == "ok":
             assert ids == echo_chain(prompts[k][-1], 150)
@@ -257,9 +319,12 @@ def test_killed_replica_fails_its_streams_retries_the_rest_and_rejoins(dp_server
 
 def test_local_cluster_started_and_stopped_by_ctrl_c():
     """Without --ray-address folio serve starts a local Ray cluster; Ctrl-C (SIGINT to its process
-    group, as a terminal sends it) stops the replicas and the cluster, exit 0, nothing left behind."""
+    group, as a terminal sends it) stops the replicas and the cluster, exit 0, nothing left behind.
+    While it serves, every port of it (Ray's GCS, raylet, object manager, workers, and the
+    replicas' doors) listens on loopback only; its start says each replica as it is ready."""
+    lines = []
     proc, address = spawn_server([*ECHO, "--data-parallel-size", "2"], env=echo_env(), startup_timeout=300,
-                                 start_new_session=True)
+                                 start_new_session=True, on_line=lines.append)
     try:
         with Client(address, timeout=60) as c:
             out = c.generate(prompt_token_ids=[7, 8], sampling_params=SamplingParams(max_tokens=2, **GREEDY))
@@ -267,12 +332,76 @@ def test_local_cluster_started_and_stopped_by_ctrl_c():
             reps = c.health()["replicas"]
         procs = _descendants(proc.pid)
         assert {r["pid"] for r in reps} <= set(procs), "the replicas run in the cluster folio serve started"
+        sockets = _listening([proc.pid, *procs])
+        ports = {port for _, port, _ in sockets}
+        assert {int(r["address"].rsplit(":", 1)[1]) for r in reps} <= ports, sockets   # the doors are seen
+        assert len(sockets) >= 4, sockets                   # GCS, raylet (2), the doors: at least
+        outward = [(str(ip), port, pid) for ip, port, pid in sockets if not _loopback(ip)]
+        assert not outward, f"listening beyond loopback: {outward}"
+        for i in (0, 1):
+            assert any(f"replica {i} of 2 up after" in line and "its door tcp://127.0.0.1:" in line for line in lines), lines
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(120)
     finally:
         stop_server(proc)
     assert code == 0
     poll_until(lambda: all(pid_gone(p) for p in procs), 60, "every process folio serve started to end")
+
+
+def _handshake(address, keys=None):
+    """The first handshake outcome of a DEALER connecting to ``address`` (as a CURVE client of
+    ``keys``, or without security): ``HANDSHAKE_SUCCEEDED`` or one of the ``HANDSHAKE_FAILED_*``."""
+    import zmq
+    import zmq.utils.monitor
+    from folio.ipc.transport import curve_client
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        curve_client(s, keys)
+    mon = s.get_monitor_socket()
+    s.connect(address)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if mon.poll(500):
+                event = zmq.Event(zmq.utils.monitor.recv_monitor_message(mon)["event"])
+                if event.name.startswith("HANDSHAKE"):
+                    return event.name
+        raise AssertionError(f"no handshake with {address} within 30 s")
+    finally:
+        s.disable_monitor()
+        mon.close(0)
+        s.close(0)
+
+
+def test_replica_doors_listen_on_the_chosen_loopback_ports_and_admit_only_the_router(dp_server):
+    from folio.ipc.transport import CurveKeys
+    proc, client = dp_server
+    reps = client.health()["replicas"]
+    assert [r["address"] for r in reps] == [f"tcp://127.0.0.1:{RPC_PORT}", f"tcp://127.0.0.1:{RPC_PORT + 1}"]
+    for r in reps:
+        assert _handshake(r["address"]) == "HANDSHAKE_FAILED_PROTOCOL"        # no CURVE: refused
+        stranger = CurveKeys.generate()        # CURVE with keys of another cluster: refused
+        assert _handshake(r["address"], stranger).startswith("HANDSHAKE_FAILED_")
+    # and the router still serves through them
+    out = client.generate(prompt_token_ids=[21, 22], sampling_params=SamplingParams(max_tokens=2, **GREEDY))
+    assert out.outputs[0].token_ids == echo_chain(22, 2)
+
+
+def test_concurrent_chats_sharing_a_template_spread_over_the_replicas(dp_server):
+    """Eight chats at once share the chat template's first blocks: they spread over both replicas
+    (affinity alone sent all eight to one)."""
+    import concurrent.futures as cf
+    proc, client = dp_server
+    before = _routed(client)
+    questions = [f"Question number {k}: what is {k} plus {k}?" for k in range(8)]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda q: client.chat([{"role": "user", "content": q}], sp), questions))
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    got = [a - b for a, b in zip(_routed(client), before)]
+    assert sum(got) == 8 and min(got) >= 2, got
 
 
 @pytest.mark.slow
