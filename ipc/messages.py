@@ -1,19 +1,37 @@
-"""Wire messages of folio's processes: msgpack headers plus raw array frames.
+"""Wire messages of folio's processes: msgpack headers plus raw array frames, typed by dataclasses.
 
 A message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the *header*::
 
     {"v": PROTOCOL_VERSION, "type": "<message type>", <fields...>}
 
-Every NumPy array travels as its own frame of raw bytes (sent zero-copy, received zero-copy where
-pyzmq allows); the header holds a descriptor ``{"__nd__": k, "dtype": "<i8", "shape": [..]}`` in
-its place, ``k`` being the frame's index (1-based). Arrays are never encoded as msgpack lists.
+Every message type is a dataclass (``MESSAGES``: the client and control messages below, and the
+step contract's ``StepPlan`` / ``StepResult`` from ``runtime/common/step.py``); its fields and type
+annotations are the wire schema. One codec walks ``dataclasses.fields`` and the resolved
+annotations (``_spec``, once per type): a field without a default is required, one annotated
+``X | None`` may be null, and each annotation has one wire form:
 
-Every message type has a schema in ``SCHEMAS`` (field -> kind, required). ``decode`` checks, in
-order: the frame count and sizes against ``max_message_bytes`` (before anything is parsed), the
-msgpack header (read with ``msgpack.unpackb`` size limits so a small frame cannot ask for a huge
-allocation), the protocol version, the type, then every field's presence and kind, and every
-array's dtype, shape and byte length. Any failure raises ``MessageError``, whose text is meant to
-be sent back to the one peer that sent the message (see ``error_reply``).
+- ``str``, ``int``, ``float``, ``bool``: the msgpack value (``int`` / ``float`` never a bool; an int
+  is a float);
+- ``dict``, ``list`` (untyped content, e.g. ``SamplingParams`` as a dict): the msgpack container,
+  with arrays anywhere inside it travelling as below;
+- ``list[int]``: a msgpack list of ints;
+- ``np.ndarray``: its own frame of raw bytes (sent zero-copy, received zero-copy where pyzmq
+  allows), the header holding ``{"__nd__": k, "dtype": "<i8", "shape": [..]}`` in its place, ``k``
+  the frame's index (1-based); arrays are never msgpack lists;
+- ``list[D]`` of a dataclass ``D`` (a plan's ``new_seqs``): ``{"rows": [...], "ints": <array>}``,
+  each row a map of ``D``'s fields in which every ``list[int]`` field (token ids) is its length,
+  and the values of those fields of every row end to end in the one int64 array ``ints``: a plan
+  has a fixed number of frames however many sequences start in it.
+
+Adding a field to a message dataclass is the only edit its wire form needs. ``encode`` sends the
+fields given; ``encode_message`` sends a dataclass instance, leaving out a defaulted field that is
+empty (``None``, an empty list or array: the receiver takes the default).
+
+``decode`` checks, in order: the frame count and sizes against ``max_message_bytes`` (before
+anything is parsed), the msgpack header (read with ``msgpack.unpackb`` size limits so a small frame
+cannot ask for a huge allocation), the protocol version, the type, then every field's presence and
+wire form, and every array's dtype, shape and byte length. Any failure raises ``MessageError``,
+whose text is meant to be sent back to the one peer that sent the message (see ``error_reply``).
 
 Message types:
   client -> scheduler: generate, chat, beam_search, abort, health, metrics
@@ -26,17 +44,20 @@ the buffer protocol, e.g. ``zmq.Frame``) so the codecs are testable alone.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Any, Sequence
-
+import dataclasses
 import math
+import types
+import typing
+from dataclasses import asdict, dataclass
+from itertools import chain
+from typing import Any, Sequence
 
 import msgpack
 import numpy as np
 
-from ..runtime.common.step import NewSequence, StepPlan, StepResult
+from ..runtime.common.step import StepPlan, StepResult
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # 64 MiB: a 256-sequence plan at 8k context is ~1 MiB; anything far bigger is abuse or a bug.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -61,137 +82,310 @@ class MessageError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# schemas: field -> (kind, required). Kinds: "str", "int", "float", "bool", "dict", "list",
-# "array" (an array frame), "arrays" (a list of array frames), "any"; "?kind" = may be None.
+# message types (the step contract's are runtime/common/step.py's StepPlan and StepResult)
 # ---------------------------------------------------------------------------------------------
 
-SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
-    # client -> scheduler
-    "generate": {
-        "request_id": ("str", True),
-        "prompt": ("?str", False),
-        "prompt_token_ids": ("?array", False),
-        "sampling": ("dict", True),
-        "cache_salt": ("?str", False),
-    },
-    "chat": {
-        "request_id": ("str", True),
-        "messages": ("list", True),
-        "sampling": ("dict", True),
-        "add_generation_prompt": ("bool", False),
-        "cache_salt": ("?str", False),
-    },
-    "beam_search": {                        # one prompt; answered by one "output" at the end
-        "request_id": ("str", True),
-        "prompt": ("?str", False),
-        "prompt_token_ids": ("?array", False),
-        "params": ("dict", True),           # BeamSearchParams fields
-        "cache_salt": ("?str", False),
-    },
-    "abort": {"request_id": ("str", True)},
-    "health": {"corr_id": ("str", True)},
-    "metrics": {"corr_id": ("str", True)},
-    # scheduler -> client
-    "output": {
-        "request_id": ("str", True),
-        "outputs": ("list", True),          # [{index, token_ids (array), text, finish_reason, stop_reason,
-        "finished": ("bool", True),         #   cumulative_logprob, logprobs}]
-        "prompt": ("?str", False),
-        "prompt_token_ids": ("?array", False),
-        "num_cached_tokens": ("?int", False),
-        "metrics": ("?dict", False),
-        "prompt_logprobs": ("?list", False),  # [None, [[token, logprob, rank, text], ...], ...]
-    },
-    "error": {
-        "message": ("str", True),
-        "code": ("str", True),
-        "request_id": ("?str", False),
-        "corr_id": ("?str", False),
-    },
-    "health_reply": {"corr_id": ("str", True), "healthy": ("bool", True), "detail": ("dict", True)},
-    "metrics_reply": {"corr_id": ("str", True), "metrics": ("dict", True)},
-    # scheduler <-> worker
-    "init": {"config": ("dict", True), "parent_pid": ("int", True)},
-    "ready": {"num_blocks": ("int", True), "pid": ("int", True), "info": ("dict", True)},
-    "step": {
-        "step_id": ("int", True),
-        "input_ids": ("array", True),
-        "positions": ("array", True),
-        "slot_mapping": ("array", True),
-        "query_start_loc": ("array", True),
-        "seq_lens": ("array", True),
-        "block_tables": ("array", True),
-        "seq_ids": ("array", True),
-        "logits_indices": ("array", True),
-        "sample_seq_ids": ("array", True),
-        "new_seqs": ("list", True),          # [{seq_id, sampling, seed, n_prompt, n_output, n_eos}]
-        "new_seq_token_ids": ("array", True),  # all new_seqs' prompt, output and eos ids, end to end
-        "finished_seq_ids": ("list", True),
-        "block_copies": ("array", True),
-        "prompt_logprob_indices": ("array", False),    # only when a request asked for them
-        "prompt_logprob_token_ids": ("array", False),
-    },
-    "step_result": {
-        "step_id": ("int", True),
-        "sampled_token_ids": ("array", True),
-        "logprobs": ("?array", False),
-        "logprob_token_ids": ("?array", False),
-        "prompt_logprobs": ("?array", False),
-        "prompt_logprob_token_ids": ("?array", False),
-        "prompt_logprob_ranks": ("?array", False),
-        "forward_time": ("float", True),
-        "sample_time": ("float", True),
-        "idle_time": ("float", False),
-        "error": ("?str", False),
-    },
-    "shutdown": {},
-    "shutdown_ack": {},
-    "heartbeat": {"pid": ("int", True), "time": ("float", True)},
-}
+@dataclass
+class Generate:
+    """client -> scheduler: a completion request (``prompt`` text or ``prompt_token_ids``)."""
 
-_PY_KIND = {"str": str, "int": int, "float": (float, int), "bool": bool, "dict": dict, "list": list}
+    request_id: str
+    sampling: dict                       # SamplingParams fields
+    prompt: str | None = None
+    prompt_token_ids: np.ndarray | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class Chat:
+    """client -> scheduler: a chat request (the messages rendered with the chat template)."""
+
+    request_id: str
+    messages: list
+    sampling: dict
+    add_generation_prompt: bool = True
+    cache_salt: str | None = None
+
+
+@dataclass
+class BeamSearch:
+    """client -> scheduler: one prompt's beam search, answered by one ``output`` at the end."""
+
+    request_id: str
+    params: dict                         # BeamSearchParams fields
+    prompt: str | None = None
+    prompt_token_ids: np.ndarray | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Health:
+    corr_id: str
+
+
+@dataclass
+class Metrics:
+    corr_id: str
+
+
+@dataclass
+class Output:
+    """scheduler -> client: a request's delta. ``outputs``: ``[{index, token_ids (array), text,
+    finish_reason, stop_reason, cumulative_logprob, logprobs}]``; ``prompt_logprobs``: ``[None,
+    [[token, logprob, rank, text], ...], ...]``."""
+
+    request_id: str
+    outputs: list
+    finished: bool
+    prompt: str | None = None
+    prompt_token_ids: np.ndarray | None = None
+    num_cached_tokens: int | None = None
+    metrics: dict | None = None
+    prompt_logprobs: list | None = None
+
+
+@dataclass
+class Error:
+    """An error for one request (``request_id``) or query (``corr_id``), or a peer's bad message
+    (codes: bad_request, invalid_argument, worker_died, internal, ...)."""
+
+    message: str
+    code: str
+    request_id: str | None = None
+    corr_id: str | None = None
+
+
+@dataclass
+class HealthReply:
+    corr_id: str
+    healthy: bool
+    detail: dict
+
+
+@dataclass
+class MetricsReply:
+    corr_id: str
+    metrics: dict
+
+
+@dataclass
+class Init:
+    """scheduler -> worker: the ``EngineConfig`` as a dict."""
+
+    config: dict
+    parent_pid: int
+
+
+@dataclass
+class Ready:
+    """worker -> scheduler: the runner is built (its KV cache's ``num_blocks``)."""
+
+    num_blocks: int
+    pid: int
+    info: dict
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class ShutdownAck:
+    pass
+
+
+@dataclass
+class Heartbeat:
+    pid: int
+    time: float
+
+
+MESSAGES: dict[str, type] = {
+    "generate": Generate, "chat": Chat, "beam_search": BeamSearch, "abort": Abort, "health": Health,
+    "metrics": Metrics, "output": Output, "error": Error, "health_reply": HealthReply,
+    "metrics_reply": MetricsReply, "init": Init, "ready": Ready, "step": StepPlan, "step_result": StepResult,
+    "shutdown": Shutdown, "shutdown_ack": ShutdownAck, "heartbeat": Heartbeat,
+}
+"""Every message type by its wire name."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the codec: one wire form per annotation (module docstring), compiled once per dataclass
+# ---------------------------------------------------------------------------------------------
+
+_SCALARS = {str: "str", int: "int", float: "float", bool: "bool"}
+_PY_TYPE = {"str": str, "int": int, "float": (float, int), "bool": bool, "dict": dict, "list": list, "ints": list}
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One field's wire form: ``kind`` (str, int, float, bool, dict, list, ints, array, rows),
+    whether it is required (no default: else ``encode_message`` leaves it out when empty) and
+    nullable (``X | None``), and for ``rows`` the row dataclass."""
+
+    name: str
+    kind: str
+    required: bool
+    nullable: bool
+    row_type: type | None = None
+
+
+def _wire_kind(tp) -> tuple[str, bool, type | None]:
+    """``(kind, nullable, row dataclass)`` of a resolved annotation. Raises TypeError for a type
+    with no wire form (at import, where a message type is compiled)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise TypeError(f"no wire form for {tp!r}: only X | None unions")
+        return _wire_kind(inner[0])[0], True, _wire_kind(inner[0])[2]
+    if tp is np.ndarray:
+        return "array", False, None
+    if tp in _SCALARS:
+        return _SCALARS[tp], False, None
+    if tp is dict or typing.get_origin(tp) is dict:
+        return "dict", False, None
+    if tp is list or typing.get_origin(tp) is list:
+        if args and args[0] is int:
+            return "ints", False, None
+        if args and dataclasses.is_dataclass(args[0]):
+            return "rows", False, args[0]
+        return "list", False, None
+    raise TypeError(f"no wire form for {tp!r}")
+
+
+_SPECS: dict[type, tuple[_Field, ...]] = {}
+
+
+def _spec(cls: type) -> tuple[_Field, ...]:
+    """The wire fields of dataclass ``cls`` (cached)."""
+    spec = _SPECS.get(cls)
+    if spec is None:
+        hints = typing.get_type_hints(cls)
+        fields = []
+        for f in dataclasses.fields(cls):
+            kind, nullable, row = _wire_kind(hints[f.name])
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            fields.append(_Field(f.name, kind, required, nullable, row))
+        spec = _SPECS[cls] = tuple(fields)
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------
 # encoding
 # ---------------------------------------------------------------------------------------------
 
-def encode(msg_type: str, **fields: Any) -> list:
-    """Build the frames of one message.
+class _Packer:
+    """The frames of one message being encoded: arrays become frames, the rest msgpack values."""
 
-    NumPy arrays anywhere in ``fields`` (top level, or inside lists/dicts) become raw frames; all
-    other values must be msgpack-able. Returns ``[header_bytes, array_buffer, ...]`` where each
-    array buffer is a C-contiguous ``memoryview`` (pass ``copy=False`` to ``send_multipart`` to
-    send it without a copy).
+    def __init__(self):
+        self.frames: list = [b""]
 
-    Raises:
-        KeyError: unknown ``msg_type`` (a programming error on the sending side).
-    """
-    if msg_type not in SCHEMAS:
-        raise KeyError(f"unknown message type {msg_type!r}")
-    frames: list = [b""]
+    def array(self, value) -> dict:
+        arr = np.ascontiguousarray(value)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        self.frames.append(memoryview(arr).cast("B") if arr.size else b"")
+        return {"__nd__": len(self.frames) - 1, "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
-    def pack(value):
+    def any(self, value):
+        """An untyped value: arrays inside dicts / lists become frames, NumPy scalars Python's."""
         if isinstance(value, np.ndarray):
-            arr = np.ascontiguousarray(value)
-            if arr.dtype.byteorder == ">":
-                arr = arr.astype(arr.dtype.newbyteorder("<"))
-            frames.append(memoryview(arr).cast("B") if arr.size else b"")
-            return {"__nd__": len(frames) - 1, "dtype": arr.dtype.str, "shape": list(arr.shape)}
+            return self.array(value)
         if isinstance(value, dict):
-            return {k: pack(v) for k, v in value.items()}
+            return {k: self.any(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [pack(v) for v in value]
+            return [self.any(v) for v in value]
         if isinstance(value, np.integer):
             return int(value)
         if isinstance(value, np.floating):
             return float(value)
         return value
 
-    header = {"v": PROTOCOL_VERSION, "type": msg_type}
-    header.update({k: pack(v) for k, v in fields.items()})
-    frames[0] = msgpack.packb(header, use_bin_type=True)
-    return frames
+    def rows(self, values, row_type: type) -> dict:
+        spec = _spec(row_type)
+        ints = [f.name for f in spec if f.kind == "ints"]
+        rows = []
+        for v in values:
+            row = {}
+            for f in spec:
+                x = getattr(v, f.name)
+                row[f.name] = len(x) if f.kind == "ints" else self.field(f, x)
+            rows.append(row)
+        flat = list(chain.from_iterable(getattr(v, name) for v in values for name in ints))
+        return {"rows": rows, "ints": self.array(np.array(flat, dtype=np.int64))}
+
+    def field(self, f: _Field, value):
+        if value is None:
+            return None
+        kind = f.kind
+        if kind == "array":
+            return self.array(value)
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            return bool(value)
+        if kind == "str":
+            return value
+        if kind == "ints":
+            return [int(x) for x in value]
+        if kind == "rows":
+            return self.rows(value, f.row_type)
+        return self.any(value)
+
+    def finish(self, msg_type: str, header_fields: dict) -> list:
+        header = {"v": PROTOCOL_VERSION, "type": msg_type}
+        header.update(header_fields)
+        self.frames[0] = msgpack.packb(header, use_bin_type=True)
+        return self.frames
+
+
+def _type_of(msg_type: str) -> type:
+    cls = MESSAGES.get(msg_type)
+    if cls is None:
+        raise KeyError(f"unknown message type {msg_type!r}")
+    return cls
+
+
+def encode(msg_type: str, **fields: Any) -> list:
+    """Build the frames of one message from its fields (those of ``MESSAGES[msg_type]``).
+
+    Returns ``[header_bytes, array_buffer, ...]`` where each array buffer is a C-contiguous
+    ``memoryview`` (pass ``copy=False`` to ``send_multipart`` to send it without a copy).
+
+    Raises:
+        KeyError: unknown ``msg_type`` or field (a programming error on the sending side).
+    """
+    spec = {f.name: f for f in _spec(_type_of(msg_type))}
+    packer = _Packer()
+    out = {}
+    for name, value in fields.items():
+        f = spec.get(name)
+        if f is None:
+            raise KeyError(f"{msg_type} has no field {name!r}")
+        out[name] = packer.field(f, value)
+    return packer.finish(msg_type, out)
+
+
+def encode_message(msg_type: str, message) -> list:
+    """The frames of a message dataclass instance (``MESSAGES[msg_type]``): every field, but a
+    defaulted one left out when empty (``None``, or a list or array of length 0)."""
+    packer = _Packer()
+    out = {}
+    for f in _spec(_type_of(msg_type)):
+        value = getattr(message, f.name)
+        if not f.required and (value is None or (f.kind in ("array", "rows", "ints", "list") and len(value) == 0)):
+            continue
+        out[f.name] = packer.field(f, value)
+    return packer.finish(msg_type, out)
 
 
 def _buffer(frame) -> memoryview:
@@ -203,6 +397,121 @@ def _buffer(frame) -> memoryview:
     return memoryview(frame)
 
 
+# ---------------------------------------------------------------------------------------------
+# decoding
+# ---------------------------------------------------------------------------------------------
+
+class _Unpacker:
+    """The frames of one message being decoded: which array frames the header used, and its ids
+    (for the error reply)."""
+
+    def __init__(self, bufs: list, msg_type: str, request_id, corr_id):
+        self.bufs = bufs
+        self.msg_type = msg_type
+        self.used: set[int] = set()
+        self.request_id, self.corr_id = request_id, corr_id
+
+    def fail(self, msg: str):
+        raise MessageError(msg, request_id=self.request_id, corr_id=self.corr_id)
+
+    def array(self, desc, name: str) -> np.ndarray:
+        if not isinstance(desc, dict) or set(desc) != {"__nd__", "dtype", "shape"}:
+            self.fail(f"field {name!r} must be an array descriptor")
+        k, dtype, shape = desc["__nd__"], desc["dtype"], desc["shape"]
+        if not isinstance(k, int) or not 1 <= k < len(self.bufs) or k in self.used:
+            self.fail(f"field {name!r}: bad frame index {k!r}")
+        if dtype not in _ALLOWED_DTYPES:
+            self.fail(f"field {name!r}: dtype {dtype!r} not allowed")
+        if not isinstance(shape, list) or len(shape) > 4 or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            self.fail(f"field {name!r}: bad shape {shape!r}")
+        self.used.add(k)
+        dt = np.dtype(dtype)
+        count = math.prod(shape)
+        if count * dt.itemsize != self.bufs[k].nbytes:
+            self.fail(f"field {name!r}: frame has {self.bufs[k].nbytes} bytes, dtype {dtype} shape {shape} needs "
+                      f"{count * dt.itemsize}")
+        return np.frombuffer(self.bufs[k], dtype=dt, count=count).reshape(shape)
+
+    def any(self, value, name: str):
+        """An untyped value with the arrays nested in its lists / dicts (e.g. outputs[i].token_ids)."""
+        if isinstance(value, dict):
+            if "__nd__" in value:
+                return self.array(value, name)
+            return {k: self.any(v, f"{name}.{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.any(v, f"{name}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    def fields(self, spec: tuple[_Field, ...], values: dict, where: str) -> dict:
+        """``values`` (a header or a row) checked against ``spec``: the fields present, decoded."""
+        names = {f.name for f in spec}
+        for key in values:
+            if key not in names:
+                self.fail(f"{where}: unknown field {key!r}")
+        out = {}
+        for f in spec:
+            if f.name not in values:
+                if f.required:
+                    self.fail(f"{where}: missing field {f.name!r}")
+                continue
+            out[f.name] = self.field(f, values[f.name], where)
+        return out
+
+    def field(self, f: _Field, value, where: str):
+        name, kind = f.name, f.kind
+        if value is None:
+            if not f.nullable:
+                self.fail(f"{where}: field {name!r} must not be null")
+            return None
+        if kind == "array":
+            return self.array(value, name)
+        if kind == "rows":
+            return self.rows(f, value, where)
+        if isinstance(value, bool) and kind in ("int", "float"):
+            self.fail(f"{where}: field {name!r} must be {kind}, got bool")
+        if not isinstance(value, _PY_TYPE[kind]):
+            self.fail(f"{where}: field {name!r} must be {kind}, got {type(value).__name__}")
+        if kind == "ints":
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+                self.fail(f"{where}: field {name!r} must be a list of ints")
+            return value
+        if kind == "float":
+            return float(value)
+        return self.any(value, name) if kind in ("dict", "list") else value
+
+    def rows(self, f: _Field, value, where: str) -> list:
+        """A ``list[D]`` field: ``{"rows": [...], "ints": array}`` -> a list of ``D``."""
+        name = f.name
+        if not isinstance(value, dict) or set(value) != {"rows", "ints"} or not isinstance(value["rows"], list):
+            self.fail(f"{where}: field {name!r} must be a map of rows and their ints")
+        ints = self.array(value["ints"], f"{name}.ints")
+        if ints.ndim != 1 or ints.dtype.kind not in "iu":
+            self.fail(f"{where}: {name}.ints must be a 1-D integer array")
+        ints = ints.tolist()
+        spec = _spec(f.row_type)
+        lists = [g.name for g in spec if g.kind == "ints"]
+        scalars = tuple(g for g in spec if g.kind != "ints")
+        out, pos = [], 0
+        for i, row in enumerate(value["rows"]):
+            at = f"{where}: {name}[{i}]"
+            if not isinstance(row, dict):
+                self.fail(f"{at} must be a map")
+            counts = [row.get(k) for k in lists]
+            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+                self.fail(f"{at}: each of {', '.join(lists)} must be a count >= 0")
+            if pos + sum(counts) > len(ints):
+                self.fail(f"{at}: its counts exceed {name}.ints")
+            kw = self.fields(scalars, {k: v for k, v in row.items() if k not in lists}, at)
+            for k, n in zip(lists, counts):
+                kw[k] = ints[pos:pos + n]
+                pos += n
+            out.append(f.row_type(**kw))
+        if pos != len(ints):
+            self.fail(f"{where}: {name}.ints longer than its rows' counts")
+        return out
+
+
 def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[str, dict]:
     """Parse and validate one message.
 
@@ -210,11 +519,29 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
         frames: the message frames (after any routing envelope); bytes or ``zmq.Frame``.
         max_message_bytes: the largest total size accepted, checked before parsing.
     Returns:
-        ``(msg_type, fields)`` with array descriptors replaced by read-only NumPy arrays viewing
-        the frames (no copy).
+        ``(msg_type, fields)``: the fields present in the message, arrays as read-only NumPy arrays
+        viewing the frames (no copy), a ``list[D]`` field as ``D`` instances.
     Raises:
         MessageError: for any malformed message (the text says what is wrong).
     """
+    bufs, header = _read_header(frames, max_message_bytes)
+    rid = header.get("request_id") if isinstance(header.get("request_id"), str) else None
+    cid = header.get("corr_id") if isinstance(header.get("corr_id"), str) else None
+    version = header.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise MessageError(f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})", rid, cid)
+    msg_type = header.pop("type", None)
+    if not isinstance(msg_type, str) or msg_type not in MESSAGES:
+        raise MessageError(f"unknown message type {msg_type!r}", rid, cid)
+    u = _Unpacker(bufs, msg_type, rid, cid)
+    out = u.fields(_spec(MESSAGES[msg_type]), header, msg_type)
+    if len(u.used) != len(bufs) - 1:
+        u.fail(f"{msg_type}: {len(bufs) - 1 - len(u.used)} array frame(s) not referenced by the header")
+    return msg_type, out
+
+
+def _read_header(frames: Sequence, max_message_bytes: int) -> tuple[list, dict]:
+    """The frames' buffers and the header map, after the size checks (module docstring)."""
     if not frames:
         raise MessageError("empty message")
     if len(frames) > MAX_FRAMES:
@@ -223,91 +550,15 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
     total = sum(b.nbytes for b in bufs)
     if total > max_message_bytes:
         raise MessageError(f"message too large: {total} bytes > limit {max_message_bytes}")
-    head = bufs[0]
-    n = head.nbytes
+    n = bufs[0].nbytes
     try:
-        header = msgpack.unpackb(
-            head, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=n, max_bin_len=n,
-            max_array_len=n, max_map_len=n, max_ext_len=0,
-        )
+        header = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True, use_list=True, max_str_len=n,
+                                 max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0)
     except Exception as e:  # msgpack raises several types for garbage (ExtraData, FormatError, ...)
         raise MessageError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise MessageError(f"header must be a msgpack map, got {type(header).__name__}")
-    rid = header.get("request_id") if isinstance(header.get("request_id"), str) else None
-    cid = header.get("corr_id") if isinstance(header.get("corr_id"), str) else None
-
-    def fail(msg: str):
-        raise MessageError(msg, request_id=rid, corr_id=cid)
-
-    version = header.get("v")
-    if version != PROTOCOL_VERSION:
-        fail(f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})")
-    msg_type = header.get("type")
-    if not isinstance(msg_type, str) or msg_type not in SCHEMAS:
-        fail(f"unknown message type {msg_type!r}")
-    schema = SCHEMAS[msg_type]
-    used: set[int] = set()
-
-    def unpack_array(desc, name):
-        if not isinstance(desc, dict) or set(desc) != {"__nd__", "dtype", "shape"}:
-            fail(f"field {name!r} must be an array descriptor")
-        k, dtype, shape = desc["__nd__"], desc["dtype"], desc["shape"]
-        if not isinstance(k, int) or not 1 <= k < len(bufs) or k in used:
-            fail(f"field {name!r}: bad frame index {k!r}")
-        if dtype not in _ALLOWED_DTYPES:
-            fail(f"field {name!r}: dtype {dtype!r} not allowed")
-        if not isinstance(shape, list) or len(shape) > 4 or \
-                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            fail(f"field {name!r}: bad shape {shape!r}")
-        used.add(k)
-        dt = np.dtype(dtype)
-        count = math.prod(shape)
-        if count * dt.itemsize != bufs[k].nbytes:
-            fail(f"field {name!r}: frame has {bufs[k].nbytes} bytes, dtype {dtype} shape {shape} needs "
-                 f"{count * dt.itemsize}")
-        return np.frombuffer(bufs[k], dtype=dt, count=count).reshape(shape)
-
-    def resolve(value, name):
-        # arrays nested in lists/dicts (e.g. outputs[i].token_ids, new_seqs[i].prompt_token_ids)
-        if isinstance(value, dict):
-            if "__nd__" in value:
-                return unpack_array(value, name)
-            return {k: resolve(v, f"{name}.{k}") for k, v in value.items()}
-        if isinstance(value, list):
-            return [resolve(v, f"{name}[{i}]") for i, v in enumerate(value)]
-        return value
-
-    out: dict = {}
-    for key in header:
-        if key not in ("v", "type") and key not in schema:
-            fail(f"{msg_type}: unknown field {key!r}")
-    for name, (kind, required) in schema.items():
-        if name not in header:
-            if required:
-                fail(f"{msg_type}: missing field {name!r}")
-            continue
-        value = header[name]
-        nullable = kind.startswith("?")
-        base = kind.lstrip("?")
-        if value is None:
-            if not nullable:
-                fail(f"{msg_type}: field {name!r} must not be null")
-            out[name] = None
-            continue
-        if base == "array":
-            out[name] = unpack_array(value, name)
-            continue
-        py = _PY_KIND[base]
-        if isinstance(value, bool) and base in ("int", "float"):
-            fail(f"{msg_type}: field {name!r} must be {base}, got bool")
-        if not isinstance(value, py):
-            fail(f"{msg_type}: field {name!r} must be {base}, got {type(value).__name__}")
-        out[name] = resolve(value, name) if base in ("dict", "list") else value
-    if len(used) != len(bufs) - 1:
-        fail(f"{msg_type}: {len(bufs) - 1 - len(used)} array frame(s) not referenced by the header")
-    return msg_type, out
+    return bufs, header
 
 
 def error_reply(message: str, code: str = "bad_request", request_id: str | None = None,
@@ -320,86 +571,28 @@ def error_reply(message: str, code: str = "bad_request", request_id: str | None 
 # StepPlan / StepResult
 # ---------------------------------------------------------------------------------------------
 
-_PLAN_ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                "seq_ids", "logits_indices", "sample_seq_ids", "block_copies")
-_PROMPT_LOGPROB_ROWS = ("prompt_logprob_indices", "prompt_logprob_token_ids")  # sent only when non-empty
-_RESULT_ARRAYS = ("logprobs", "logprob_token_ids", "prompt_logprobs", "prompt_logprob_token_ids",
-                  "prompt_logprob_ranks")
-
-
 def encode_plan(plan: StepPlan) -> list:
-    """Frames of a ``step`` message for ``plan``.
-
-    The token id lists of all new sequences travel as one int64 array (each sequence's prompt,
-    output and EOS ids end to end, lengths in its ``new_seqs`` entry), so a plan has a fixed
-    number of frames however many sequences start in it.
-    """
-    new_seqs, chunks = [], []
-    for s in plan.new_seqs:
-        new_seqs.append({"seq_id": int(s.seq_id), "sampling": s.sampling, "seed": s.seed,
-                         "n_prompt": len(s.prompt_token_ids), "n_output": len(s.output_token_ids),
-                         "n_eos": len(s.eos_token_ids)})
-        chunks += [s.prompt_token_ids, s.output_token_ids, s.eos_token_ids]
-    ids = np.fromiter((int(t) for c in chunks for t in c), dtype=np.int64) if chunks else np.zeros(0, np.int64)
-    arrays = {name: np.asarray(getattr(plan, name)) for name in _PLAN_ARRAYS}
-    if len(plan.prompt_logprob_indices):
-        arrays.update({name: np.asarray(getattr(plan, name), dtype=np.int64) for name in _PROMPT_LOGPROB_ROWS})
-    return encode("step", step_id=int(plan.step_id), new_seqs=new_seqs, new_seq_token_ids=ids,
-                  finished_seq_ids=[int(i) for i in plan.finished_seq_ids], **arrays)
+    """Frames of a ``step`` message for ``plan`` (``encode_message``)."""
+    return encode_message("step", plan)
 
 
 def plan_from_fields(fields: dict) -> StepPlan:
-    """Rebuild a ``StepPlan`` from a decoded ``step`` message; ``MessageError`` if new_seqs are malformed."""
-    new_seqs = []
-    ids = fields["new_seq_token_ids"]
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise MessageError("step: new_seq_token_ids must be a 1-D integer array")
-    ids = ids.tolist()
-    pos = 0
-    for i, d in enumerate(fields["new_seqs"]):
-        try:
-            n_p, n_o, n_e = (int(d[k]) for k in ("n_prompt", "n_output", "n_eos"))
-            if min(n_p, n_o, n_e) < 0 or pos + n_p + n_o + n_e > len(ids):
-                raise ValueError("token id counts exceed new_seq_token_ids")
-            ns = NewSequence(
-                seq_id=int(d["seq_id"]),
-                prompt_token_ids=ids[pos:pos + n_p],
-                output_token_ids=ids[pos + n_p:pos + n_p + n_o],
-                sampling=dict(d["sampling"]),
-                seed=None if d["seed"] is None else int(d["seed"]),
-                eos_token_ids=ids[pos + n_p + n_o:pos + n_p + n_o + n_e],
-            )
-            pos += n_p + n_o + n_e
-        except (KeyError, TypeError, ValueError) as e:
-            raise MessageError(f"step: new_seqs[{i}] malformed: {e!r}") from None
-        new_seqs.append(ns)
-    if pos != len(ids):
-        raise MessageError("step: new_seq_token_ids longer than the new_seqs counts")
-    if not all(isinstance(x, int) for x in fields["finished_seq_ids"]):
-        raise MessageError("step: finished_seq_ids must be ints")
-    extra = {name: fields[name] for name in _PROMPT_LOGPROB_ROWS if name in fields}
-    if len(extra) == 1 or (extra and extra["prompt_logprob_indices"].shape != extra["prompt_logprob_token_ids"].shape):
+    """Rebuild a ``StepPlan`` from a decoded ``step`` message; ``MessageError`` if its prompt
+    logprob rows are not a pair of the same shape."""
+    a, b = fields.get("prompt_logprob_indices"), fields.get("prompt_logprob_token_ids")
+    if (a is None) != (b is None) or (a is not None and a.shape != b.shape):
         raise MessageError("step: prompt_logprob_indices and prompt_logprob_token_ids go together, same shape")
-    return StepPlan(step_id=fields["step_id"], new_seqs=new_seqs, finished_seq_ids=fields["finished_seq_ids"],
-                    **{name: fields[name] for name in _PLAN_ARRAYS}, **extra)
+    return StepPlan(**fields)
 
 
 def encode_result(result: StepResult) -> list:
-    """Frames of a ``step_result`` message."""
-    arrays = {name: np.asarray(getattr(result, name)) for name in _RESULT_ARRAYS
-              if getattr(result, name) is not None}
-    return encode("step_result", step_id=int(result.step_id),
-                  sampled_token_ids=np.asarray(result.sampled_token_ids, dtype=np.int64), **arrays,
-                  forward_time=float(result.forward_time), sample_time=float(result.sample_time),
-                  idle_time=float(result.idle_time), error=result.error)
+    """Frames of a ``step_result`` message (``encode_message``)."""
+    return encode_message("step_result", result)
 
 
 def result_from_fields(fields: dict) -> StepResult:
     """Rebuild a ``StepResult`` from a decoded ``step_result`` message."""
-    return StepResult(step_id=fields["step_id"], sampled_token_ids=fields["sampled_token_ids"],
-                      **{name: fields.get(name) for name in _RESULT_ARRAYS},
-                      forward_time=float(fields["forward_time"]), sample_time=float(fields["sample_time"]),
-                      idle_time=float(fields.get("idle_time", 0.0)), error=fields.get("error"))
+    return StepResult(**fields)
 
 
 def config_to_dict(config) -> dict:

@@ -15,7 +15,12 @@ of the two processes, so the script first measures the hop alone: ``ZmqExecutor`
 decode-shaped plans (N sequences, 16-entry block tables) to a worker whose runner only echoes
 (``tests/support/ipc_fake_runner.EchoRunner``): encode + send + worker decode + reply + decode.
 
-    python perf/ipc_overhead.py [--seqs 1 64 256] [--steps 50] [--device cpu] [--hop-only]
+``--codec-only``: the wire codec alone, in this process (no sockets): microseconds to encode and to
+decode (frames -> ``StepPlan`` / ``StepResult``) a decode plan of N sequences, a plan that starts N
+sequences (200-token prompts, a full ``SamplingParams`` dict each), a step result (with and without
+top-5 logprobs) and a ``generate`` request; the median of ``--reps`` rounds.
+
+    python perf/ipc_overhead.py [--seqs 1 64 256] [--steps 50] [--device cpu] [--hop-only | --codec-only]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -80,6 +86,52 @@ def measure_hop(seqs: list[int], steps: int) -> dict:
     return out
 
 
+def measure_codec(seqs: list[int], reps: int) -> dict:
+    """Median microseconds of each encode and decode (module docstring), by case and N."""
+    import numpy as np
+    from folio.ipc import messages as M
+    from folio.runtime.common.sampling_params import SamplingParams
+    from folio.runtime.common.step import NewSequence, StepResult
+
+    def timed(fn):
+        for _ in range(min(100, reps)):       # warm-up: caches, allocator, branch predictors
+            fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(ts)
+
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, stop=["\n\n"]).to_dict()
+    out = {}
+    for n in seqs:
+        plan = decode_plan(7, n)
+        start = decode_plan(8, n)
+        start.new_seqs = [NewSequence(i, list(range(100, 300)), [], sampling, None, [2]) for i in range(n)]
+        result = StepResult(7, np.arange(n, dtype=np.int64), forward_time=0.01, sample_time=0.001)
+        with_lp = StepResult(7, np.arange(n, dtype=np.int64), np.zeros((n, 6), np.float32),
+                             np.zeros((n, 6), np.int64), 0.01, 0.001)
+        cases = {
+            "decode plan": (lambda p=plan: M.encode_plan(p), M.plan_from_fields),
+            "plan starting N seqs": (lambda p=start: M.encode_plan(p), M.plan_from_fields),
+            "step result": (lambda r=result: M.encode_result(r), M.result_from_fields),
+            "step result, top-5 logprobs": (lambda r=with_lp: M.encode_result(r), M.result_from_fields),
+        }
+        if n == seqs[0]:
+            ids = np.arange(200, dtype=np.int64)
+            cases["generate request"] = (lambda: M.encode("generate", request_id="r-1", prompt_token_ids=ids,
+                                                          sampling=sampling, cache_salt=None), lambda f: f)
+        for name, (enc, build) in cases.items():
+            frames = [bytes(f) for f in enc()]
+            e = timed(enc)
+            d = timed(lambda: build(M.decode(frames)[1]))
+            out[(name, n)] = (e, d)
+            label = name if name == "generate request" else f"{name}, N={n}"
+            print(f"codec  {label:40s} encode {e:8.1f} us   decode {d:8.1f} us", flush=True)
+    return out
+
+
 def measure(engine, n_seqs: int, steps: int) -> dict:
     from folio.runtime.common.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -108,7 +160,16 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--device", default="cpu")
     p.add_argument("--hop-only", action="store_true", help="only the echo-worker round trip")
+    p.add_argument("--codec-only", action="store_true", help="only the wire codec, in this process")
+    p.add_argument("--reps", type=int, default=2000, help="rounds of each --codec-only case")
     a = p.parse_args(argv)
+    if a.codec_only:
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   "?") if os.path.exists("/proc/cpuinfo") else "?"
+        print(f"command: python perf/ipc_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}; "
+              f"CPU {cpu}", flush=True)
+        measure_codec(a.seqs, a.reps)
+        return 0
     measure_hop(a.seqs, max(a.steps, 200))
     if a.hop_only:
         return 0

@@ -36,7 +36,7 @@ def test_plan_round_trip_arrays_are_frames_not_lists():
     assert header["v"] == M.PROTOCOL_VERSION and header["type"] == "step"
     # every array is a descriptor pointing at a raw frame, never a list of numbers
     assert set(header["input_ids"]) == {"__nd__", "dtype", "shape"}
-    assert set(header["new_seq_token_ids"]) == {"__nd__", "dtype", "shape"}
+    assert set(header["new_seqs"]["ints"]) == {"__nd__", "dtype", "shape"}   # the sequences' token ids
     assert len(frames) == 12                # a fixed frame count, however many sequences start
     assert len(frames[0]) < 2000          # the 300-token prompt is not in the header
     got = M.plan_from_fields(M.decode([bytes(f) for f in frames])[1])
@@ -144,9 +144,9 @@ def test_step_with_inconsistent_new_sequence_counts_is_rejected():
     plan = _plan(np.random.default_rng(1))
     frames = M.encode_plan(plan)
     h = msgpack.unpackb(frames[0], raw=False)
-    h["new_seqs"][0]["n_prompt"] = 10_000
+    h["new_seqs"]["rows"][0]["prompt_token_ids"] = 10_000     # the row's count of prompt ids
     with pytest.raises(M.MessageError, match="new_seqs\\[0\\]"):
         M.plan_from_fields(M.decode([msgpack.packb(h), *frames[1:]])[1])
-    h["new_seqs"][0]["n_prompt"] = 2                     # one id left over
+    h["new_seqs"]["rows"][0]["prompt_token_ids"] = 2     # one id left over
     with pytest.raises(M.MessageError, match="longer"):
         M.plan_from_fields(M.decode([msgpack.packb(h), *frames[1:]])[1])
