@@ -261,6 +261,7 @@ def _wire_kind(tp) -> tuple[str, bool, type | None]:
 
 
 _SPECS: dict[type, tuple[_Field, ...]] = {}
+_NAMES: dict[type, frozenset] = {}    # a dataclass's field names
 
 
 def _spec(cls: type) -> tuple[_Field, ...]:
@@ -274,6 +275,7 @@ def _spec(cls: type) -> tuple[_Field, ...]:
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             fields.append(_Field(f.name, kind, required, nullable, row))
         spec = _SPECS[cls] = tuple(fields)
+        _NAMES[cls] = frozenset(f.name for f in spec)
     return spec
 
 
@@ -434,18 +436,23 @@ class _Unpacker:
         return np.frombuffer(self.bufs[k], dtype=dt, count=count).reshape(shape)
 
     def any(self, value, name: str):
-        """An untyped value with the arrays nested in its lists / dicts (e.g. outputs[i].token_ids)."""
-        if isinstance(value, dict):
+        """An untyped value with the arrays nested in its lists / dicts (e.g. outputs[i].token_ids)
+        in place (the containers are the header's own)."""
+        if type(value) is dict:
             if "__nd__" in value:
                 return self.array(value, name)
-            return {k: self.any(v, f"{name}.{k}") for k, v in value.items()}
-        if isinstance(value, list):
-            return [self.any(v, f"{name}[{i}]") for i, v in enumerate(value)]
+            for k, v in value.items():
+                if type(v) is dict or type(v) is list:
+                    value[k] = self.any(v, f"{name}.{k}")
+        elif type(value) is list:
+            for i, v in enumerate(value):
+                if type(v) is dict or type(v) is list:
+                    value[i] = self.any(v, f"{name}[{i}]")
         return value
 
-    def fields(self, spec: tuple[_Field, ...], values: dict, where: str) -> dict:
-        """``values`` (a header or a row) checked against ``spec``: the fields present, decoded."""
-        names = {f.name for f in spec}
+    def fields(self, cls: type, values: dict, where: str) -> dict:
+        """``values`` (a header) checked against dataclass ``cls``: the fields present, decoded."""
+        spec, names = _spec(cls), _NAMES[cls]
         for key in values:
             if key not in names:
                 self.fail(f"{where}: unknown field {key!r}")
@@ -489,23 +496,31 @@ class _Unpacker:
         if ints.ndim != 1 or ints.dtype.kind not in "iu":
             self.fail(f"{where}: {name}.ints must be a 1-D integer array")
         ints = ints.tolist()
-        spec = _spec(f.row_type)
-        lists = [g.name for g in spec if g.kind == "ints"]
-        scalars = tuple(g for g in spec if g.kind != "ints")
+        spec, names = _spec(f.row_type), _NAMES[f.row_type]
         out, pos = [], 0
         for i, row in enumerate(value["rows"]):
             at = f"{where}: {name}[{i}]"
-            if not isinstance(row, dict):
+            if type(row) is not dict:
                 self.fail(f"{at} must be a map")
-            counts = [row.get(k) for k in lists]
-            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
-                self.fail(f"{at}: each of {', '.join(lists)} must be a count >= 0")
-            if pos + sum(counts) > len(ints):
-                self.fail(f"{at}: its counts exceed {name}.ints")
-            kw = self.fields(scalars, {k: v for k, v in row.items() if k not in lists}, at)
-            for k, n in zip(lists, counts):
-                kw[k] = ints[pos:pos + n]
-                pos += n
+            for key in row:
+                if key not in names:
+                    self.fail(f"{at}: unknown field {key!r}")
+            kw = {}
+            for g in spec:
+                if g.name not in row:
+                    if g.required:
+                        self.fail(f"{at}: missing field {g.name!r}")
+                    continue
+                x = row[g.name]
+                if g.kind != "ints":
+                    kw[g.name] = self.field(g, x, at)
+                    continue
+                if type(x) is not int or x < 0:     # a list[int] field: its count in the packed ints
+                    self.fail(f"{at}: field {g.name!r} must be a count >= 0 (of {name}.ints)")
+                if pos + x > len(ints):
+                    self.fail(f"{at}: its counts exceed {name}.ints")
+                kw[g.name] = ints[pos:pos + x]
+                pos += x
             out.append(f.row_type(**kw))
         if pos != len(ints):
             self.fail(f"{where}: {name}.ints longer than its rows' counts")
@@ -534,7 +549,7 @@ def decode(frames: Sequence, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES)
     if not isinstance(msg_type, str) or msg_type not in MESSAGES:
         raise MessageError(f"unknown message type {msg_type!r}", rid, cid)
     u = _Unpacker(bufs, msg_type, rid, cid)
-    out = u.fields(_spec(MESSAGES[msg_type]), header, msg_type)
+    out = u.fields(MESSAGES[msg_type], header, msg_type)
     if len(u.used) != len(bufs) - 1:
         u.fail(f"{msg_type}: {len(bufs) - 1 - len(u.used)} array frame(s) not referenced by the header")
     return msg_type, out
