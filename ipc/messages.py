@@ -613,3 +613,7 @@ def result_from_fields(fields: dict) -> StepResult:
 def config_to_dict(config) -> dict:
     """``EngineConfig`` -> plain dict for the ``init`` message."""
     return asdict(config)
+
+
+for _cls in MESSAGES.values():   # every message type has a wire form (TypeError at import if not)
+    _spec(_cls)

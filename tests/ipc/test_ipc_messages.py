@@ -150,3 +150,56 @@ def test_step_with_inconsistent_new_sequence_counts_is_rejected():
     h["new_seqs"]["rows"][0]["prompt_token_ids"] = 2     # one id left over
     with pytest.raises(M.MessageError, match="longer"):
         M.plan_from_fields(M.decode([msgpack.packb(h), *frames[1:]])[1])
+
+
+def test_a_new_dataclass_field_travels_with_no_other_edit(monkeypatch):
+    """The wire form comes from the dataclass alone: a message type with one field of each wire
+    form (and a list of rows with token-id lists) round-trips, and its own fields are checked."""
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Row:
+        key: int
+        ids: list[int]
+        more_ids: list[int]
+        note: str | None = None
+
+    @dataclass
+    class Probe:
+        name: str
+        count: int
+        weights: np.ndarray
+        rows: list[Row]
+        scale: float = 1.0
+        tags: list[int] = field(default_factory=list)
+        extra: dict | None = None
+        mask: np.ndarray | None = None
+
+    monkeypatch.setitem(M.MESSAGES, "probe", Probe)
+    msg = Probe("p", 3, np.arange(6, dtype=np.float32).reshape(2, 3),
+                [Row(1, [5, 6, 7], []), Row(2, [], [9], "n")], tags=[4, 5], extra={"a": np.ones(2, np.int64)})
+    frames = M.encode_message("probe", msg)
+    assert len(frames) == 4          # header, weights, the rows' packed ids, extra's array
+    t, f = M.decode([bytes(x) for x in frames])
+    got = Probe(**f)
+    assert t == "probe" and got.name == "p" and got.count == 3 and got.scale == 1.0 and got.tags == [4, 5]
+    assert got.rows == msg.rows and got.mask is None
+    assert np.array_equal(got.weights, msg.weights) and got.weights.dtype == np.float32
+    assert np.array_equal(got.extra["a"], [1, 1])
+    header = msgpack.unpackb(frames[0], raw=False)
+    assert "mask" not in header and header["rows"]["rows"][0] == {"key": 1, "ids": 3, "more_ids": 0, "note": None}
+    for bad, needle in [({"count": "3"}, "'count' must be int"), ({"name": None}, "'name' must not be null"),
+                        ({"tags": [1, "x"]}, "list of ints"), ({"scale": True}, "must be float, got bool")]:
+        h = dict(header, **bad)
+        with pytest.raises(M.MessageError, match=needle):
+            M.decode([msgpack.packb(h), *frames[1:]])
+    h = dict(header)
+    del h["count"]
+    with pytest.raises(M.MessageError, match="missing field 'count'"):
+        M.decode([msgpack.packb(h), *frames[1:]])
+    h = msgpack.unpackb(frames[0], raw=False)
+    h["rows"]["rows"][1]["bogus"] = 1
+    with pytest.raises(M.MessageError, match=r"rows\[1\]: unknown field 'bogus'"):
+        M.decode([msgpack.packb(h), *frames[1:]])
+    with pytest.raises(KeyError):
+        M.encode("probe", name="p", colour="red")       # a field the type does not have
