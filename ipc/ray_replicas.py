@@ -4,8 +4,9 @@ One Ray actor per replica (``ReplicaActor``), placed by Ray with declared resour
 (``num_cpus`` = the replica's threads, ``num_gpus=1`` on ``--device cuda``). The actor's process
 *is* the replica's scheduler process: it builds folio's ``Server`` (``ipc/scheduler_process.py``:
 the engine, and a ``ZmqExecutor`` that spawns the replica's worker process as a child), binds the
-replica's ZeroMQ client door on a free TCP port of its node, warms the engine up and runs
-``serve_forever`` on a thread of its own. The door (``ipc/data_parallel.py``) talks to it
+replica's ZeroMQ client door (``ReplicaDoor``: loopback on the router's machine, a chosen or free
+port, CURVE admitting only the router), warms the engine up and runs ``serve_forever`` on a thread
+of its own. The door (``ipc/data_parallel.py``) talks to it
 over that ZeroMQ address only; Ray carries nothing of a request. Ray does the placement, the
 process life cycle and the restarts:
 
