@@ -25,6 +25,10 @@
 #                   SmolLM2-135M-shaped model and a dummy-weight Llama-3.1-8B-shaped one; folio's
 #                   warm-up captures every CUDA-graph bucket; transformers' import stays out of its
 #                   timed region, and its generation stops in time for its step's limit
+#   model           perf/gpu_model.py: the roofline cost model of each workload on the card that ran
+#                   (H100 SXM or H200 by nvidia-smi's name; both when another), per kernel of a
+#                   decode step at batch 128 and 256 and for the whole workload, printed beside the
+#                   bench steps' measured output tok/s and decode step times (no GPU needed)
 #
 # Worst case (every step at its limit, and killed 5 s after it): 345 s.
 #
@@ -98,6 +102,12 @@ if len(sys.argv) > 4:  # the final summary
         r = res["steps"].get(n, {}).get("result", {})
         if r:
             print(n, r.get("output_tokens_per_s"), "output tok/s", "(partial)" if r.get("partial") else "", r.get("error", ""))
+    for model, m in res["steps"].get("model", {}).get("result", {}).get("models", {}).items():
+        for card, c in m.items():
+            if isinstance(c, dict) and "workload" in c:
+                got = c.get("measured", {})
+                print(f"model {model} on {card}: bound {c['workload']['ideal']['output_tokens_per_s']:.0f} output tok/s,"
+                      f" measured {got.get('output_tokens_per_s')} ({100 * got.get('fraction_of_ideal_bound', 0):.1f}%)")
 PYEOF
 assemble() { $BASE_PY "$WORK/assemble.py" "$WORK" "$OUT/gpu_check.json" "$(( $(date +%s) - T0 ))" "$@" 2>>"$LOG"; }
 
@@ -215,6 +225,8 @@ else
   step bench_hf_8b 50 $PY perf/gpu_check_bench.py --engine hf --model llama-3.1-8b-dummy $W \
     --step-limit 50 --out "$WORK/bench_hf_8b.json"
 fi
+
+step model 20 $PY perf/gpu_model.py --card auto --measured "$OUT/gpu_check.json" --json "$WORK/model.json"
 
 assemble summary
 rm -rf "$WORK"
