@@ -22,6 +22,10 @@
 // num_partitions == 1: writes out (bf16) directly (partition_size >= every seq_len).
 // num_partitions > 1: writes tmp_out [S, num_heads, P, head_dim] (float32, normalised per
 // partition), max_logits / exp_sums [S, num_heads, P]; paged_attention_reduce_kernel combines them.
+// Occupancy of paged_attention_decode_kernel: >= 5 blocks of 128 threads per SM with 26656 bytes of
+// dynamic shared memory (Llama-3.1-8B: group 4, head_dim 128, one 512-token partition): the P @ V
+// pass keeps 8 heads x 8 dims of accumulators per thread (64 registers), and each thread has one
+// 16-byte load in flight, so 5 blocks hold 10 KB in flight per SM; fewer would starve HBM further.
 extern "C" __global__ void paged_attention_decode_kernel(
     bf16_t* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
     float* __restrict__ exp_sums, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
@@ -173,6 +177,8 @@ extern "C" __global__ void paged_attention_decode_kernel(
 // Combines the partitions of paged_attention_decode_kernel: partition p's normalised output is
 // weighted by exp_sums[p] * exp(max_logits[p] - max) / sum over partitions of the same; the
 // result is rounded to bf16. grid = (num_heads, S); block = any.
+// Occupancy of paged_attention_reduce_kernel: >= 16 blocks of 128 threads per SM (all 2048 threads:
+// a memory-bound pass over the partials)
 extern "C" __global__ void paged_attention_reduce_kernel(
     bf16_t* __restrict__ out, const float* __restrict__ tmp_out, const float* __restrict__ max_logits,
     const float* __restrict__ exp_sums, const int* __restrict__ query_start_loc, int num_heads,
@@ -381,6 +387,12 @@ __device__ __forceinline__ void prefill_attention_tile(
 // grid = (ceil(max_query_len / tokens_per_tile), num_kv_heads, S); block = 128 threads;
 // tokens_per_tile = 64 / group; dynamic shared memory = 2 * (64 * (D + 8) + BK * (D + 8) +
 // D * (BK + 8)) bytes with BK = 64 (32 for head_dim 256).
+// Occupancy of paged_attention_prefill_d32_kernel: >= 2 blocks of 128 threads per SM with 14848 bytes of dynamic shared memory
+// Occupancy of paged_attention_prefill_d64_kernel: >= 2 blocks of 128 threads per SM with 27648 bytes of dynamic shared memory
+// Occupancy of paged_attention_prefill_d128_kernel: >= 2 blocks of 128 threads per SM with 53248 bytes of dynamic shared memory
+// Occupancy of paged_attention_prefill_d256_kernel: >= 2 blocks of 128 threads per SM with 71168 bytes of dynamic shared memory
+// (two blocks: the K/V tile loads are synchronous, so while one block loads the other's mma.sync
+// keep the tensor cores busy; the S and O fragments take 110-250 registers per thread)
 #define FOLIO_PREFILL_PARAMS                                                                        \
     bf16_t *__restrict__ out, const bf16_t *__restrict__ q, const bf16_t *__restrict__ key_cache,    \
         const bf16_t *__restrict__ value_cache, const int *__restrict__ block_tables,                \

@@ -8,6 +8,8 @@
 #include "common.cuh"
 
 // out[t, :] = bf16(x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight).  grid = (T), block = 32k threads.
+// Occupancy of rms_norm_kernel: >= 8 blocks of 256 threads per SM (every thread the SM holds: a memory-bound pass over a row with 4-byte loads needs all its warps'
+// loads in flight)
 extern "C" __global__ void rms_norm_kernel(bf16_t* __restrict__ out, const float* __restrict__ x,
                                            const bf16_t* __restrict__ weight, float eps, int hidden) {
     __shared__ float scratch[32];
@@ -24,6 +26,7 @@ extern "C" __global__ void rms_norm_kernel(bf16_t* __restrict__ out, const float
 
 // residual_out = x + residual (float32); out = bf16(rms_norm(residual_out)). residual_out may
 // alias residual (the residual stream updated in place).  grid = (T), block = 32k threads.
+// Occupancy of fused_add_rms_norm_kernel: >= 8 blocks of 256 threads per SM (as rms_norm_kernel)
 extern "C" __global__ void fused_add_rms_norm_kernel(bf16_t* __restrict__ out, float* residual_out,
                                                      const float* __restrict__ x, const float* residual,
                                                      const bf16_t* __restrict__ weight, float eps,
@@ -43,6 +46,7 @@ extern "C" __global__ void fused_add_rms_norm_kernel(bf16_t* __restrict__ out, f
 
 // The final norm on the rows that are sampled: out[i, :] = bf16(rms_norm(x[rows[i]] +
 // residual[rows[i]])); nothing else is written.  grid = (len(rows)), block = 32k threads.
+// Occupancy of fused_add_rms_norm_rows_kernel: >= 8 blocks of 256 threads per SM (as rms_norm_kernel)
 extern "C" __global__ void fused_add_rms_norm_rows_kernel(bf16_t* __restrict__ out,
                                                           const float* __restrict__ x,
                                                           const float* __restrict__ residual,
@@ -98,6 +102,8 @@ extern "C" __global__ void rotary_embedding_kernel(float* q_out, float* k_out, c
 // kernels' input) and, unless slot_mapping[t] < 0, the rotated key and the value into slot
 // slot_mapping[t] of the bf16 caches [num_blocks * block_size, num_kv_heads, head_dim].
 // grid = (T), block = any.
+// Occupancy of rope_and_cache_kernel: >= 12 blocks of 128 threads per SM (48 of the 64 warps: a
+// memory-bound pass over the projection's row; 64-bit index arithmetic takes ~40 registers)
 extern "C" __global__ void rope_and_cache_kernel(bf16_t* __restrict__ q_out, bf16_t* __restrict__ key_cache,
                                                  bf16_t* __restrict__ value_cache,
                                                  const float* __restrict__ qkv,
@@ -136,6 +142,7 @@ extern "C" __global__ void rope_and_cache_kernel(bf16_t* __restrict__ q_out, bf1
 
 // out[t, i] = bf16(silu(x[t, i]) * x[t, inter + i]) for x [T, 2 * inter] float32.
 // grid = (T), block = any.
+// Occupancy of silu_and_mul_kernel: >= 8 blocks of 256 threads per SM (as rms_norm_kernel)
 extern "C" __global__ void silu_and_mul_kernel(bf16_t* __restrict__ out, const float* __restrict__ x,
                                                int inter) {
     const long long t = blockIdx.x;
@@ -146,6 +153,7 @@ extern "C" __global__ void silu_and_mul_kernel(bf16_t* __restrict__ out, const f
 }
 
 // out[t, :] = float(table[ids[t], :]) for a bf16 table [vocab, hidden].  grid = (T).
+// Occupancy of embedding_kernel: >= 8 blocks of 256 threads per SM (as rms_norm_kernel)
 extern "C" __global__ void embedding_kernel(float* __restrict__ out, const long long* __restrict__ ids,
                                             const bf16_t* __restrict__ table, int hidden) {
     const long long t = blockIdx.x;

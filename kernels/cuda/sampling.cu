@@ -59,6 +59,8 @@ __device__ __forceinline__ void block_argmax(float& v, int& idx, float* fscratch
 // float32 rows (temperature, top_k, top_p, min_p): temperature 0 = greedy, top_k <= 0 or >= V =
 // off, top_p >= 1 = off, min_p <= 0 = off; uniforms [R] float64 in (0, 1].
 // grid = (R), block = 256 threads.
+// Occupancy of sample_kernel: >= 4 blocks of 256 threads per SM (memory-bound passes over a row:
+// half the SM's threads, and a batch of up to 4 x 132 rows in one wave on an H100)
 extern "C" __global__ void sample_kernel(long long* __restrict__ out, const float* __restrict__ logits,
                                          const float* __restrict__ params, const double* __restrict__ uniforms,
                                          int V) {
