@@ -108,11 +108,12 @@ def model_dir_for(model: str) -> tuple[str, bool, dict]:
 
 def graph_buckets(max_num_seqs: int, max_context: int, partition: int = 512) -> list[tuple[int, int]]:
     """The CUDA-graph keys ``(batch bucket, partition bucket)`` a run whose sequences reach at
-    most ``max_context`` tokens can meet (runtime/worker/device_step.py: batches padded to a power
-    of two up to ``max_num_seqs``' bucket, contexts to a power of two of 512-token partitions)."""
-    b_top = 1 << max(0, (max_num_seqs - 1).bit_length())
+    most ``max_context`` tokens can meet (runtime/worker/device_step.py: batches padded to the next
+    of ``graph_batch_sizes(max_num_seqs)``, contexts to a power of two of 512-token partitions)."""
+    from folio.runtime.worker.device_step import graph_batch_sizes
+
     p_top = 1 << max(0, (-(-max_context // partition) - 1).bit_length())
-    return [(1 << i, 1 << j) for i in range(b_top.bit_length()) for j in range(p_top.bit_length())]
+    return [(b, 1 << j) for b in graph_batch_sizes(max_num_seqs) for j in range(p_top.bit_length())]
 
 
 def _device_step(llm):

@@ -12,10 +12,12 @@ Per step on the CUDA table (counted by tests/runtime/worker/test_device_step.py 
   **one synchronisation**: waiting for that copy.
 
 Decode steps (every sequence has one new token, and each samples it) replay a **CUDA graph**
-captured per (batch bucket, partition bucket): the batch is padded to the next bucket (1, 2, 4, 8,
-... up to ``max_num_seqs``) with rows that belong to no sequence (slot -1, empty query range), the
-context to a power-of-two count of 512-token decode partitions, so one graph serves every step of
-that shape. The graph reads its inputs from fixed offsets of the upload buffer and writes the
+captured per (batch bucket, partition bucket): the batch is padded to the next bucket
+(``graph_batch_sizes``: 1, 2, 4, then every multiple of 8 below ``max_num_seqs``, then
+``max_num_seqs`` itself, vLLM's capture sizes) with rows that belong to no sequence (slot -1, empty
+query range), so the matrix products run at most 7 padding rows (powers of two would run up to
+2x the real rows); the context is padded to a power-of-two count of 512-token decode partitions.
+One graph serves every step of that shape. The graph reads its inputs from fixed offsets of the upload buffer and writes the
 logits to a fixed buffer; the sampler runs after it as usual. Capture goes through
 ``kernels.capture()`` (kernels/cuda/device.py; on a GPU CuPy's stream capture, with cuBLAS called as
 kernels/cuda/cublas.py explains); a capture that fails turns graphs off for the engine
@@ -35,6 +37,21 @@ _ALIGN = 16
 
 def _bucket(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode graphs' batch buckets: 1, 2, 4, every multiple of 8 below ``max_num_seqs``, and
+    ``max_num_seqs`` (vLLM's CUDA-graph capture sizes, capped at the engine's batch)."""
+    m = int(max_num_seqs)
+    return sorted({b for b in (1, 2, 4) if b < m} | set(range(8, m, 8)) | {m})
+
+
+def graph_batch_bucket(n: int, max_num_seqs: int) -> int:
+    """The smallest of ``graph_batch_sizes(max_num_seqs)`` holding ``n`` rows (``n <= max_num_seqs``)."""
+    n = int(n)
+    if n <= 4:
+        return min(_bucket(n), int(max_num_seqs))
+    return min(-(-n // 8) * 8, int(max_num_seqs))
 
 
 class Staging:
@@ -102,7 +119,7 @@ class DeviceStep:
         self.max_blocks = -(-self.max_model_len // block_size)
         self.inp = Staging(self.dev)
         self.out = Staging(self.dev)
-        self.logits = self.dev.empty((_bucket(self.max_num_seqs), self.vocab_size), np.float32)
+        self.logits = self.dev.empty((self.max_num_seqs, self.vocab_size), np.float32)
         self.use_graphs = not enforce_eager
         self.graphs: dict = {}
         self._graph_state = None
@@ -135,7 +152,7 @@ class DeviceStep:
         P = _bucket(need)
         if P > self.max_graph_partitions or np.asarray(plan.block_tables).shape[1] > self.max_blocks:
             return None
-        return _bucket(S), P
+        return graph_batch_bucket(S, self.max_num_seqs), P
 
     def _forward_sections(self, plan, key):
         """Host arrays of the forward pass; for a graph step padded to the bucket's fixed shapes."""

@@ -424,3 +424,35 @@ def test_placeholder_inputs_on_the_device_path(modules, tmp_path, monkeypatch):
         results[placeholders] = got
         runner.shutdown()
     assert results[True] == results[False]
+
+
+def test_graph_batch_buckets_are_multiples_of_8():
+    from folio.runtime.worker.device_step import graph_batch_bucket, graph_batch_sizes
+
+    assert graph_batch_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
+    assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    for m in (1, 3, 8, 12, 100, 256):  # each batch goes to the smallest size that holds it
+        sizes = graph_batch_sizes(m)
+        for n in range(1, m + 1):
+            assert graph_batch_bucket(n, m) == min(b for b in sizes if b >= n), (n, m)
+
+
+def test_decode_graph_of_a_multiple_of_8_bucket_equals_eager(modules, tmp_path, monkeypatch):
+    # nine greedy sequences with max_num_seqs 12: the decode graph pads them to 12 rows (a power of
+    # two would be 16, above max_num_seqs), and replays give the eager steps' tokens (every
+    # product's input is rounded to bf16, so padding rows change no real row's logits: see
+    # test_decode_graph_replays_equal_eager_steps)
+    tokens = {}
+    for eager in (True, False):
+        runner = make_runner(monkeypatch, make_table(modules, CountingDevice()), model_dir(tmp_path),
+                             enforce_eager=eager, max_num_seqs=12, num_kv_blocks_override=72)
+        rng = np.random.default_rng(3)
+        seqs = [Seq(i, rng.integers(3, 200, 5 + 3 * i).tolist(), list(range(6 * i, 6 * i + 6)),
+                    SamplingParams(temperature=0.0)) for i in range(9)]
+        tokens[eager] = [r.sampled_token_ids.tolist() for r, _ in run_steps(runner, seqs, n_decode=2)]
+        if not eager:
+            assert runner.device_step.graph_error is None
+            assert set(runner.device_step.graphs) == {(12, 1)}
+        runner.shutdown()
+    assert tokens[True] == tokens[False]
