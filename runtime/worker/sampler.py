@@ -25,6 +25,7 @@ fast-forwards by the tokens it already has).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,12 @@ class SamplingState:
         self.grammar_vocab = 0
         if self._num_out and not params.greedy:
             self.rng.random(self._num_out)  # fast-forward: one uniform per token already sampled
+        # what every step reads, fixed for the sequence's life (sampling_arrays, penalty_entries)
+        self.device_params = (0.0, 0.0, 0.0, 0.0) if params.greedy else \
+            (params.temperature, max(params.top_k, 0), params.top_p, params.min_p)
+        self.has_penalties = params.has_penalties
+        self.min_tokens = params.min_tokens
+        self.logprobs = params.logprobs
 
     @property
     def output_token_ids(self) -> np.ndarray:
@@ -393,14 +400,11 @@ def sampling_arrays(states: list[SamplingState]) -> tuple[np.ndarray, np.ndarray
         nothing and get 1.0).
     """
     R = len(states)
-    params = np.zeros((R, 4), dtype=np.float32)
+    params = np.array([st.device_params for st in states], dtype=np.float32).reshape(R, 4)
     uniforms = np.ones(R, dtype=np.float64)
-    for i, st in enumerate(states):
-        p = st.params
-        if p.greedy:
-            continue
-        params[i] = (p.temperature, max(p.top_k, 0), p.top_p, p.min_p)
-        uniforms[i] = 1.0 - st.rng.random()
+    rand = params[:, 0] > 0  # greedy rows have temperature 0 here
+    if rand.any():  # one draw per random row, in row order
+        uniforms[rand] = [1.0 - st.rng.random() for st in itertools.compress(states, rand.tolist())]
     return params, uniforms
 
 
@@ -416,6 +420,10 @@ def penalty_entries(states: list[SamplingState], V: int) -> tuple[np.ndarray, np
         ``sample``'s min_tokens mask followed by ``apply_penalties``.
     """
     R = len(states)
+    pen = [i for i, st in enumerate(states) if st.has_penalties]
+    mask_rows = [i for i, st in enumerate(states) if st.num_output_tokens < st.min_tokens]
+    if not pen and not mask_rows:  # the common step: nothing to do, no array built
+        return None
     row_params = np.zeros((R, 3), dtype=np.float32)
     row_params[:, 0] = 1.0
 
@@ -427,17 +435,15 @@ def penalty_entries(states: list[SamplingState], V: int) -> tuple[np.ndarray, np
         idx = np.repeat(np.asarray(rows, dtype=np.int64), lens) * V + tok
         return idx[(tok >= 0) & (tok < V)]
 
-    pen = [i for i, st in enumerate(states) if st.params.has_penalties]
     for i in pen:
         p = states[i].params
         row_params[i] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
-    mask_rows, mask_ids = [], []
-    for i, st in enumerate(states):
+    mask_ids = []
+    for i in mask_rows:
+        st = states[i]
         p = st.params
-        if st.num_output_tokens < p.min_tokens:
-            mask_rows.append(i)
-            mask_ids.append(np.asarray(list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_token_ids),
-                                       dtype=np.int64))
+        mask_ids.append(np.asarray(list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_token_ids),
+                                   dtype=np.int64))
     out_idx, out_cnt = np.unique(flat(pen, [states[i].output_token_ids for i in pen]), return_counts=True)
     seen = np.union1d(flat(pen, [states[i].prompt_token_ids for i in pen]), out_idx)
     masked = np.unique(flat(mask_rows, mask_ids))
@@ -455,7 +461,7 @@ def penalty_entries(states: list[SamplingState], V: int) -> tuple[np.ndarray, np
 
 def max_logprobs(states: list[SamplingState]) -> int | None:
     """The largest ``logprobs`` any row asks for, or ``None`` when none does."""
-    want = [s.params.logprobs for s in states if s.params.logprobs is not None]
+    want = [s.logprobs for s in states if s.logprobs is not None]
     return max(want) if want else None
 
 
