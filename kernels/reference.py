@@ -45,6 +45,8 @@ __all__ = [   # the kernels (float32_to_bf16_bits, bf16_bits_to_float32, kv_cach
     "rotary_embedding",
     "rope_and_cache",
     "silu_and_mul",
+    "gumbel_noise",
+    "sample_gumbel",
 ]
 
 
@@ -311,3 +313,48 @@ def silu_and_mul(x: np.ndarray) -> np.ndarray:
     inter = x.shape[-1] // 2
     g, u = x[..., :inter].astype(np.float64), x[..., inter:].astype(np.float64)
     return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)
+
+
+# ---- sampling: the device sampler's one-pass path for plain temperature --------------------------
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on uint64 (wrapping) arithmetic (Steele, Lea and Flood,
+    "Fast splittable pseudorandom number generators", OOPSLA 2014)."""
+    z = np.asarray(z, dtype=np.uint64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def gumbel_noise(key: int, V: int) -> np.ndarray:
+    """``[V]`` float64 standard Gumbel noise of one row: token ``i`` takes output ``i + 1`` of
+    SplitMix64 from state ``mix64(key)``, its top 23 bits as ``u = (k + 0.5) / 2^23`` in (0, 1),
+    and ``-log(-log(u))``."""
+    seed = _mix64(np.array([key], dtype=np.uint64))  # (arrays: NumPy wraps uint64 without warning)
+    z = _mix64(seed + np.arange(1, V + 1, dtype=np.uint64) * _GAMMA)
+    u = ((z >> np.uint64(41)).astype(np.float64) + 0.5) * 2.0 ** -23
+    return -np.log(-np.log(u))
+
+
+def sample_gumbel(logits: np.ndarray, temperature: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Plain temperature sampling by the Gumbel-max trick (Gumbel 1954; Maddison, Tarlow and
+    Minka, "A* Sampling", NeurIPS 2014): ``argmax_i(logits[r, i] / T_r + G_r[i])`` is a draw from
+    ``softmax(logits[r] / T_r)`` when ``G_r`` is i.i.d. standard Gumbel noise.
+
+    Args:
+        logits: ``[R, V]`` float32 (-inf = masked; never picked unless the whole row is).
+        temperature: ``[R]`` > 0.
+        keys: ``[R]`` uint64, each row's stream (``gumbel_noise``).
+    Returns:
+        ``[R]`` int64: the first index of the largest score; ``V - 1`` for a row that is all -inf.
+    """
+    R, V = logits.shape
+    out = np.empty(R, dtype=np.int64)
+    for r in range(R):
+        x = logits[r].astype(np.float64)
+        score = np.where(np.isneginf(x), -np.inf, x / float(temperature[r]) + gumbel_noise(int(keys[r]), V))
+        out[r] = V - 1 if np.isneginf(score).all() else int(np.argmax(score))
+    return out

@@ -1,8 +1,12 @@
 // Device sampler: one token per row of the logits, so a step needs no host round trip between the
 // forward pass and the copy of its sampled tokens. Semantics are runtime/worker/sampler.py's (vLLM V1's
 // order): penalties and min_tokens masks (apply_penalties_kernel), then per row: greedy = first
-// argmax; else temperature, min_p (Nguyen et al. 2024), top-k, top-p over the top-k renormalised
-// distribution (Holtzman et al. 2020), and inverse-CDF sampling with the row's uniform.
+// argmax; plain temperature (no top-k, top-p or min-p) = one pass, the Gumbel-max trick (argmax of
+// x / T + G with G standard Gumbel noise, a draw from softmax(x / T): Gumbel 1954; Maddison, Tarlow
+// and Minka, "A* Sampling", NeurIPS 2014), the noise a counter-based stream keyed by the row's
+// uniform (spec: kernels/reference.py sample_gumbel); else temperature, min_p (Nguyen et al. 2024),
+// top-k, top-p over the top-k renormalised distribution (Holtzman et al. 2020), and inverse-CDF
+// sampling with the row's uniform.
 //
 // Top-k and top-p thresholds are found without sorting: float32 values map monotonically onto
 // 32-bit keys, and a bisection over the keys (32 block-wide passes over the row) finds the exact
@@ -34,6 +38,23 @@ __device__ __forceinline__ int block_sum_int(int v, int* scratch) {
     return t;
 }
 
+// SplitMix64's output function (Steele, Lea and Flood, "Fast splittable pseudorandom number
+// generators", OOPSLA 2014).
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Standard Gumbel noise for token i of a row whose stream is seeded with `seed` (= mix64(key)):
+// output i + 1 of SplitMix64 from state `seed`, its top 23 bits as u = (k + 0.5) / 2^23 in (0, 1)
+// (exact in float32), then -log(-log(u)).
+__device__ __forceinline__ float gumbel_noise(unsigned long long seed, int i) {
+    const unsigned long long z = mix64(seed + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull);
+    const float u = ((float)(unsigned int)(z >> 41) + 0.5f) * 1.1920928955078125e-7f;  // 2^-23
+    return -logf(-logf(u));
+}
+
 // (value, index) of the largest value, the smallest index among equal values.
 __device__ __forceinline__ void block_argmax(float& v, int& idx, float* fscratch, int* iscratch) {
     const int lane = threadIdx.x % FOLIO_WARP, warp = threadIdx.x / FOLIO_WARP;
@@ -57,8 +78,9 @@ __device__ __forceinline__ void block_argmax(float& v, int& idx, float* fscratch
 
 // out[r] = the token of row r. logits [R, V] float32 (penalties already applied); params [R, 4]
 // float32 rows (temperature, top_k, top_p, min_p): temperature 0 = greedy, top_k <= 0 or >= V =
-// off, top_p >= 1 = off, min_p <= 0 = off; uniforms [R] float64 in (0, 1].
-// grid = (R), block = 256 threads.
+// off, top_p >= 1 = off, min_p <= 0 = off; uniforms [R] float64 in (0, 1] (a plain-temperature
+// row's 64 bits are its Gumbel stream's key). A row whose every logit is -inf gets V - 1 (the
+// greedy path: 0). grid = (R), block = 256 threads.
 // Occupancy of sample_kernel: >= 4 blocks of 256 threads per SM (memory-bound passes over a row:
 // half the SM's threads, and a batch of up to 4 x 132 rows in one wave on an H100)
 extern "C" __global__ void sample_kernel(long long* __restrict__ out, const float* __restrict__ logits,
@@ -80,6 +102,20 @@ extern "C" __global__ void sample_kernel(long long* __restrict__ out, const floa
             if (x[i] > v || (x[i] == v && i < idx)) { v = x[i]; idx = i; }
         block_argmax(v, idx, fscratch, iscratch);
         if (tid == 0) out[r] = idx == 0x7fffffff ? 0 : idx;
+        return;
+    }
+
+    if ((top_k <= 0 || top_k >= V) && !(top_p < 1.0f) && !(min_p > 0.0f)) {
+        // plain temperature: one pass, argmax of x / T + Gumbel noise (masked tokens stay -inf)
+        const unsigned long long seed = mix64(reinterpret_cast<const unsigned long long*>(uniforms)[r]);
+        float v = FOLIO_NEG_INF;
+        int idx = 0x7fffffff;
+        for (int i = tid; i < V; i += nt) {
+            const float s = x[i] / temp + gumbel_noise(seed, i);
+            if (s > FOLIO_NEG_INF && (s > v || (s == v && i < idx))) { v = s; idx = i; }
+        }
+        block_argmax(v, idx, fscratch, iscratch);
+        if (tid == 0) out[r] = idx == 0x7fffffff ? V - 1 : idx;
         return;
     }
 

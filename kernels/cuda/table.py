@@ -466,7 +466,10 @@ class CudaKernels:
     def sample(self, logits, params, uniforms, out):
         """One token per row of ``logits [R, V]`` float32, on the device (sampling.cu; semantics of
         runtime/worker/sampler.py: temperature, min_p, top-k, top-p over the top-k renormalised, inverse
-        CDF with the row's uniform; greedy rows take the first argmax).
+        CDF with the row's uniform; greedy rows take the first argmax). A row with temperature only
+        (no top-k, top-p or min-p) is sampled in one pass by the Gumbel-max trick with noise keyed
+        by its uniform's 64 bits (kernels/reference.py ``sample_gumbel``): a draw from the same
+        distribution, reproducible from the row's uniform, though not the inverse CDF's token.
 
         Args:
             params: ``[R, 4]`` float32 rows ``(temperature, top_k, top_p, min_p)`` (temperature 0 =

@@ -16,6 +16,12 @@ The pipeline follows vLLM V1's sampler (``vllm/v1/sample/sampler.py`` and its ``
    over the top-k renormalised distribution), then inverse-CDF sampling with ONE uniform per row
    drawn from that sequence's own ``numpy.random.Generator``.
 
+On the CUDA table (``sample_on_device``) a row with temperature only (no top-k, top-p or min-p)
+is sampled in one pass instead, by the Gumbel-max trick with noise keyed by the same uniform
+(kernels/reference.py ``sample_gumbel``): the same distribution and the same reproducibility (the
+row's draw depends on its logits and its generator only), but not the token the CPU's inverse CDF
+picks from that uniform.
+
 Every array operation goes through the array module ``xp`` (numpy or cupy); only the per-row
 parameter vectors and the uniforms are built on the host. A row's result depends only on its own
 logits, parameters and generator, so a seeded sequence samples the same tokens alone, in any batch,

@@ -488,6 +488,7 @@ def test_sampler_takes_the_last_kept_token_when_the_scan_falls_short(kt, mask):
     for r in range(R):
         if mask == "-inf":   # a masked tail (min_tokens / stop-token masks write -inf)
             logits[r, last[r] + 1:] = -np.inf
+            params[r, 3] = 1e-30  # a min_p that keeps every finite token: the scan path, not Gumbel-max
         else:                # the tail cut by top-k: k tokens at 1..2, the last of them at 3
             k = 40
             keep = np.concatenate([rng.choice(last[r], k - 1, replace=False), [last[r]]])
@@ -500,3 +501,50 @@ def test_sampler_takes_the_last_kept_token_when_the_scan_falls_short(kt, mask):
     out = xp.zeros(R, dtype=np.int64)
     kt.sample(xp.asarray(logits), xp.asarray(params), xp.asarray(u), out)
     np.testing.assert_array_equal(kt.to_numpy(out), last)
+
+
+def test_plain_temperature_rows_take_the_gumbel_max_in_one_pass(kt):
+    # rows with temperature only (no top-k, top-p, min-p) take argmax(x / T + Gumbel noise keyed by
+    # the row's uniform) (kernels/reference.py sample_gumbel), greedy rows beside them the argmax;
+    # masked tokens are never picked, an all -inf row gives V - 1
+    from support.cuda_bounds import check_gumbel_picks
+
+    rng = np.random.default_rng(5)
+    R, V = 20, 1000
+    logits = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+    logits[3, ::2] = -np.inf
+    logits[4, :] = -np.inf
+    logits[6, 1:] = -np.inf          # one token left: always it
+    params = np.zeros((R, 4), np.float32)
+    temps = rng.uniform(0.3, 2.0, R).astype(np.float32)
+    greedy = np.arange(R) % 5 == 0
+    params[:, 0] = np.where(greedy, 0.0, temps)
+    params[:, 2] = 1.0               # top_p off
+    u = 1.0 - rng.random(R)
+    xp = kt.xp
+    out = xp.zeros(R, dtype=np.int64)
+    kt.sample(xp.asarray(logits), xp.asarray(params), xp.asarray(u), out)
+    got = kt.to_numpy(out)
+    rand = ~greedy
+    np.testing.assert_array_equal(got[greedy], np.argmax(logits[greedy], axis=1))
+    check_gumbel_picks(got[rand], logits[rand], temps[rand], u[rand].view(np.uint64))
+    assert got[6] == 0
+    # a row's draw depends on its logits and key only: the same rows in another order and batch
+    perm = rng.permutation(R)[: R // 2]
+    out2 = xp.zeros(len(perm), dtype=np.int64)
+    kt.sample(xp.asarray(logits[perm]), xp.asarray(params[perm]), xp.asarray(u[perm]), out2)
+    np.testing.assert_array_equal(kt.to_numpy(out2), got[perm])
+
+
+def test_gumbel_spec_samples_the_softmax():
+    # kernels/reference.py's noise: argmax(x / T + G) over 40,000 keys falls on each token with
+    # the softmax's probability, within 5 binomial standard deviations (deterministic: fixed keys)
+    from folio.kernels import reference
+
+    x = np.array([[1.0, 0.0, -1.0, 2.0]], np.float32)
+    T, N = 0.8, 40000
+    keys = np.random.default_rng(0).integers(0, 2 ** 63, N, dtype=np.int64).view(np.uint64)
+    picks = np.array([reference.sample_gumbel(x, np.array([T]), keys[i:i + 1])[0] for i in range(N)])
+    p = np.exp(x[0] / T) / np.exp(x[0] / T).sum()
+    freq = np.bincount(picks, minlength=4) / N
+    np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / N))

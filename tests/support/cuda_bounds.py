@@ -143,3 +143,35 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                 out[start + i, h] = o
                 bound[start + i, h] = rounded_bound(np.abs(o), err) if rounded else err
     return out, bound
+
+
+def gumbel_score_bound(scaled, noise) -> np.ndarray:
+    """Bound on |score32 - score| for sample_kernel's plain-temperature path, score = x / T + G
+    with G = -log(-log(u)) and u exact in both: the division rounds by u |x / T|; CUDA's logf is
+    within 1 ulp (2 u relative; the emulator's std::log within half of that), so -logf(u) is within
+    2 u of its value relative, which moves G by 2 u (1 + 3 u) absolute, and the outer logf adds
+    2 u |G|; the addition rounds by u |x / T + G|. In all u (2 |x / T| + 3 |G| + 2.01) + O(u^2),
+    bounded here by u (2 |x / T| + 3 |G| + 3)."""
+    return U * (2 * np.abs(scaled) + 3 * np.abs(noise) + 3)
+
+
+def check_gumbel_picks(got, logits, temperature, keys):
+    """Each row's pick against kernels/reference.py's Gumbel-max in float64: a masked (-inf) token
+    only when the whole row is masked (then V - 1), else a token whose score is within the two
+    scores' bounds of the spec's best (a near tie may go either way, nothing else may)."""
+    from folio.kernels import reference
+
+    R, V = logits.shape
+    want = reference.sample_gumbel(logits, temperature, keys)
+    for r in range(R):
+        x = logits[r].astype(np.float64)
+        if np.isneginf(x).all():
+            assert got[r] == V - 1, (r, got[r])
+            continue
+        g = reference.gumbel_noise(int(keys[r]), V)
+        scaled = x / float(temperature[r])
+        score = np.where(np.isneginf(x), -np.inf, scaled + g)
+        e = gumbel_score_bound(np.where(np.isneginf(x), 0.0, scaled), g)
+        k, j = int(got[r]), int(want[r])
+        assert np.isfinite(score[k]), (r, k)
+        assert score[k] + e[k] >= score[j] - e[j], (r, k, j, score[k], score[j])

@@ -235,6 +235,9 @@ def log_softmax_bound(lp, V):
 
 
 def test_device_sampler_matches_the_numpy_sampler(modules):
+    from folio.runtime.worker.sampler import log_softmax
+    from support.cuda_bounds import check_gumbel_picks
+
     # the same logits and states (separate, identically seeded generators) through runtime/sampler's
     # NumPy pipeline and through the CUDA table's kernels
     kt = make_table(modules, HostDevice())
@@ -268,13 +271,22 @@ def test_device_sampler_matches_the_numpy_sampler(modules):
     lp = np.zeros((9, 1 + K), np.float32)
     ids = np.zeros((9, 1 + K), np.int64)
     sample_on_device(kt, logits.copy(), params, uniforms, (pen[0], pen[1], len(pen[0])), K, tokens, lp, ids)
-    np.testing.assert_array_equal(tokens, want.token_ids)
+    # the plain-temperature row (1) takes the device's one-pass Gumbel-max, keyed by the same
+    # uniform (kernels/reference.py sample_gumbel), every other row the NumPy sampler's path
+    plain = np.array([c.keys() == {"temperature"} and c["temperature"] > 0 for c in cases])
+    assert plain.tolist() == [False, True] + [False] * 7
+    np.testing.assert_array_equal(tokens[~plain], want.token_ids[~plain])
+    check_gumbel_picks(tokens[plain], logits[plain], params[plain, 0], uniforms[plain].view(np.uint64))
     assert tokens[7] not in (2, 7) and tokens[8] not in (2, 5, 7)  # row 7 has no stop token 5
-    np.testing.assert_array_equal(ids, want.logprob_token_ids)
+    np.testing.assert_array_equal(ids[:, 1:], want.logprob_token_ids[:, 1:])
+    np.testing.assert_array_equal(ids[:, 0], tokens)
     # both are float32 log-softmaxes of the same float32 logits (NumPy's, the sampling kernel's)
-    fin = np.isfinite(want.logprobs)
+    raw = log_softmax(logits.astype(np.float32))
+    ref = want.logprobs.copy()
+    ref[plain, 0] = raw[plain, tokens[plain]]
+    fin = np.isfinite(ref)
     np.testing.assert_array_equal(np.isfinite(lp), fin)
-    np.testing.assert_array_less(np.abs(lp - want.logprobs)[fin], 2 * log_softmax_bound(want.logprobs[fin], V))
+    np.testing.assert_array_less(np.abs(lp - ref)[fin], 2 * log_softmax_bound(ref[fin], V))
 
 
 def test_profile_step_shape_is_the_largest_step():
