@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# perf/gpu_check.sh: everything folio checks on one NVIDIA GPU, in one run of at most 6 minutes on
-# an H200 with no network and nothing to install (the lent machine: a Python 3.12 venv with torch,
+# perf/gpu_check.sh: everything folio checks on one NVIDIA GPU, in one run of at most 8 minutes on
+# an H100 or an H200 with no network and nothing to install (the lent machine: a Python 3.12 venv with torch,
 # transformers and cupy-cuda13x, numpy, numba, tokenizers; no pyzmq, no gguf, no model files;
 # only the repository travels, so nothing here needs a model file). Results: $OUT/gpu_check.json
 # (one object: environment, each step's exit status and seconds, and its results; rewritten after
@@ -19,6 +19,10 @@
 #                   CUDA graphs against eager decode; folio against Hugging Face transformers on
 #                   the GPU with the same random bf16 weights (logits within a bound derived from
 #                   bf16 rounding and depth, greedy ids equal up to a near tie)
+#   kernel_bench    perf/gpu_kernel_bench.py: each kernel of a Llama-3.1-8B decode layer (and the
+#                   lm_head and sampler) at batch 128 and 256, context 300, timed from a CUDA graph:
+#                   achieved GB/s and TFLOPS against the card's peaks (perf/gpu_model.py's bytes
+#                   and FLOPs, the card by nvidia-smi's name)
 #   bench_*         throughput on one workload (NUM_REQUESTS=256 requests, prompt and output lengths
 #                   uniform in [32, 256], ignore_eos), folio and Hugging Face transformers, each over
 #                   the whole workload at the same concurrency (256), on a dummy-weight
@@ -30,7 +34,7 @@
 #                   decode step at batch 128 and 256 and for the whole workload, printed beside the
 #                   bench steps' measured output tok/s and decode step times (no GPU needed)
 #
-# Worst case (every step at its limit, and killed 5 s after it): 345 s.
+# Worst case (every step at its limit, and killed 5 s after it): 455 s.
 #
 # Dry run: FOLIO_GPU_CHECK_DRY=1 runs every step here, without a GPU: the CUDA kernel table is the
 # SIMT emulator's (FOLIO_CUDA_TABLE=simt.table:simt_kernels), sizes are tiny, the limits x3, the
@@ -102,6 +106,11 @@ if len(sys.argv) > 4:  # the final summary
         r = res["steps"].get(n, {}).get("result", {})
         if r:
             print(n, r.get("output_tokens_per_s"), "output tok/s", "(partial)" if r.get("partial") else "", r.get("error", ""))
+    for B, rows in res["steps"].get("kernel_bench", {}).get("result", {}).get("batches", {}).items():
+        for r in rows:
+            if r.get("kernel") in ("paged_attention decode", "gate_up_proj", "sample") and "us" in r:
+                print(f"kernel {r['kernel']} batch {B}: {r['us']} us, {100 * r['fraction_of_hbm']:.0f}% of HBM, "
+                      f"{100 * r['fraction_of_bf16']:.0f}% of bf16")
     for model, m in res["steps"].get("model", {}).get("result", {}).get("models", {}).items():
         for card, c in m.items():
             if isinstance(c, dict) and "workload" in c:
@@ -201,14 +210,16 @@ else  # the install failed: go on from the checkout (what still runs is still re
 fi
 
 if [ -n "$DRY" ]; then  # the same tests on the emulator
-  step kernels 40 $PY -m pytest -q -p no:cacheprovider --junitxml="$WORK/kernels.xml" \
+  step kernels 60 $PY -m pytest -q -p no:cacheprovider --junitxml="$WORK/kernels.xml" \
     tests/kernels/test_cuda_kernels.py tests/simt/test_mma.py
 else
-  step kernels 40 env FOLIO_TEST_CUDA=1 $PY -m pytest -q -p no:cacheprovider \
+  step kernels 60 env FOLIO_TEST_CUDA=1 $PY -m pytest -q -p no:cacheprovider \
     --junitxml="$WORK/kernels.xml" tests/kernels/test_cuda_kernels.py tests/simt/test_mma.py tests/kernels/test_nvrtc.py
 fi
 
 step golden 75 $PY perf/gpu_check_golden.py --out "$WORK/golden.json" ${DRY:+--dry}
+
+step kernel_bench 60 $PY perf/gpu_kernel_bench.py --out "$WORK/kernel_bench.json" ${DRY:+--dry}
 
 if [ -n "$DRY" ]; then
   step bench_folio_small 25 $PY perf/gpu_check_bench.py --engine folio --model smollm2-2l-dummy \

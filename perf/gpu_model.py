@@ -183,6 +183,22 @@ def step_kernels(shape: Shape, query_lens, context_lens, sampled_rows: int, *, k
     return out
 
 
+def layer_kernel_costs(shape: Shape, batch: int, context: int, act_bytes: int = 4,
+                       kv_bytes: int = 2) -> dict[str, KernelCost]:
+    """One call of each kernel of a decode layer (and the step's lm_head and sampler) for
+    ``batch`` sequences of ``context`` tokens: ``name -> KernelCost`` (perf/gpu_kernel_bench.py
+    divides these by its timings)."""
+    one = dataclasses.replace(shape, layers=1)
+    ks = {k.name: k for k in step_kernels(one, [1] * batch, [context] * batch, batch, kv_bytes=kv_bytes,
+                                          act_bytes=act_bytes)}
+    T, H = batch, shape.hidden
+    out = {"fused_add_rms_norm": KernelCost("fused_add_rms_norm", 1, T * H * (3 * act_bytes + 2) + H * 2, 0)}
+    for name in ("qkv_proj", "rope_and_cache", "paged_attention decode", "o_proj", "gate_up_proj",
+                 "silu_and_mul", "down_proj", "lm_head", "sample"):
+        out[name] = ks[name]
+    return out
+
+
 def ideal_step_seconds(shape: Shape, query_lens, context_lens, sampled_rows: int, card: Card,
                        kv_bytes: int = 2) -> float:
     """``max((weights + KV read and written) / bandwidth, FLOPs / peak)`` of one step: the

@@ -44,7 +44,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert res["env"]["install"] in ("pip", "pth (pip install failed)"), res["env"]
     assert "folio from" in log and "did not make folio importable" not in log, log[-3000:]
     steps = res["steps"]
-    assert list(steps) == ["install", "kernels", "golden", "bench_folio_small", "model"], steps.keys()
+    assert list(steps) == ["install", "kernels", "golden", "kernel_bench", "bench_folio_small", "model"], steps.keys()
     for name, s in steps.items():
         assert s["rc"] == 0 and not s["timed_out"], (name, s, log[-4000:])
     k = steps["kernels"]["result"]
@@ -57,6 +57,9 @@ def test_gpu_check_dry_run(tmp_path):
     b = steps["bench_folio_small"]["result"]
     assert b["ok"] and b["output_tokens"] == b["expected_output_tokens"], b
     assert b["graph_buckets_warmed"] == [[1, 1], [2, 1], [4, 1]] and b["graphs_captured_in_timed_run"] == 0, b
+    kb = steps["kernel_bench"]["result"]  # every kernel of a decode layer timed at both batches
+    assert kb["ok"] and [r["kernel"] for r in kb["batches"]["4"]][:4] == [
+        "fused_add_rms_norm", "qkv_proj", "rope_and_cache", "paged_attention decode"], kb
     m = steps["model"]["result"]  # the cost model of both workloads, on both cards (no card's name in the dry run)
     assert set(m["models"]) == {"llama-3.1-8b-dummy", "smollm2-135m-dummy"} and set(m["cards"]) == {"h100-sxm", "h200"}, m
     left = sorted(p.name for p in scratch.glob("folio-*"))   # (pytest's own folders may stay)
