@@ -11,29 +11,41 @@
 // Query head h reads KV head h / (num_heads / num_kv_heads). head_dim is 32, 64, 128 or 256.
 #include "common.cuh"
 
-#define DECODE_HEADS_PER_PASS 8  // query heads of a GQA group whose P @ V one pass accumulates
+#define DECODE_KEYS_PER_LANE 2  // keys whose K and V rows a lane loads before it uses them
 
-// Decode: every sequence has exactly one new token (row query_start_loc[s]); sequences with no
-// token are skipped. One block per (KV head, sequence, partition) serves the whole GQA group, so
-// each K row and each V row is read once for the group (once per 8 heads for larger groups).
-// Loads are 16 bytes: a key row is split over head_dim / 8 lanes, each taking 8 dims.
+// Decode, FlashDecoding-style (Dao et al., "Flash-Decoding for long-context inference", 2023):
+// every sequence has exactly one new token (row query_start_loc[s]); sequences with no token are
+// skipped. One block per (KV head, sequence, partition) serves the whole GQA group, HPP query
+// heads per pass over the partition's keys (one pass when group <= HPP), so each K and V row is
+// read once per pass for all of them. The partition's block-table entries are staged in shared
+// memory first. A key row is split over head_dim / 8 lanes (16 bytes, 8 dims each); a lane loads
+// the K and V rows of DECODE_KEYS_PER_LANE keys (64 bytes in flight) before it computes, then
+// folds them into its own running (max m, sum l, 8 dims of P @ V) per head: one online-softmax pass
+// (Milakov and Gimelshein, "Online normalizer calculation for softmax", 2018), no score buffer.
+// The lanes of a warp, then the warps (through shared memory), merge their (m, l, acc) at the end.
 // grid = (num_kv_heads, S, num_partitions); block = 128 threads; dynamic shared memory =
-// (group * head_dim + group * partition_size + 2 * group + 4 * 8 * head_dim) floats.
+// 4 * (group * head_dim + table_len + 4 * HPP * (head_dim + 2)) bytes, table_len =
+// partition_size / block_size + 2 rounded up to a multiple of 4.
 // num_partitions == 1: writes out (bf16) directly (partition_size >= every seq_len).
 // num_partitions > 1: writes tmp_out [S, num_heads, P, head_dim] (float32, normalised per
 // partition), max_logits / exp_sums [S, num_heads, P]; paged_attention_reduce_kernel combines them.
-// Occupancy of paged_attention_decode_kernel: >= 5 blocks of 128 threads per SM with 26656 bytes of
-// dynamic shared memory (Llama-3.1-8B: group 4, head_dim 128, one 512-token partition): the P @ V
-// pass keeps 8 heads x 8 dims of accumulators per thread (64 registers), and each thread has one
-// 16-byte load in flight, so 5 blocks hold 10 KB in flight per SM; fewer would starve HBM further.
-extern "C" __global__ void paged_attention_decode_kernel(
-    bf16_t* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
+__device__ __forceinline__ void online_merge(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+    const float mn = fmaxf(m, m2);
+    const float c1 = m == FOLIO_NEG_INF ? 0.0f : expf(m - mn), c2 = m2 == FOLIO_NEG_INF ? 0.0f : expf(m2 - mn);
+    l = l * c1 + l2 * c2;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = acc[e] * c1 + acc2[e] * c2;
+    m = mn;
+}
+
+template <int HPP>
+__device__ __forceinline__ void paged_attention_decode(
+    unsigned char* smem_raw, bf16_t* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
     float* __restrict__ exp_sums, const bf16_t* __restrict__ q, const bf16_t* __restrict__ key_cache,
     const bf16_t* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, float scale,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-    int partition_size) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition_size) {
+    constexpr int U = DECODE_KEYS_PER_LANE;
     const int kvh = blockIdx.x, s = blockIdx.y, part = blockIdx.z, P = gridDim.z;
     const int group = num_heads / num_kv_heads;
     const int row = query_start_loc[s];
@@ -53,111 +65,121 @@ extern "C" __global__ void paged_attention_decode_kernel(
         return;
     }
 
-    float* q_s = reinterpret_cast<float*>(smem_raw);  // [group, head_dim], pre-scaled
-    float* logits = q_s + group * head_dim;            // [group, partition_size]
-    float* stats = logits + group * partition_size;    // [group] max, [group] sum
-    float* red = stats + 2 * group;                    // [nwarps, 8 heads, head_dim]
-    __shared__ float scratch[32];
+    const int first_blk = tok_begin / block_size;
+    const int nblk = (tok_end - 1) / block_size - first_blk + 1;
+    const int table_len = ((partition_size / block_size + 2) + 3) / 4 * 4;
+    float* q_s = reinterpret_cast<float*>(smem_raw);         // [group, head_dim], pre-scaled
+    int* tbl = reinterpret_cast<int*>(q_s + group * head_dim);  // [nblk] physical blocks
+    float* red = reinterpret_cast<float*>(tbl + table_len);    // [nwarps, HPP, head_dim + 2]: acc, m, l
 
     const bf16_t* q_row = q + ((long long)row * num_heads + kvh * group) * head_dim;
     for (int i = tid; i < group * head_dim; i += blockDim.x) q_s[i] = bf16_to_float(q_row[i]) * scale;
+    const int* table = block_tables + (long long)s * max_blocks + first_blk;
+    for (int i = tid; i < nblk; i += blockDim.x) tbl[i] = table[i];
     __syncthreads();
 
-    // scores: lpk lanes per key (head_dim / 8 of them hold 8 dims each), 32 / lpk keys per warp
-    // step, every head of the group from one K load; lanes of a key reduce with xor shuffles
-    const int nvec = head_dim / 8;
-    const int lpk = nvec;                 // a power of two, 4..32
-    const int kpw = FOLIO_WARP / lpk;
+    const int lpk = head_dim / 8;            // lanes per key, a power of two 4..32
+    const int kpw = FOLIO_WARP / lpk;        // keys per warp and load slot
     const int sub = lane % lpk, kslot = lane / lpk;
     const int n = tok_end - tok_begin;
-    const int* table = block_tables + (long long)s * max_blocks;
-    for (int base = warp * kpw; base < n; base += nwarps * kpw) {  // warp-uniform bound
-        const int jj = base + kslot;
-        const bool valid = jj < n;
-        float k8[8];
-        if (valid) {
-            const int j = tok_begin + jj;
-            const long long blk = table[j / block_size];
-            load_bf16x8(key_cache + ((blk * block_size + j % block_size) * num_kv_heads + kvh) * head_dim +
-                            sub * 8, k8);
-        } else {
+    const long long head_off = (long long)kvh * head_dim + sub * 8;
+    for (int g0 = 0; g0 < group; g0 += HPP) {
+        const int gn = min(HPP, group - g0);
+        float m[HPP], l[HPP], acc[HPP][8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) k8[e] = 0.0f;
-        }
-        for (int g = 0; g < group; ++g) {
-            const float* qg = q_s + g * head_dim + sub * 8;
-            float acc = 0.0f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc += k8[e] * qg[e];
-            for (int m = lpk / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-            if (valid && sub == 0) logits[g * partition_size + jj] = acc;
-        }
-    }
-    __syncthreads();
-
-    // softmax over this partition, per head
-    for (int g = 0; g < group; ++g) {
-        float* lg = logits + g * partition_size;
-        float m = FOLIO_NEG_INF;
-        for (int i = tid; i < n; i += blockDim.x) m = fmaxf(m, lg[i]);
-        m = block_max(m, scratch);
-        float sum = 0.0f;
-        for (int i = tid; i < n; i += blockDim.x) {
-            const float p = expf(lg[i] - m);
-            lg[i] = p;
-            sum += p;
-        }
-        sum = block_sum(sum, scratch);
-        if (tid == 0) {
-            stats[g] = m;
-            stats[group + g] = sum;
-        }
-    }
-    __syncthreads();
-
-    // out = P @ V: thread (slice, vec) holds 8 dims (one 16-byte V load per key) of up to 8 heads;
-    // the key slices of a warp are combined with shuffles, the warps through shared memory
-    const int vec = tid % nvec, slice = tid / nvec, nslices = blockDim.x / nvec;
-    for (int g0 = 0; g0 < group; g0 += DECODE_HEADS_PER_PASS) {
-        const int gn = min(DECODE_HEADS_PER_PASS, group - g0);
-        float acc[DECODE_HEADS_PER_PASS][8];
-#pragma unroll
-        for (int gi = 0; gi < DECODE_HEADS_PER_PASS; ++gi)
+        for (int gi = 0; gi < HPP; ++gi) {
+            m[gi] = FOLIO_NEG_INF;
+            l[gi] = 0.0f;
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[gi][e] = 0.0f;
-        for (int jj = slice; jj < n; jj += nslices) {
-            const int j = tok_begin + jj;
-            const long long blk = table[j / block_size];
-            float v8[8];
-            load_bf16x8(value_cache + ((blk * block_size + j % block_size) * num_kv_heads + kvh) * head_dim +
-                            vec * 8, v8);
+        }
+        for (int base = warp * kpw * U; base < n; base += nwarps * kpw * U) {  // warp-uniform bound
+            uint4 kr[U], vr[U];
+            bool valid[U];
 #pragma unroll
-            for (int gi = 0; gi < DECODE_HEADS_PER_PASS; ++gi) {
-                if (gi < gn) {
-                    const float p = logits[(g0 + gi) * partition_size + jj];
+            for (int u = 0; u < U; ++u) {  // every load first: 2 U 16-byte loads in flight
+                const int jj = base + u * kpw + kslot;
+                valid[u] = jj < n;
+                kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+                if (valid[u]) {
+                    const int j = tok_begin + jj;
+                    const long long off = ((long long)tbl[j / block_size - first_blk] * block_size + j % block_size) *
+                                              num_kv_heads * head_dim + head_off;
+                    kr[u] = *reinterpret_cast<const uint4*>(key_cache + off);
+                    vr[u] = *reinterpret_cast<const uint4*>(value_cache + off);
+                }
+            }
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[gi][e] += p * v8[e];
+            for (int gi = 0; gi < HPP; ++gi) {
+                if (gi < gn) {  // uniform over the block
+                    const float* qg = q_s + (g0 + gi) * head_dim + sub * 8;
+                    float sc[U];
+                    float mn = m[gi];
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const unsigned int w[4] = {kr[u].x, kr[u].y, kr[u].z, kr[u].w};
+                        float a = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) a += bf16_lo(w[e]) * qg[2 * e] + bf16_hi(w[e]) * qg[2 * e + 1];
+                        for (int mm = lpk / 2; mm > 0; mm >>= 1) a += __shfl_xor_sync(0xffffffffu, a, mm);
+                        sc[u] = valid[u] ? a : FOLIO_NEG_INF;
+                        mn = fmaxf(mn, sc[u]);
+                    }
+                    if (mn == FOLIO_NEG_INF) continue;  // this lane has no key yet
+                    const float c = expf(m[gi] - mn);   // 0 while m is -inf: one rescale per U keys
+                    l[gi] *= c;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[gi][e] *= c;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const float pr = expf(sc[u] - mn);  // 0 for a key past the end
+                        l[gi] += pr;
+                        const unsigned int w[4] = {vr[u].x, vr[u].y, vr[u].z, vr[u].w};
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            acc[gi][2 * e] += pr * bf16_lo(w[e]);
+                            acc[gi][2 * e + 1] += pr * bf16_hi(w[e]);
+                        }
+                    }
+                    m[gi] = mn;
                 }
             }
         }
-        // lanes vec, vec + nvec, ... of a warp hold the same dims: xor-reduce over them
+        // lanes sub, sub + lpk, ... of a warp hold the same dims of other keys: merge them
 #pragma unroll
-        for (int gi = 0; gi < DECODE_HEADS_PER_PASS; ++gi)
+        for (int gi = 0; gi < HPP; ++gi)
+            for (int mm = lpk; mm < FOLIO_WARP; mm <<= 1) {
+                float a2[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-                for (int m = FOLIO_WARP / 2; m >= nvec; m >>= 1)
-                    acc[gi][e] += __shfl_xor_sync(0xffffffffu, acc[gi][e], m);
-        if (lane < nvec)
-            for (int gi = 0; gi < gn; ++gi)
+                for (int e = 0; e < 8; ++e) a2[e] = __shfl_xor_sync(0xffffffffu, acc[gi][e], mm);
+                const float m2 = __shfl_xor_sync(0xffffffffu, m[gi], mm);
+                const float l2 = __shfl_xor_sync(0xffffffffu, l[gi], mm);
+                online_merge(m[gi], l[gi], acc[gi], m2, l2, a2);
+            }
+        if (kslot == 0)
+            for (int gi = 0; gi < gn; ++gi) {
+                float* r = red + (warp * HPP + gi) * (head_dim + 2);
 #pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    red[(warp * DECODE_HEADS_PER_PASS + gi) * head_dim + vec * 8 + e] = acc[gi][e];
+                for (int e = 0; e < 8; ++e) r[sub * 8 + e] = acc[gi][e];
+                if (sub == 0) {
+                    r[head_dim] = m[gi];
+                    r[head_dim + 1] = l[gi];
+                }
+            }
         __syncthreads();
+        // the warps' partial results, merged: out = sum_w c_w acc_w / sum_w c_w l_w
         for (int i = tid; i < gn * head_dim; i += blockDim.x) {
             const int gi = i / head_dim, d = i % head_dim, g = g0 + gi;
-            float o = 0.0f;
-            for (int w = 0; w < nwarps; ++w) o += red[(w * DECODE_HEADS_PER_PASS + gi) * head_dim + d];
-            o *= 1.0f / stats[group + g];
+            float mx = FOLIO_NEG_INF;
+            for (int w = 0; w < nwarps; ++w) mx = fmaxf(mx, red[(w * HPP + gi) * (head_dim + 2) + head_dim]);
+            float o = 0.0f, den = 0.0f;
+            for (int w = 0; w < nwarps; ++w) {
+                const float* r = red + (w * HPP + gi) * (head_dim + 2);
+                const float c = r[head_dim] == FOLIO_NEG_INF ? 0.0f : expf(r[head_dim] - mx);
+                o += r[d] * c;
+                den += r[head_dim + 1] * c;
+            }
+            o *= 1.0f / den;
             const int h = kvh * group + g;
             if (P == 1) {
                 out[((long long)row * num_heads + h) * head_dim + d] = float_to_bf16(o);
@@ -165,8 +187,8 @@ extern "C" __global__ void paged_attention_decode_kernel(
                 const long long idx = ((long long)s * num_heads + h) * P + part;
                 tmp_out[idx * head_dim + d] = o;
                 if (d == 0) {
-                    max_logits[idx] = stats[g];
-                    exp_sums[idx] = stats[group + g];
+                    max_logits[idx] = mx;
+                    exp_sums[idx] = den;
                 }
             }
         }
@@ -174,7 +196,32 @@ extern "C" __global__ void paged_attention_decode_kernel(
     }
 }
 
-// Combines the partitions of paged_attention_decode_kernel: partition p's normalised output is
+// Entry points by heads per pass: the table takes h4 for GQA groups of up to 4 (fewer registers:
+// 4 x 8 accumulators a lane), h8 for larger groups (passes of 8 heads).
+// Occupancy of paged_attention_decode_h4_kernel: >= 4 blocks of 128 threads per SM with 10512 bytes of
+// dynamic shared memory (Llama-3.1-8B: group 4, head_dim 128, 512-token partitions, 16-token blocks):
+// each lane has 2 keys' K and V rows (64 bytes) in flight, so 4 blocks keep 32 KB in flight per SM,
+// above the ~25 KB that an H200's bandwidth-latency product (4.8 TB/s x ~0.7 us over 132 SMs) asks.
+// Occupancy of paged_attention_decode_h8_kernel: >= 3 blocks of 128 threads per SM with 20880 bytes of
+// dynamic shared memory (group 8, head_dim 128): 8 x 8 accumulators a lane; 24 KB in flight per SM.
+#define FOLIO_DECODE_PARAMS                                                                          \
+    bf16_t *__restrict__ out, float *__restrict__ tmp_out, float *__restrict__ max_logits,             \
+        float *__restrict__ exp_sums, const bf16_t *__restrict__ q, const bf16_t *__restrict__ key_cache, \
+        const bf16_t *__restrict__ value_cache, const int *__restrict__ block_tables,                  \
+        const int *__restrict__ seq_lens, const int *__restrict__ query_start_loc, float scale,       \
+        int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks, int partition_size
+#define FOLIO_DECODE_BODY(HPP)                                                                       \
+    {                                                                                                \
+        extern __shared__ __align__(16) unsigned char smem_raw[];                                    \
+        paged_attention_decode<HPP>(smem_raw, out, tmp_out, max_logits, exp_sums, q, key_cache,       \
+                                    value_cache, block_tables, seq_lens, query_start_loc, scale,     \
+                                    num_heads, num_kv_heads, head_dim, block_size, max_blocks,       \
+                                    partition_size);                                                 \
+    }
+extern "C" __global__ void paged_attention_decode_h4_kernel(FOLIO_DECODE_PARAMS) FOLIO_DECODE_BODY(4)
+extern "C" __global__ void paged_attention_decode_h8_kernel(FOLIO_DECODE_PARAMS) FOLIO_DECODE_BODY(8)
+
+// Combines the partitions of paged_attention_decode_h*_kernel: partition p's normalised output is
 // weighted by exp_sums[p] * exp(max_logits[p] - max) / sum over partitions of the same; the
 // result is rounded to bf16. grid = (num_heads, S); block = any.
 // Occupancy of paged_attention_reduce_kernel: >= 16 blocks of 128 threads per SM (all 2048 threads:

@@ -22,7 +22,9 @@ this launch code runs without a GPU too.
 
 Attention dispatch (documented rule): a step whose sequences all have one new token
 (``max_query_len == 1``) uses the decode kernel, one block per (KV head, sequence) serving the whole
-GQA group with 16-byte loads; when the longest context exceeds ``decode_partition_size`` (512
+GQA group with 16-byte loads in one online-softmax pass (FlashDecoding-style: K and V of two keys
+in flight per lane, the block-table row in shared memory; ``_h4`` for groups of up to 4 heads,
+``_h8`` in passes of 8 for larger ones); when the longest context exceeds ``decode_partition_size`` (512
 tokens) the context is split into partitions, one block each, and a reduce kernel combines them
 (split-K, vLLM's "v2"); partitions grow beyond 512 tokens so that there are never more than
 ``MAX_DECODE_PARTITIONS``. Any other step uses the tensor-core prefill kernel (64 rows of (token,
@@ -44,7 +46,7 @@ from .sources import KERNEL_FILES, kernel_names, kernel_source
 ATTN_THREADS = 128                 # threads per attention block (4 warps)
 DECODE_PARTITION_SIZE = 512        # tokens per decode partition (split-K above this context length)
 MAX_DECODE_PARTITIONS = 64         # partitions grow past 512 tokens rather than exceed this
-DECODE_HEADS_PER_PASS = 8          # must equal DECODE_HEADS_PER_PASS in attention.cu
+DECODE_HEADS_PER_PASS = (4, 8)     # the decode kernels' heads per pass (attention.cu's h4 / h8 entry points)
 PREFILL_ROWS = 64                  # must equal PREFILL_ROWS in attention.cu
 PREFILL_BK = {32: 64, 64: 64, 128: 64, 256: 32}  # keys per KV tile of the prefill kernel per head_dim
 HEAD_DIMS = tuple(PREFILL_BK)
@@ -437,14 +439,16 @@ class CudaKernels:
                 P, part = int(num_partitions), base
                 if P * part < max_seq_len:
                     raise ValueError(f"{P} partitions of {part} tokens cannot hold {max_seq_len} tokens")
-            smem = 4 * (group * D + group * part + 2 * group + 4 * DECODE_HEADS_PER_PASS * D)
+            hpp = 4 if group <= 4 else 8  # DECODE_HEADS_PER_PASS
+            table_len = (part // block_size + 2 + 3) // 4 * 4
+            smem = 4 * (group * D + table_len + (ATTN_THREADS // 32) * hpp * (D + 2))
             if P == 1:
                 tmp = ml = es = self._scratch("unused", (1,), np.float32)  # not read when P == 1
             else:
                 tmp = self._scratch("tmp_out", (S, H, P, D), np.float32)
                 ml = self._scratch("max_logits", (S, H, P), np.float32)
                 es = self._scratch("exp_sums", (S, H, P), np.float32)
-            self._launch("paged_attention_decode_kernel", (Hkv, S, P), (ATTN_THREADS,),
+            self._launch(f"paged_attention_decode_h{hpp}_kernel", (Hkv, S, P), (ATTN_THREADS,),
                          (out, tmp, ml, es, qb, key_cache, value_cache) + common +
                          (np.int32(D), np.int32(block_size), np.int32(block_tables.shape[1]), np.int32(part)),
                          shared_mem=smem)

@@ -129,7 +129,7 @@ def test_paged_attention_decode_batch_with_padding_and_partitions(kt):
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(128, 8, 2), (256, 8, 2), (128, 32, 4), (64, 16, 1)])
 def test_paged_attention_head_dims_and_groups(kt, head_dim, num_heads, num_kv_heads):
     # Llama-3-8B's head shape (128, GQA 4), the largest head_dim (256: KV tiles of 32 keys, more
-    # than 48 KiB of shared memory), a GQA group of 8 (two decode passes over V... once per 8 heads)
+    # than 48 KiB of shared memory), a GQA group of 8 (the decode kernel's h8 entry point, one pass)
     # and of 16 (4 tokens per prefill tile); a prefill chunk + a decode, then decodes only
     case = paged_attention_case(8, [(40, 21), (30, 1)], num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_dim=head_dim)

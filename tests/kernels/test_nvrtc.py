@@ -46,7 +46,8 @@ from folio.kernels.cuda import occupancy  # noqa: E402
 SM_ARCHS = ("sm_80", "sm_90")
 # every kernel a prefill or decode step launches: each must state the occupancy it needs
 HOT = ("rms_norm_kernel", "fused_add_rms_norm_kernel", "fused_add_rms_norm_rows_kernel", "rope_and_cache_kernel",
-       "silu_and_mul_kernel", "embedding_kernel", "paged_attention_decode_kernel", "paged_attention_reduce_kernel",
+       "silu_and_mul_kernel", "embedding_kernel", "paged_attention_decode_h4_kernel", "paged_attention_decode_h8_kernel",
+       "paged_attention_reduce_kernel",
        "paged_attention_prefill_d32_kernel", "paged_attention_prefill_d64_kernel",
        "paged_attention_prefill_d128_kernel", "paged_attention_prefill_d256_kernel", "sample_kernel")
 

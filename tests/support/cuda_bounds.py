@@ -108,9 +108,13 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     (tensor-core accumulation; then the scaling). With delta = max_j delta_j, every probability
     p_j = exp(s_j - m) / l moves by a factor within exp(2 delta) (first order 2 delta), plus expf's
     4u and the float32 sums of l and of P V (gamma_n each); the prefill kernel also rounds p_j to
-    bf16 for its P V product (2^-8). So |o - o_exact| <= (2.2 delta + 4u + 2 gamma_n + 2^-8 + 8u)
-    * A with A = sum_j p_j |v_j| (the 8u cover the normalisation and split-K's combination), plus
-    half a bf16 ulp of the output.
+    bf16 for its P V product (2^-8). The decode kernel's online softmax multiplies a lane's sums
+    by c = expf(m_old - m_new) at most once per two keys it reads and once per merge of lanes and
+    warps (at most n / 2 + 6 times): the same c scales a key's term in P V and in l, so each
+    rescaling's error (expf 4u, the product u) moves the keys' relative weights by at most 2 x 5u
+    (10u (n / 2 + 6) in all). So |o - o_exact| <= (2.2 delta + 4u + 2 gamma_n + 2^-8 + 8u +
+    10u (n / 2 + 6)) * A with A = sum_j p_j |v_j| (the 8u cover the normalisation and split-K's
+    combination), plus half a bf16 ulp of the output.
     """
     T, H, D = q.shape
     block_size, Hkv = key_cache.shape[1], key_cache.shape[2]
@@ -139,7 +143,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                 o = p @ vv
                 a = p @ np.abs(vv)
                 n = pos + 1
-                err = (2.2 * delta + 4 * U + 2 * gamma(n) + U_BF16 + 8 * U) * a
+                err = (2.2 * delta + 4 * U + 2 * gamma(n) + U_BF16 + 8 * U + 10 * U * (n / 2 + 6)) * a
                 out[start + i, h] = o
                 bound[start + i, h] = rounded_bound(np.abs(o), err) if rounded else err
     return out, bound
