@@ -434,10 +434,14 @@ __device__ __forceinline__ void prefill_attention_tile(
 // grid = (ceil(max_query_len / tokens_per_tile), num_kv_heads, S); block = 128 threads;
 // tokens_per_tile = 64 / group; dynamic shared memory = 2 * (64 * (D + 8) + BK * (D + 8) +
 // D * (BK + 8)) bytes with BK = 64 (32 for head_dim 256).
-// Occupancy of paged_attention_prefill_d32_kernel: >= 2 blocks of 128 threads per SM with 14848 bytes of dynamic shared memory
-// Occupancy of paged_attention_prefill_d64_kernel: >= 2 blocks of 128 threads per SM with 27648 bytes of dynamic shared memory
-// Occupancy of paged_attention_prefill_d128_kernel: >= 2 blocks of 128 threads per SM with 53248 bytes of dynamic shared memory
-// Occupancy of paged_attention_prefill_d256_kernel: >= 2 blocks of 128 threads per SM with 71168 bytes of dynamic shared memory
+// Occupancy of paged_attention_prefill_d32_kernel: >= 2 blocks of 128 threads per SM with 14848 bytes
+// of dynamic shared memory
+// Occupancy of paged_attention_prefill_d64_kernel: >= 2 blocks of 128 threads per SM with 27648 bytes
+// of dynamic shared memory
+// Occupancy of paged_attention_prefill_d128_kernel: >= 2 blocks of 128 threads per SM with 53248 bytes
+// of dynamic shared memory
+// Occupancy of paged_attention_prefill_d256_kernel: >= 2 blocks of 128 threads per SM with 71168 bytes
+// of dynamic shared memory
 // (two blocks: the K/V tile loads are synchronous, so while one block loads the other's mma.sync
 // keep the tensor cores busy; the S and O fragments take 110-250 registers per thread)
 #define FOLIO_PREFILL_PARAMS                                                                        \

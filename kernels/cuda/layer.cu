@@ -8,8 +8,8 @@
 #include "common.cuh"
 
 // out[t, :] = bf16(x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight).  grid = (T), block = 32k threads.
-// Occupancy of rms_norm_kernel: >= 8 blocks of 256 threads per SM (every thread the SM holds: a memory-bound pass over a row with 4-byte loads needs all its warps'
-// loads in flight)
+// Occupancy of rms_norm_kernel: >= 8 blocks of 256 threads per SM (every thread the SM holds: a
+// memory-bound pass over a row with 4-byte loads needs all its warps' loads in flight)
 extern "C" __global__ void rms_norm_kernel(bf16_t* __restrict__ out, const float* __restrict__ x,
                                            const bf16_t* __restrict__ weight, float eps, int hidden) {
     __shared__ float scratch[32];

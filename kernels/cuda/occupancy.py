@@ -11,6 +11,7 @@ The kernels state the occupancy they need in their doc comments, one line per ke
 
     // Occupancy of NAME: >= N blocks of T threads per SM [with S bytes of dynamic shared memory]
 
+(the words may run on over several comment lines)
 ``occupancy_claims`` reads those lines; tests/kernels/test_nvrtc.py holds each kernel to its claim
 on sm_80 and sm_90.
 """
@@ -46,8 +47,9 @@ def blocks_per_sm(arch: str, registers: int, threads: int, smem_bytes: int = 0) 
     return min(lim.max_blocks, lim.max_warps // warps, by_regs, lim.smem // smem)
 
 
-_CLAIM_RE = re.compile(r"//\s*Occupancy of (\w+): >= (\d+) blocks of (\d+) threads per SM"
-                       r"(?: with (\d+) bytes of dynamic shared memory)?")
+_W = r"(?:\s|//)+"  # the words of a claim may run on over comment lines
+_CLAIM_RE = re.compile(rf"//\s*Occupancy{_W}of{_W}(\w+):{_W}>={_W}(\d+){_W}blocks{_W}of{_W}(\d+){_W}threads{_W}per"
+                       rf"{_W}SM(?:{_W}with{_W}(\d+){_W}bytes{_W}of{_W}dynamic{_W}shared{_W}memory)?")
 
 
 def occupancy_claims(source: str) -> dict[str, tuple[int, int, int]]:

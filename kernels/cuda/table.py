@@ -24,12 +24,12 @@ Attention dispatch (documented rule): a step whose sequences all have one new to
 (``max_query_len == 1``) uses the decode kernel, one block per (KV head, sequence) serving the whole
 GQA group with 16-byte loads in one online-softmax pass (FlashDecoding-style: K and V of two keys
 in flight per lane, the block-table row in shared memory; ``_h4`` for groups of up to 4 heads,
-``_h8`` in passes of 8 for larger ones); when the longest context exceeds ``decode_partition_size`` (512
-tokens) the context is split into partitions, one block each, and a reduce kernel combines them
-(split-K, vLLM's "v2"); partitions grow beyond 512 tokens so that there are never more than
-``MAX_DECODE_PARTITIONS``. Any other step uses the tensor-core prefill kernel (64 rows of (token,
-head of the GQA group) per block, K/V tiles read once for the group, mma.sync bf16), which also
-handles the decode rows of a mixed step. head_dim must be 32, 64, 128 or 256.
+``_h8`` in passes of 8 for larger ones); when the longest context exceeds
+``decode_partition_size`` (512 tokens) the context is split into partitions, one block each, and a
+reduce kernel combines them (split-K, vLLM's "v2"); partitions grow beyond 512 tokens so that there
+are never more than ``MAX_DECODE_PARTITIONS``. Any other step uses the tensor-core prefill kernel
+(64 rows of (token, head of the GQA group) per block, K/V tiles read once for the group, mma.sync
+bf16), which also handles the decode rows of a mixed step. head_dim must be 32, 64, 128 or 256.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ captured per (batch bucket, partition bucket): the batch is padded to the next b
 ``max_num_seqs`` itself, vLLM's capture sizes) with rows that belong to no sequence (slot -1, empty
 query range), so the matrix products run at most 7 padding rows (powers of two would run up to
 2x the real rows); the context is padded to a power-of-two count of 512-token decode partitions.
-One graph serves every step of that shape. The graph reads its inputs from fixed offsets of the upload buffer and writes the
-logits to a fixed buffer; the sampler runs after it as usual. Capture goes through
+One graph serves every step of that shape. The graph reads its inputs from fixed offsets of the
+upload buffer and writes the logits to a fixed buffer; the sampler runs after it as usual. Capture goes through
 ``kernels.capture()`` (kernels/cuda/device.py; on a GPU CuPy's stream capture, with cuBLAS called as
 kernels/cuda/cublas.py explains); a capture that fails turns graphs off for the engine
 (``enforce_eager`` turns them off from the start).
