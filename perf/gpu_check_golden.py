@@ -182,7 +182,9 @@ def hf_compare(dry: bool) -> dict:
         synthetic_tokenizer(d, cfg["vocab_size"])
         write_bf16_safetensors(os.path.join(d, "model.safetensors"), dummy_weights(config, seed=3))
         try:
-            import torch  # noqa: F401
+            import torch
+            if dry and not torch.cuda.is_available():  # a CPU-only torch: the dry run's reference
+                raise ImportError("torch has no CUDA")
             ref = _Transformers(d)
         except ImportError as e:
             if not dry:

@@ -356,7 +356,7 @@ def main(argv=None) -> int:
                       f"decode {r['decode_s']:.3f} s ({wb['decode_steps']} steps, mean {r['mean_decode_step_ms']:.2f} ms)"
                       f" = {r['seconds']:.3f} s: {r['output_tokens_per_s']:,.0f} output tok/s")
             step = measured.get("steps", {}).get(BENCH_STEPS.get(model, ""), {})
-            if step.get("result", {}).get("ok"):
+            if step.get("result", {}).get("ok") and step["result"].get("model") == model:
                 m = measured_figures(step)
                 m["fraction_of_ideal_bound"] = m["output_tokens_per_s"] / wb["ideal"]["output_tokens_per_s"]
                 cres["measured"] = m
