@@ -36,7 +36,7 @@ import numpy as np
 
 __all__ = [   # the kernels (float32_to_bf16_bits, bf16_bits_to_float32, kv_cache_values: the cache's helpers)
     "paged_attention",
-    "reshape_and_cache",
+    "reshape_and_cache",   # with rotary_embedding: the two parts of rope_and_cache's spec
     "copy_blocks",
     "rms_norm",
     "fused_add_rms_norm",

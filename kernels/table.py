@@ -67,10 +67,6 @@ class KernelTable(Protocol):
         queries ``[T, H, D]`` (``reference.rope_and_cache``)."""
         ...
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        """Write ``key, value [T, Hkv, D]`` into the caches at ``slot_mapping [T]`` (-1 = skip)."""
-        ...
-
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         """Copy whole blocks ``block_mapping [N, 2]`` (src, dst) in every layer's caches."""
         ...
@@ -82,10 +78,6 @@ class KernelTable(Protocol):
     def fused_add_rms_norm(self, x, residual, weight, eps, *, out=None, residual_out=None, rows=None):
         """``residual += x`` then RMSNorm (of ``rows`` only, when given); returns ``(normed,
         residual)``."""
-        ...
-
-    def rotary_embedding(self, positions, q, k, cos_sin_cache):
-        """RoPE on ``q [T, H, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``; returns ``(q, k)``."""
         ...
 
     def silu_and_mul(self, x, *, out=None):

@@ -56,19 +56,20 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
 
-    from folio.model.simple_generate import generate_ids
     from folio.model.loader import load_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.greedy import greedy_generate
 
     model, config, _ = load_model(args.model, device=args.device)
     golden = json.loads((Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2_135m.json").read_text())
     base = next(c for c in golden["greedy_cases"] if c["id"] == "d")["prompt_ids"]
     prompt = [base[i % len(base)] for i in range(args.prompt_len)]
 
-    generate_ids(model, config, prompt[:20], max_tokens=3, ignore_eos=True)  # compile / warm caches
+    greedy_generate(model, config, prompt[:20], max_tokens=3, ignore_eos=True)  # compile / warm caches
     prefill_s, decode_tps = float("inf"), 0.0
     wall0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(args.repeat):
-        out = generate_ids(model, config, prompt, max_tokens=args.decode_tokens + 1, ignore_eos=True)
+        out = greedy_generate(model, config, prompt, max_tokens=args.decode_tokens + 1, ignore_eos=True)
         prefill_s = min(prefill_s, out["prefill_seconds"])
         decode_tps = max(decode_tps, out["decode_tokens_per_s"])
     # CPU seconds this process got per wall second (all its threads); < threads when others compete

@@ -29,8 +29,10 @@ from folio.kernels import get_kernels
 from folio.model.config import ModelConfig
 from folio.model.llama import LlamaForCausalLM
 from folio.model.registry import float32_import, resolve_model
-from folio.model.simple_generate import generate_ids
 from folio.model.weights import load_weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.greedy import greedy_generate  # noqa: E402 - the tests' single-sequence loop
 
 _INT8_MAX_TOKENS = 16   # quant_linear.INT8_MAX_TOKENS (Q4_1 and Q8_0, the default model's types)
 
@@ -71,8 +73,8 @@ def main(argv=None):
         want = case["generated_ids_32_ignore_eos"][:a.max_tokens]
         line = [f"case {case['id']} ({len(case['prompt_ids'])} prompt tokens):"]
         for act, model in runs.items():
-            got = generate_ids(model, config, case["prompt_ids"], max_tokens=len(want), temperature=0.0,
-                               ignore_eos=True)["generated_ids"]
+            got = greedy_generate(model, config, case["prompt_ids"], max_tokens=len(want),
+                                  ignore_eos=True)["generated_ids"]
             agree = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), len(want))
             line.append(f"{act} {agree}/{len(want)} tokens agree")
         print("  ".join(line), flush=True)

@@ -1,4 +1,4 @@
-"""Numba row kernels: the KV-cache append and block copies, RMSNorm, RoPE, SiLU-and-mul, embedding.
+"""Numba row kernels: KV block copies, RMSNorm, RoPE with the KV-cache append, SiLU-and-mul, embedding.
 
 Every public function has the signature of its ``kernels/reference.py`` twin (see that module for
 the batch, KV-cache and slot-mapping conventions) and is tested against it in
@@ -31,33 +31,6 @@ _ROWS_PER_ITEM = 16                  # row ops: rows per work item of a parallel
 # ----------------------------------------------------------------------------------------------
 # KV cache
 # ----------------------------------------------------------------------------------------------
-
-
-@njit(cache=True)
-def _reshape_and_cache_kernel(key, value, key_cache, value_cache, slot_mapping):
-    block_size = key_cache.shape[1]
-    Hkv, D = key.shape[1], key.shape[2]
-    for t in range(slot_mapping.shape[0]):
-        slot = slot_mapping[t]
-        if slot < 0:
-            continue
-        b = slot // block_size
-        o = slot - b * block_size
-        for h in range(Hkv):
-            for d in range(D):
-                key_cache[b, o, h, d] = from_f32(key[t, h, d], key_cache)
-                value_cache[b, o, h, d] = from_f32(value[t, h, d], value_cache)
-
-
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-    """Write this step's K/V ``[T, num_kv_heads, head_dim]`` into cache slots, in place.
-
-    Same contract as ``reference.reshape_and_cache`` (slot -1 skipped). ``key``/``value`` may be
-    strided views (e.g. slices of a fused QKV projection). The caches are float32 or bfloat16
-    bits as uint16 (each value rounded to nearest even, ``kernels/cpu/kv_dtype.py``).
-    """
-    _reshape_and_cache_kernel(key, value, key_cache, value_cache,
-                              np.asarray(slot_mapping, dtype=np.int64))
 
 
 @njit(cache=True)
@@ -177,10 +150,6 @@ def _tasks(n_elements: int, n_rows: int) -> int:
     return row_tasks(n_elements, n_rows, num_threads())
 
 
-def _counter():
-    return np.zeros(1, np.int64)
-
-
 def rms_norm(x, weight, eps, out=None):
     """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x**2, -1) + eps) * weight``.
 
@@ -211,55 +180,6 @@ def fused_add_rms_norm(x, residual, weight, eps, out=None, residual_out=None, ro
         fused_add_rms_norm_into(x, residual, weight, float(eps), out, new_residual, _tasks(x.size, x.shape[0]),
                                 _ROWS_PER_ITEM)
     return out, new_residual
-
-
-@njit(cache=True, fastmath=True)
-def _rotary_rows(positions, x, cos_sin_cache, out, t0, t1):
-    H, D = x.shape[1], x.shape[2]
-    half = D // 2
-    for t in range(t0, t1):
-        p = positions[t]
-        for h in range(H):
-            for i in range(half):
-                c = cos_sin_cache[p, i]
-                s = cos_sin_cache[p, half + i]
-                x1 = x[t, h, i]
-                x2 = x[t, h, half + i]
-                out[t, h, i] = x1 * c - x2 * s
-                out[t, h, half + i] = x2 * c + x1 * s
-
-
-@njit(parallel=True, cache=True)
-def _rotary_parallel(positions, x, cos_sin_cache, out, rows, n_tasks, counter):
-    T = x.shape[0]
-    for _task in prange(n_tasks):
-        while True:
-            i = fetch_add(counter, 1)
-            if i >= (T + rows - 1) // rows:
-                break
-            _rotary_rows(positions, x, cos_sin_cache, out, i * rows, min(T, (i + 1) * rows))
-
-
-def rotary_embedding(positions, q, k, cos_sin_cache):
-    """RoPE (Su et al. 2021) in the rotate-half layout; returns new ``(q_rot, k_rot)`` float32.
-
-    ``positions [T]`` int64, ``q [T, num_heads, head_dim]``, ``k [T, num_kv_heads, head_dim]``
-    (strided views allowed), ``cos_sin_cache [max_position, head_dim]`` from
-    ``reference.rope_cos_sin_cache``. Outputs are contiguous.
-    """
-    pos = np.asarray(positions, dtype=np.int64)
-    T = q.shape[0]
-    outs = []
-    for x in (q, k):
-        out = np.empty(x.shape, dtype=_F32)
-        n = _tasks(x.size, T)
-        if n == 1:
-            _rotary_rows(pos, x, cos_sin_cache, out, 0, T)
-        else:
-            with region_guard():
-                _rotary_parallel(pos, x, cos_sin_cache, out, _ROWS_PER_ITEM, n, _counter())
-        outs.append(out)
-    return outs[0], outs[1]
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")

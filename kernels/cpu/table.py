@@ -25,8 +25,7 @@ from .linear import linear as _float_linear
 from . import quant_int8
 from .memory import huge_page_zeros
 from .quant_linear import interleaved_embedding, kernel_layout, quant_embedding, quant_kernel_type
-from .rows import (copy_blocks, fused_add_rms_norm, reshape_and_cache, rms_norm, rope_and_cache, rotary_embedding,
-                   silu_and_mul)
+from .rows import copy_blocks, fused_add_rms_norm, rms_norm, rope_and_cache, silu_and_mul
 from .rows import embedding as _float_embedding
 from .rows import prepare_weight as _float_prepare_weight
 
@@ -72,11 +71,9 @@ def prepare_weight(w):
 
 __all__ = [
     "paged_attention",
-    "reshape_and_cache",
     "copy_blocks",
     "rms_norm",
     "fused_add_rms_norm",
-    "rotary_embedding",
     "rope_and_cache",
     "silu_and_mul",
     "linear",
@@ -94,13 +91,11 @@ CPU_KERNELS = SimpleNamespace(
     act_dtype=np.dtype(np.float32),
     matmul_input_dtype=np.dtype(np.float32),
     paged_attention=paged_attention,
-    reshape_and_cache=reshape_and_cache,
     copy_blocks=copy_blocks,
     rms_norm=rms_norm,
     fused_add_rms_norm=fused_add_rms_norm,
     rope_inv_freq=reference.rope_inv_freq,
     rope_cos_sin_cache=reference.rope_cos_sin_cache,
-    rotary_embedding=rotary_embedding,
     rope_and_cache=rope_and_cache,
     silu_and_mul=silu_and_mul,
     linear=linear,

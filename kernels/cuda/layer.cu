@@ -1,10 +1,10 @@
 // Per-token layer kernels of the Llama block: RMSNorm (plain, fused with the residual add, and the
-// final norm over gathered rows), RoPE (rotate-half layout; alone, and fused with the KV-cache
-// append), SiLU-and-mul, the embedding gather and bf16 <-> float32 casts.
+// final norm over gathered rows), RoPE (rotate-half layout) fused with the KV-cache append,
+// SiLU-and-mul, the embedding gather and bf16 <-> float32 casts.
 // The residual stream is float32; a kernel whose output feeds a matrix product (the norms,
 // SiLU-and-mul, the rotated queries) rounds it to bf16 itself, so no separate cast runs.
 // Weights are bf16 bit patterns. Specs: kernels/reference.py (rms_norm, fused_add_rms_norm,
-// rotary_embedding, rope_and_cache, silu_and_mul).
+// rope_and_cache, silu_and_mul).
 #include "common.cuh"
 
 // out[t, :] = bf16(x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight).  grid = (T), block = 32k threads.
@@ -63,37 +63,6 @@ extern "C" __global__ void fused_add_rms_norm_rows_kernel(bf16_t* __restrict__ o
     const float inv = rsqrtf(block_sum(ss, scratch) / (float)hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
         out[dst + i] = float_to_bf16((x[src + i] + residual[src + i]) * inv * bf16_to_float(weight[i]));
-}
-
-// Rotate-half RoPE of q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] (float32) with
-// cos_sin_cache [max_pos, head_dim] (cos half then sin half). Outputs may alias inputs.
-// grid = (T), block = any.
-extern "C" __global__ void rotary_embedding_kernel(float* q_out, float* k_out, const float* q,
-                                                   const float* k,
-                                                   const long long* __restrict__ positions,
-                                                   const float* __restrict__ cos_sin_cache,
-                                                   int num_heads, int num_kv_heads, int head_dim) {
-    const int t = blockIdx.x, half = head_dim / 2;
-    const float* cs = cos_sin_cache + positions[t] * (long long)head_dim;
-    const int n = (num_heads + num_kv_heads) * half;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int head = i / half, d = i % half;
-        const float c = cs[d], s = cs[half + d];
-        const float* src;
-        float* dst;
-        if (head < num_heads) {
-            const long long off = ((long long)t * num_heads + head) * head_dim;
-            src = q + off;
-            dst = q_out + off;
-        } else {
-            const long long off = ((long long)t * num_kv_heads + (head - num_heads)) * head_dim;
-            src = k + off;
-            dst = k_out + off;
-        }
-        const float x1 = src[d], x2 = src[half + d];
-        dst[d] = x1 * c - x2 * s;
-        dst[half + d] = x2 * c + x1 * s;
-    }
 }
 
 // RoPE fused with the KV-cache append, reading q/k/v straight from the fused projection: row t of

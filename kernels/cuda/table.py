@@ -307,25 +307,6 @@ class CudaKernels:
                          (out, residual_out, x, residual, w, np.float32(eps), np.int32(hidden)))
         return out, residual_out
 
-    def rotary_embedding(self, positions, q, k, cos_sin_cache):
-        """Spec: reference.rotary_embedding (rotate-half), float32 in and out. Returns new ``(q, k)``.
-
-        Raises:
-            ValueError: the cache's row width differs from head_dim (partial rotary unsupported).
-        """
-        positions = self._c(positions, np.int64)
-        q = self._c(q, np.float32)
-        k = self._c(k, np.float32)
-        cache = self._c(cos_sin_cache, np.float32)
-        T, H, D = q.shape
-        if cache.shape[1] != D:
-            raise ValueError(f"cos_sin_cache rows of {cache.shape[1]} != head_dim {D}")
-        q_out, k_out = self.xp.empty_like(q), self.xp.empty_like(k)
-        if T:
-            self._launch("rotary_embedding_kernel", (T,), (128,),
-                         (q_out, k_out, q, k, positions, cache, np.int32(H), np.int32(k.shape[1]), np.int32(D)))
-        return q_out, k_out
-
     def rope_and_cache(self, positions, qkv, cos_sin_cache, key_cache, value_cache, slot_mapping,
                        num_heads, num_kv_heads, out=None):
         """Spec: reference.rope_and_cache, one launch: RoPE of the q and k parts of the fused
@@ -361,20 +342,6 @@ class CudaKernels:
         return out
 
     # ---- KV cache ------------------------------------------------------------------------------
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
-        """Spec: reference.reshape_and_cache; caches are bf16 (uint16) and written in place."""
-        key = self._c(key, np.float32)
-        value = self._c(value, np.float32)
-        slot_mapping = self._c(slot_mapping, np.int64)
-        T, Hkv, D = key.shape
-        if key_cache.dtype != np.uint16 or key_cache.shape[2:] != (Hkv, D):
-            raise ValueError(f"key_cache must be uint16 [blocks, block_size, {Hkv}, {D}], got "
-                             f"{key_cache.dtype} {tuple(key_cache.shape)}")
-        if T:
-            self._launch("reshape_and_cache_kernel", (T,), (128,),
-                         (key, value, key_cache, value_cache, slot_mapping, np.int32(Hkv), np.int32(D),
-                          np.int64(Hkv * D), np.int64(Hkv * D)))
-
     def copy_blocks(self, key_caches, value_caches, block_mapping):
         """Spec: reference.copy_blocks (every layer, one launch). The per-layer cache addresses are
         uploaded once per set of caches."""

@@ -477,15 +477,18 @@ def attention(threads: int, contexts=(128, 512, 2048), decode_seqs: int = 16, re
 def model_decode(threads: int, model: str = "smollm2-135m-instruct", prompt_len: int = 300, tokens: int = 64,
                  repeat: int = 2) -> dict:
     """Single-sequence greedy decode of ``model`` (context prompt_len .. +tokens), tokens/s."""
+    import pathlib
+    import sys
     from folio.model.loader import load_model
-    from folio.model.simple_generate import generate_ids
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+    from support.greedy import greedy_generate   # the tests' single-sequence loop
     _set_threads(threads)
     net, config, _ = load_model(model, device="cpu")
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, config.vocab_size - 100, prompt_len)]
-    generate_ids(net, config, prompt[:20], max_tokens=3, ignore_eos=True)
+    greedy_generate(net, config, prompt[:20], max_tokens=3, ignore_eos=True)
     best = 0.0
     for _ in range(repeat):
-        r = generate_ids(net, config, prompt, max_tokens=tokens + 1, ignore_eos=True)
+        r = greedy_generate(net, config, prompt, max_tokens=tokens + 1, ignore_eos=True)
         best = max(best, r["decode_tokens_per_s"])
     seen, wbytes = set(), 0
     for a in [net.embed_tokens, net.lm_head, net.norm] + [v for layer in net.layers for v in vars(layer).values()]:

@@ -10,7 +10,7 @@ Cases are the shared random cases of tests/support/kernel_cases.py (the CPU kern
 bf16 storage: caches, weights and the queries are rounded to bf16 first and the reference is given
 the rounded values; the kernels' own bf16 roundings (norm, activation and attention outputs, the
 prefill's probabilities) and float32 accumulation are what the bounds allow for. Pure data movement
-(reshape_and_cache, copy_blocks, casts, embedding) is checked bit for bit.
+(copy_blocks, casts, embedding; the values rope_and_cache stores) is checked bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 import pytest
-from support.kernel_cases import cases_for, copy_case, paged_attention_case
+from support.kernel_cases import cases_for, paged_attention_case
 
 from support import cuda_bounds as B
 from folio.kernels.cuda import sources as cuda_sources
@@ -158,23 +158,6 @@ def test_paged_attention_unused_table_entries_ignored(kt):
     np.testing.assert_array_equal(a, b)
 
 
-RC_CASES = cases_for("reshape_and_cache")
-
-
-@pytest.mark.parametrize("case_id,build", RC_CASES, ids=_ids(RC_CASES))
-def test_reshape_and_cache(kt, case_id, build):
-    case = build()
-    kc, kc32 = _to_dev_bf16(kt, case["key_cache"])
-    vc, vc32 = _to_dev_bf16(kt, case["value_cache"])
-    want = copy_case({**case, "key_cache": kc32, "value_cache": vc32})
-    reference.reshape_and_cache(**want)
-    xp = kt.xp
-    kt.reshape_and_cache(xp.asarray(case["key"]), xp.asarray(case["value"]), kc, vc,
-                         xp.asarray(case["slot_mapping"]))
-    np.testing.assert_array_equal(kt.to_numpy(kc), float32_to_bf16_bits(want["key_cache"]))
-    np.testing.assert_array_equal(kt.to_numpy(vc), float32_to_bf16_bits(want["value_cache"]))
-
-
 @pytest.mark.parametrize("slots_padding", [0, 5])
 def test_rope_and_cache_reads_the_fused_projection(kt, slots_padding):
     # spec: reference.rope_and_cache (RoPE of the q and k slices, then the cache append); the
@@ -269,20 +252,6 @@ def test_fused_add_rms_norm(kt, case_id, build):
                                        rows=xp.asarray(rows))
     assert none is None
     np.testing.assert_array_equal(kt.to_numpy(out3), kt.to_numpy(out)[rows])
-
-
-RO_CASES = cases_for("rotary_embedding")
-
-
-@pytest.mark.parametrize("case_id,build", RO_CASES, ids=_ids(RO_CASES))
-def test_rotary_embedding(kt, case_id, build):
-    case = build()
-    xp = kt.xp
-    got_q, got_k = kt.rotary_embedding(xp.asarray(case["positions"]), xp.asarray(case["q"]),
-                                       xp.asarray(case["k"]), xp.asarray(case["cos_sin_cache"]))
-    for got, x in ((got_q, case["q"]), (got_k, case["k"])):
-        y, bound = B.rope(case["positions"], x, case["cos_sin_cache"], rounded=False)
-        B.check(kt.to_numpy(got), y, bound + B.U * np.abs(y), case_id)  # + the float32 result's rounding
 
 
 SM_CASES = cases_for("silu_and_mul")

@@ -407,30 +407,6 @@ def test_paged_attention_never_reads_what_it_does_not_own(threads, index_dtype, 
     assert np.all(got[n_valid:] == 0), "padding rows must be zero"
 
 
-@pytest.mark.parametrize("case_id,build", cases_for("reshape_and_cache"), ids=_ids(cases_for("reshape_and_cache")))
-def test_reshape_and_cache(case_id, build):
-    case = build()
-    want, got = copy_case(case), copy_case(case)
-    reference.reshape_and_cache(**want)
-    cpu.reshape_and_cache(**got)
-    np.testing.assert_array_equal(got["key_cache"], want["key_cache"])
-    np.testing.assert_array_equal(got["value_cache"], want["value_cache"])
-
-
-def test_reshape_and_cache_strided_views():
-    # K and V as slices of one fused projection, the way the forward pass passes them
-    case = cases_for("reshape_and_cache")[0][1]()
-    T, Hkv, D = case["key"].shape
-    fused = np.concatenate([case["key"].reshape(T, -1), case["value"].reshape(T, -1)], axis=1)
-    k_view = fused[:, : Hkv * D].reshape(T, Hkv, D)
-    v_view = fused[:, Hkv * D:].reshape(T, Hkv, D)
-    want, got = copy_case(case), copy_case(case)
-    reference.reshape_and_cache(**want)
-    cpu.reshape_and_cache(k_view, v_view, got["key_cache"], got["value_cache"], got["slot_mapping"])
-    np.testing.assert_array_equal(got["key_cache"], want["key_cache"])
-    np.testing.assert_array_equal(got["value_cache"], want["value_cache"])
-
-
 @pytest.mark.parametrize("case_id,build", cases_for("copy_blocks"), ids=_ids(cases_for("copy_blocks")))
 def test_copy_blocks(case_id, build):
     case = build()
@@ -464,31 +440,9 @@ def test_fused_add_rms_norm(case_id, build):
     np.testing.assert_array_equal(case["residual"], r0)
 
 
-@pytest.mark.parametrize("case_id,build", cases_for("rotary_embedding"), ids=_ids(cases_for("rotary_embedding")))
-def test_rotary_embedding(case_id, build):
-    case = build()
-    q, k = cpu.rotary_embedding(**case)
-    wq, wk = reference.rotary_embedding(**case)
-    for got, want, x in ((q, wq, case["q"]), (k, wk, case["k"])):
-        assert np.all(np.abs(got.astype(np.float64) - want) <= _rotary_bound(x, case["positions"], case["cos_sin_cache"]))
-
-
-def test_rotary_embedding_strided_views():
-    case = rotary_embedding_case(7)
-    T = case["q"].shape[0]
-    fused = np.concatenate([case["q"].reshape(T, -1), case["k"].reshape(T, -1)], axis=1)
-    nq = case["q"][0].size
-    q_view = fused[:, :nq].reshape(case["q"].shape)
-    k_view = fused[:, nq:].reshape(case["k"].shape)
-    q, k = cpu.rotary_embedding(case["positions"], q_view, k_view, case["cos_sin_cache"])
-    wq, wk = reference.rotary_embedding(**case)
-    for got, want, x in ((q, wq, case["q"]), (k, wk, case["k"])):
-        assert np.all(np.abs(got.astype(np.float64) - want) <= _rotary_bound(x, case["positions"], case["cos_sin_cache"]))
-
-
 @pytest.mark.parametrize("num_padding", [0, 3])
 def test_rope_and_cache(num_padding):
-    # the fused pass against the spec: the same rotation (same bound as rotary_embedding), the
+    # the fused pass against the spec: the rotation within _rotary_bound, the
     # values copied exactly, padding slots (-1) untouched, strided rows of a wider projection
     rng = np.random.default_rng(num_padding)
     T, H, Hkv, D, bs, nb = 37, 9, 3, 64, 16, 5
@@ -624,13 +578,17 @@ def test_bf16_rounding_of_the_reference_is_round_to_nearest_even():
     assert got[-4] == 0x8000 and got[-5] == 0
     m = finite & np.isfinite(back)
     assert np.all(np.abs(back[m] - x64[m]) <= U_BF16 * np.abs(x64[m]))
-    # the kernels' own rounding (kv_dtype.from_f32 through reshape_and_cache) is the spec's, bit for bit
+    # the kernels' own rounding (kv_dtype.from_f32, as rope_and_cache stores the values) is the
+    # spec's, bit for bit (the keys are rotated first: test_rope_and_cache_bf16 bounds them)
     n = x.size // 8 * 8
-    key = x[:n].reshape(-1, 2, 4)
-    kc = np.zeros((key.shape[0], 1, 2, 4), np.uint16)
+    H, Hkv, D = 2, 2, 4
+    qkv = np.zeros((n // (Hkv * D), (H + 2 * Hkv) * D), np.float32)
+    qkv[:, (H + Hkv) * D:] = x[:n].reshape(-1, Hkv * D)
+    kc = np.zeros((qkv.shape[0], 1, Hkv, D), np.uint16)
     vc = np.zeros_like(kc)
-    cpu.reshape_and_cache(key, key, kc, vc, np.arange(key.shape[0], dtype=np.int64))
-    np.testing.assert_array_equal(kc.reshape(-1), got[:n])
+    cs = reference.rope_cos_sin_cache(reference.rope_inv_freq(D, 10000.0), 1)
+    rows = np.arange(qkv.shape[0], dtype=np.int64)
+    cpu.rope_and_cache(np.zeros_like(rows), qkv, cs, kc, vc, rows, H, Hkv)
     np.testing.assert_array_equal(vc.reshape(-1), got[:n])
 
 
@@ -667,20 +625,6 @@ def test_paged_attention_bf16_cache_against_float32(case_id):
     err = np.abs(got.astype(np.float64) - want)
     assert np.all(err <= bound), float(np.max(err - bound))
     assert err.max() > 0   # the rounding is there (the comparison is not of two float32 runs)
-
-
-@pytest.mark.parametrize("case_id,build", cases_for("reshape_and_cache"), ids=_ids(cases_for("reshape_and_cache")))
-def test_reshape_and_cache_bf16(case_id, build):
-    # each value stored rounded to bfloat16 as the spec rounds it, skipped slots untouched
-    case = build()
-    for name in ("key_cache", "value_cache"):
-        case[name] = reference.float32_to_bf16_bits(case[name])
-    want, got = copy_case(case), copy_case(case)
-    reference.reshape_and_cache(**want)
-    cpu.reshape_and_cache(**got)
-    assert got["key_cache"].dtype == np.uint16
-    np.testing.assert_array_equal(got["key_cache"], want["key_cache"])
-    np.testing.assert_array_equal(got["value_cache"], want["value_cache"])
 
 
 def test_rope_and_cache_bf16():

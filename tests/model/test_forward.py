@@ -173,10 +173,9 @@ def test_missing_tensor_is_named(tiny):
 
 def greedy(model, config, prompt_ids, max_tokens, stop_at_eos):
     """Greedy generation through the paged cache: one prefill step then one decode step per token."""
-    from folio.model.simple_generate import generate_ids
+    from support.greedy import greedy_generate
 
-    return generate_ids(model, config, prompt_ids, max_tokens=max_tokens, temperature=0.0,
-                        ignore_eos=not stop_at_eos)["generated_ids"]
+    return greedy_generate(model, config, prompt_ids, max_tokens=max_tokens, ignore_eos=not stop_at_eos)["generated_ids"]
 
 
 @pytest.mark.parametrize("case_id", ["a", "b", "d", "e"])

@@ -65,7 +65,7 @@ def rms_norm(x, weight, eps, rounded=True):
     w = np.asarray(weight, dtype=np.float64)
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
     err = (gamma(x.shape[-1]) / 2 + 7 * U) * np.abs(y) * 1.01
-    return y, rounded_bound(np.abs(y), err) if rounded else err
+    return y, rounded_bound(np.abs(y), err)
 
 
 def silu_and_mul(x, rounded=True):
@@ -76,10 +76,10 @@ def silu_and_mul(x, rounded=True):
     g, u = x[..., :inter], x[..., inter:]
     y = g / (1.0 + np.exp(-g)) * u
     err = 8 * U * np.abs(y) * 1.01
-    return y, rounded_bound(np.abs(y), err) if rounded else err
+    return y, rounded_bound(np.abs(y), err)
 
 
-def rope(positions, x, cos_sin_cache, rounded=True):
+def rope(positions, x, cos_sin_cache):
     """[x1 c - x2 s, x2 c + x1 s] with float32 c, s taken as exact inputs: two products and a sum,
     gamma_3 (|x1 c| + |x2 s|)."""
     half = cos_sin_cache.shape[1] // 2
@@ -89,7 +89,7 @@ def rope(positions, x, cos_sin_cache, rounded=True):
     y = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     mag = np.concatenate([np.abs(x1 * c) + np.abs(x2 * s), np.abs(x2 * c) + np.abs(x1 * s)], axis=-1)
     err = gamma(3) * mag * 1.01
-    return y, rounded_bound(np.abs(y), err) if rounded else err
+    return y, rounded_bound(np.abs(y), err)
 
 
 def linear(x, w):

@@ -129,10 +129,3 @@ class SpecCheckedKernels:
         decode = int(np.diff(qsl).max()) == 1
         self.checked["paged_attention/" + ("decode" if decode else "prefill")] += 1
         return r
-
-    def rotary_embedding(self, positions, q, k, cos_sin_cache):
-        raise AssertionError("the forward pass runs rope_and_cache, not rotary_embedding")
-
-    def reshape_and_cache(self, *a, **kw):
-        raise AssertionError("the forward pass runs rope_and_cache, not reshape_and_cache")
-

@@ -3,8 +3,7 @@
 Each ``*_case`` function returns a dict of NumPy inputs whose keys are exactly the keyword
 arguments of the matching function in ``kernels/reference.py``, so that
 ``reference.op(**case)`` and ``kernels.op(**case)`` (after moving arrays to the device) are
-called the same way. In-place ops (``reshape_and_cache``, ``copy_blocks``) must be given copies:
-use ``copy_case(case)``.
+called the same way. In-place ops (``copy_blocks``) must be given copies: use ``copy_case(case)``.
 
 ``CASES`` maps an op name to a list of ``(case_id, builder)`` pairs; ``builder()`` returns a
 fresh case dict (deterministic: every builder has its own seed). Tests parametrize over
@@ -21,7 +20,6 @@ from folio.kernels import reference
 
 __all__ = [
     "paged_attention_case",
-    "reshape_and_cache_case",
     "copy_blocks_case",
     "rms_norm_case",
     "fused_add_rms_norm_case",
@@ -79,22 +77,6 @@ def paged_attention_case(seed, seqs, num_heads=6, num_kv_heads=2, head_dim=32, b
         "seq_lens": np.array([ctx for ctx, _ in seqs], dtype=np.int32),
         "query_start_loc": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
         "scale": float(head_dim ** -0.5),
-    }
-
-
-def reshape_and_cache_case(seed, num_tokens=40, num_kv_heads=3, head_dim=16, block_size=16,
-                           num_blocks=8, num_padding=5):
-    """New K/V rows written to distinct random slots; ``num_padding`` rows get slot -1."""
-    rng = np.random.default_rng(seed)
-    slots = rng.choice(num_blocks * block_size, size=num_tokens, replace=False).astype(np.int64)
-    slots[rng.choice(num_tokens, size=num_padding, replace=False)] = -1
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return {
-        "key": rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32),
-        "value": rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32),
-        "key_cache": rng.standard_normal(shape).astype(np.float32),
-        "value_cache": rng.standard_normal(shape).astype(np.float32),
-        "slot_mapping": slots,
     }
 
 
@@ -185,12 +167,6 @@ CASES: dict[str, list] = {
         ("multi_token_decodes_gqa3", _pa(51, [(260, 2), (70, 1)], num_heads=6, num_kv_heads=2)),
         ("contiguous_blocks", _pa(48, [(40, 4), (33, 1)], shuffle_blocks=False)),
         ("block_size_8", _pa(49, [(29, 3), (8, 8), (9, 1)], block_size=8)),
-    ],
-    "reshape_and_cache": [
-        ("with_padding", lambda: reshape_and_cache_case(1)),
-        ("no_padding", lambda: reshape_and_cache_case(2, num_padding=0)),
-        ("all_padding", lambda: reshape_and_cache_case(3, num_tokens=4, num_padding=4)),
-        ("one_token", lambda: reshape_and_cache_case(4, num_tokens=1, num_padding=0)),
     ],
     "copy_blocks": [
         ("four_copies", lambda: copy_blocks_case(1)),

@@ -1,8 +1,10 @@
-"""A plain single-sequence generation loop over the forward pass, without the engine.
+"""Greedy generation of one sequence on a bare model (a ``LlamaForCausalLM``), without the engine.
 
-It is the bare model's end-to-end check and the baseline of ``perf/bench_forward.py``: one
-sequence, a trivial block table (blocks ``0..n-1``), one prefill step, then one decode step per
-token. Serving goes through ``runtime/scheduler/engine.py``; this loop exists to test and time the forward.
+The model's end-to-end check against the golden outputs (tests/model/test_forward.py) and the
+single-sequence figures of perf/ (``perf/bench_forward.py``, ``perf/bench/kernel_rates.py``,
+``perf/int8_activation_agreement.py``, which put the tests folder on their path): one prefill step
+over a trivial block table (blocks ``0..n-1``), then one decode step per token, argmax of each step's
+last row. Serving goes through the engine (``runtime/scheduler/engine.py``).
 """
 
 from __future__ import annotations
@@ -11,43 +13,38 @@ import time
 
 import numpy as np
 
-from ..kernels import to_numpy
-from .attention_metadata import AttentionMetadata
-from .loader import allocate_kv_caches
+from folio.kernels import to_numpy
+from folio.model.attention_metadata import AttentionMetadata
+from folio.model.loader import allocate_kv_caches
 
 
-def generate_ids(model, config, prompt_ids, max_tokens=32, temperature=0.0, ignore_eos=False,
-                 eos_token_ids=None, seed=0, block_size=16) -> dict:
-    """Generate up to ``max_tokens`` ids after ``prompt_ids`` with ``model`` (a LlamaForCausalLM).
-
-    Greedy (argmax) when ``temperature == 0``, else one draw from ``softmax(logits / temperature)``
-    per step with ``numpy.random.default_rng(seed)``. Generation stops at an EOS id (
-    ``eos_token_ids``, default ``config.eos_token_ids``; the EOS id is included in the output)
-    unless ``ignore_eos``, or after ``max_tokens``, or at ``max_position_embeddings``.
+def greedy_generate(model, config, prompt_ids, max_tokens: int = 32, ignore_eos: bool = False,
+                    block_size: int = 16) -> dict:
+    """Up to ``max_tokens`` greedy (argmax) ids after ``prompt_ids``; stops at an id of
+    ``config.eos_token_ids`` (included) unless ``ignore_eos``, after ``max_tokens``, or at
+    ``max_position_embeddings``.
 
     Returns:
-        dict: ``prompt_ids``, ``generated_ids`` (list[int]), ``finish_reason`` ("stop" | "length"),
+        ``prompt_ids``, ``generated_ids`` (list[int]), ``finish_reason`` ("stop" | "length"),
         ``prefill_seconds``, ``decode_seconds``, ``decode_tokens_per_s`` (decode steps after the
         first token / decode_seconds; 0.0 when there were none).
     Raises:
-        ValueError: empty prompt, negative max_tokens or temperature, or a prompt longer than the
-            model's context.
+        ValueError: an empty prompt, ``max_tokens < 0``, or a prompt that fills the context.
     """
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if max_tokens < 0 or temperature < 0:
-        raise ValueError("max_tokens and temperature must be >= 0")
+    if max_tokens < 0:
+        raise ValueError("max_tokens must be >= 0")
     max_len = config.max_position_embeddings
     if len(prompt_ids) >= max_len:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {max_len}")
-    eos = set(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    eos = set(config.eos_token_ids)
     xp = model.kernels.xp
     total = min(len(prompt_ids) + max_tokens, max_len)
     n_blocks = (total + block_size - 1) // block_size
     caches = allocate_kv_caches(config, n_blocks, block_size, model.kernels)
     block_table = xp.asarray(np.arange(n_blocks, dtype=np.int32)[None, :])
-    rng = np.random.default_rng(seed)
 
     def step(ids, start):
         n = len(ids)
@@ -59,11 +56,7 @@ def generate_ids(model, config, prompt_ids, max_tokens=32, temperature=0.0, igno
             block_tables=block_table, max_query_len=n, max_seq_len=start + n)
         logits = model.forward(xp.asarray(np.asarray(ids, dtype=np.int64)), xp.asarray(pos), md, caches,
                                xp.asarray(np.array([n - 1], dtype=np.int64)))
-        row = to_numpy(logits)[0].astype(np.float64)
-        if temperature == 0:
-            return int(np.argmax(row))
-        p = np.exp((row - row.max()) / temperature)
-        return int(rng.choice(len(p), p=p / p.sum()))
+        return int(np.argmax(to_numpy(logits)[0].astype(np.float64)))
 
     generated, finish = [], "length"
     t0 = time.perf_counter()
