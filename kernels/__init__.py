@@ -10,9 +10,9 @@ runtime import neither ``cpu/`` nor ``cuda/`` (an import-linter contract in pypr
 
 from __future__ import annotations
 
-from .table import CpuKernelTable, CudaKernelTable, KernelDevice, KernelTable, to_numpy
+from .table import CompileJob, CpuKernelTable, CudaKernelTable, KernelDevice, KernelTable, to_numpy
 
-__all__ = ["CpuKernelTable", "CudaKernelTable", "KernelDevice", "KernelTable", "get_kernels", "to_numpy"]
+__all__ = ["CompileJob", "CpuKernelTable", "CudaKernelTable", "KernelDevice", "KernelTable", "get_kernels", "to_numpy"]
 
 
 def get_kernels(device: str) -> "KernelTable":

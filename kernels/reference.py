@@ -34,19 +34,20 @@ import math
 
 import numpy as np
 
-__all__ = [   # the kernels (float32_to_bf16_bits, bf16_bits_to_float32, kv_cache_values: the cache's helpers)
+# the kernels of the tables (float32_to_bf16_bits, bf16_bits_to_float32, kv_cache_values: the cache's
+# helpers; reshape_and_cache and rotary_embedding: the two parts of rope_and_cache's spec)
+__all__ = [
     "paged_attention",
-    "reshape_and_cache",   # with rotary_embedding: the two parts of rope_and_cache's spec
     "copy_blocks",
     "rms_norm",
     "fused_add_rms_norm",
     "rope_inv_freq",
     "rope_cos_sin_cache",
-    "rotary_embedding",
     "rope_and_cache",
     "silu_and_mul",
     "gumbel_noise",
     "sample_gumbel",
+    "apply_token_bitmask",
 ]
 
 
@@ -358,3 +359,15 @@ def sample_gumbel(logits: np.ndarray, temperature: np.ndarray, keys: np.ndarray)
         score = np.where(np.isneginf(x), -np.inf, x / float(temperature[r]) + gumbel_noise(int(keys[r]), V))
         out[r] = V - 1 if np.isneginf(score).all() else int(np.argmax(score))
     return out
+
+
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """Structured outputs' mask: ``logits [R, V]`` with -inf wherever ``bitmask [R, W]`` int32
+    (``W >= ceil(V / 32)``) has the token's bit clear, bit ``t % 32`` of word ``t // 32``
+    (llguidance's and xgrammar's layout). Returns a new array; ``logits`` is not written.
+    """
+    V = logits.shape[1]
+    # the bytes of little-endian int32 words, unpacked little bit first, are the token order
+    allowed = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), axis=1,
+                            count=V, bitorder="little").view(bool)
+    return np.where(allowed, logits, np.float32(-np.inf))

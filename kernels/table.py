@@ -2,21 +2,27 @@
 
 ``get_kernels("cpu")`` returns ``cpu.table.CPU_KERNELS`` (Numba), ``get_kernels("cuda")`` a
 ``cuda.table.CudaKernels`` (CuPy RawKernels). The model code and the runtime are written against
-the protocols here only, never against a device's module:
+the protocols here only, never against a device's module, and read a device's differences from
+the members declared here instead of testing which device it is:
 
-* ``KernelTable``: what every table has, the operations of the forward pass;
-* ``CpuKernelTable(KernelTable)``: the CPU table's extras (``decoder_layers``, every decoder layer
-  of a step in one compiled call, and ``zeros``, huge-page arrays for the KV cache and the weight
-  stacks), which ``model/llama.py`` and ``model/loader.py`` use when a table has them;
+* ``KernelTable``: what every table has: the operations of the forward pass, what the model and
+  the runner ask of the device (``weight_dtype``, ``stacked_layers``, ``device_sampling``,
+  ``zeros``, ``activate``, ``synchronize``, ``empty_cache``) and the structured-outputs mask;
+* ``CpuKernelTable(KernelTable)``: the CPU table's extras: ``decoder_layers`` (every decoder layer
+  of a step in one compiled call, over the weights ``stack_quantized`` or ``model/llama.py`` stacks,
+  where ``stacked_layers``) and the kernels compiled ahead (``precompile_jobs``, ``CompileJob``s, for
+  ``runtime/worker/precompile.py``);
 * ``CudaKernelTable(KernelTable)``: the CUDA table's extras, which ``runtime/worker/device_step.py``
-  (the GPU step), ``runtime/worker/sampler.py`` (device sampling), ``runtime/worker/model_runner.py``
-  and ``model/loader.py`` (dummy weights made on the device) call: its ``KernelDevice``, the decode
-  partitioning, scratch buffers, graph capture and the sampling kernels.
+  (the GPU step, where ``device_sampling``), ``runtime/worker/sampler.py`` (device sampling),
+  ``runtime/worker/model_runner.py`` and ``model/loader.py`` (dummy weights made on the device)
+  call: its ``KernelDevice``, the decode partitioning, scratch buffers, graph capture and the
+  sampling kernels.
 
-tests/kernels/test_protocols.py checks each table's members and signatures against its protocols. The
-semantics of every operation are the NumPy specifications in ``reference.py``; shapes below use
-``T`` tokens, ``S`` sequences, ``H`` / ``Hkv`` query / KV heads, ``D`` head size. ``out=``
-arguments name preallocated results (the forward pass allocates nothing per layer).
+tests/kernels/test_protocols.py checks each table's members and signatures against its protocols,
+and that every member the model and the worker read is declared. The semantics of every
+operation are the NumPy specifications in ``reference.py``; shapes below use ``T`` tokens, ``S``
+sequences, ``H`` / ``Hkv`` query / KV heads, ``D`` head size. ``out=`` arguments name preallocated
+results (the forward pass allocates nothing per layer).
 """
 
 from __future__ import annotations
@@ -38,6 +44,13 @@ class KernelTable(Protocol):
     Attributes:
         name: ``"cpu"`` or ``"cuda"``.
         xp: the array module of the table's arrays (``numpy`` or ``cupy``).
+        weight_dtype: the ``--dtype`` its float weights are served in besides ``auto``
+            (``float32`` on CPU, ``bfloat16`` on GPU).
+        stacked_layers: whether the table runs every decoder layer of a step in one call over
+            weights stacked per kind (``CpuKernelTable.decoder_layers``; weights in GGUF types
+            only run so); else the model calls the operations layer by layer.
+        device_sampling: whether the table samples on its device (``CudaKernelTable.sample``): the
+            worker's steps then run through ``runtime/worker/device_step.py`` (one upload, one sync).
         kv_cache_dtype: dtype of the KV cache arrays by default (``--kv-cache-dtype auto``: float32
             on CPU, bf16 bit patterns on GPU).
         kv_cache_dtypes: ``--kv-cache-dtype`` names the table's kernels run -> dtype of the cache
@@ -49,6 +62,9 @@ class KernelTable(Protocol):
 
     name: str
     xp: Any
+    weight_dtype: str
+    stacked_layers: bool
+    device_sampling: bool
     kv_cache_dtype: np.dtype
     kv_cache_dtypes: dict
     act_dtype: np.dtype
@@ -96,6 +112,32 @@ class KernelTable(Protocol):
         """A host weight array in the table's storage format on its device."""
         ...
 
+    def zeros(self, shape, dtype=np.float32):
+        """A zeroed array on the table's device for the large long-lived arrays (KV cache, weight
+        stacks): on the CPU on huge pages when large (``cpu/memory.py``)."""
+        ...
+
+    def apply_token_bitmask(self, logits, bitmask):
+        """Structured outputs: ``logits [R, V]`` float32 set to -inf in place where bit ``t % 32``
+        of ``bitmask [R, ceil(V / 32)]`` int32 word ``t // 32`` is clear
+        (``reference.apply_token_bitmask``); returns ``logits``."""
+        ...
+
+    def activate(self):
+        """Context manager under which a step's work goes to the table's stream (CUDA: its
+        device's; CPU: nothing to route)."""
+        ...
+
+    def synchronize(self):
+        """Wait for all work queued on the table's device, every stream (CUDA: set-up ran on the
+        legacy default stream, steps on their own); the CPU's kernels return when done."""
+        ...
+
+    def empty_cache(self):
+        """Release the memory the table's allocator holds for reuse (CUDA: CuPy's pool, at
+        shutdown; CPU: nothing held)."""
+        ...
+
 
 @runtime_checkable
 class CpuKernelTable(KernelTable, Protocol):
@@ -106,9 +148,12 @@ class CpuKernelTable(KernelTable, Protocol):
         integer_products: whether the products of quantized weights can take int8 activations here
             (integer dot products: AVX2 or AVX512-VNNI, ``cpu/quant_int8.py``); without them every
             product keeps float32 activations.
+        precompile_variants: the weight layouts ``precompile_jobs`` takes (``float32``,
+            ``quantized``: GGUF types with float32 activations, ``quantized-int8``).
     """
 
     integer_products: bool
+    precompile_variants: tuple
 
     def decoder_layers(self, weights: dict, buffers: dict, positions, attn_metadata, kv_caches, cos_sin_cache,
                        scale: float, num_heads: int, num_kv_heads: int, eps: float):
@@ -121,9 +166,43 @@ class CpuKernelTable(KernelTable, Protocol):
         of ``QuantizedWeight`` segments), as ``decoder_layers`` takes it (``cpu/forward.py``)."""
         ...
 
-    def zeros(self, shape, dtype=np.float32):
-        """A zeroed array for the large long-lived arrays (KV cache, weight stacks), on huge
-        pages when large (``cpu/memory.py``)."""
+    def precompile_jobs(self, variant: str = "float32") -> tuple:
+        """The ``CompileJob``s of the kernels a worker of weight layout ``variant`` runs on two or
+        more threads, group by group (``cpu/compile_jobs.py``: each kernel module declares its own).
+
+        Raises:
+            ValueError: a variant not in ``precompile_variants``.
+        """
+        ...
+
+
+@runtime_checkable
+class CompileJob(Protocol):
+    """One compiled kernel and one signature, compiled ahead of a step by
+    ``runtime/worker/precompile.py`` (the CPU's ``cpu/compile_jobs.NumbaJob``).
+
+    Attributes:
+        name: ``module.function`` (unique among a variant's jobs); function: the function's name.
+        group: jobs of one group share compiled callees: one process compiles them, in order.
+        after: the groups whose jobs must be compiled before this job's group.
+        seconds: a rough cost on a cold cache (a progress bar's weight); what: for people.
+    """
+
+    name: str
+    function: str
+    group: str
+    after: tuple
+    seconds: float
+    what: str
+
+    def compile(self, kv_cache_dtype: str = "auto") -> bool:
+        """Compile (or load from the cache) in this process, for KV caches of ``kv_cache_dtype``
+        (a ``--kv-cache-dtype`` name); True if it compiled."""
+        ...
+
+    def in_cache(self, kv_cache_dtype: str = "auto") -> bool:
+        """Whether the on-disk cache holds it for this machine and the current sources, without
+        loading it."""
         ...
 
 
@@ -221,11 +300,6 @@ class CudaKernelTable(KernelTable, Protocol):
     def apply_penalties(self, logits, entries, row_params, num_entries: int):
         """Penalties and min_tokens masks on ``logits [R, V]`` in place: ``entries [N, 3]`` int64
         ``(row * V + token, output count, flags)``, ``row_params [R, 3]`` float32."""
-        ...
-
-    def apply_token_bitmask(self, logits, bitmask):
-        """Structured outputs: ``logits [R, V]`` float32 set to -inf in place where bit ``t % 32``
-        of ``bitmask [R, ceil(V / 32)]`` int32 word ``t // 32`` is clear."""
         ...
 
     def random_weight(self, shape, seed: int = 0, std: float = 0.02, mean: float = 0.0):

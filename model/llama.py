@@ -46,7 +46,7 @@ class Workspace:
     def __init__(self, config: ModelConfig, kernels, tokens: int, rows: int):
         c = config
         xp = kernels.xp
-        mm = getattr(kernels, "matmul_input_dtype", kernels.act_dtype)
+        mm = kernels.matmul_input_dtype
         f32 = np.float32
         H, Hkv, D, hid, inter = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
                                  c.intermediate_size)
@@ -155,10 +155,10 @@ class LlamaForCausalLM:
             self._init_quantized_layers(weights)
             return
         self.layers = []
-        # A table that runs all layers in one call (``decoder_layers``, the CPU's) takes each kind
-        # of layer weight stacked [num_layers, ...]; the layers are then views of the stacks.
-        self.layer_stacks: dict | None = {} if getattr(kernels, "decoder_layers", None) is not None else None
-        stack_alloc = getattr(kernels, "zeros", None) or xp.empty   # the CPU's: on huge pages (kernels/cpu/memory.py)
+        # A table that runs all layers in one call (``stacked_layers``: the CPU's ``decoder_layers``)
+        # takes each kind of layer weight stacked [num_layers, ...]; the layers are then views of the
+        # stacks, allocated by the table (the CPU's on huge pages: kernels/cpu/memory.py).
+        self.layer_stacks: dict | None = {} if kernels.stacked_layers else None
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             q = self._check(weights, p + "self_attn.q_proj.weight", (H * D, hid))
@@ -177,7 +177,7 @@ class LlamaForCausalLM:
             if self.layer_stacks is not None:
                 for name, w in layer.items():
                     if i == 0:
-                        self.layer_stacks[name] = stack_alloc((c.num_hidden_layers,) + tuple(w.shape), dtype=w.dtype)
+                        self.layer_stacks[name] = kernels.zeros((c.num_hidden_layers,) + tuple(w.shape), dtype=w.dtype)
                     self.layer_stacks[name][i] = w
                     layer[name] = self.layer_stacks[name][i]
             self.layers.append(_Layer(**layer))
@@ -198,8 +198,7 @@ class LlamaForCausalLM:
         # layer are segments (q, k and v; gate and up) that the table's fused forward writes side
         # by side into one output, instead of concatenated copies; the norms are float32 stacks
         c, kernels = self.config, self.kernels
-        stack_quantized = getattr(kernels, "stack_quantized", None)
-        if stack_quantized is None:
+        if not kernels.stacked_layers:
             raise ValueError(f"weights in GGUF / 16-bit types are served by the CPU kernels only (this is the "
                              f"{kernels.name} table); serve with --device cpu, or load them as float32 "
                              f"(--dtype float32)")
@@ -230,7 +229,7 @@ class LlamaForCausalLM:
                 norms[name].append(layer[name])
             self.layers.append(_Layer(**layer))
         self.layer_stacks = {name: np.ascontiguousarray(np.stack(v), dtype=np.float32) for name, v in norms.items()}
-        self.layer_stacks.update({name: stack_quantized(v) for name, v in segments.items()})
+        self.layer_stacks.update({name: kernels.stack_quantized(v) for name, v in segments.items()})
         self._init_rope()
 
     def weight_bytes(self) -> int:

@@ -49,7 +49,7 @@ def on_cpu_integer_products() -> bool:
     """Whether the CPU kernels have integer dot products here (the CPU table's ``integer_products``:
     AVX2 or AVX512-VNNI; elsewhere every product keeps float32 activations and the model reports
     ``"none"``)."""
-    return bool(getattr(get_kernels("cpu"), "integer_products", False))
+    return bool(get_kernels("cpu").integer_products)
 
 
 def _check_activation_quantization(value) -> None:
@@ -162,7 +162,7 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
         raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
     _check_activation_quantization(activation_quantization)
     kernels = get_kernels(resolve_device(device))
-    on_cpu = getattr(kernels, "stack_quantized", None) is not None
+    on_cpu = kernels.stacked_layers   # the table that serves weights in GGUF types (the CPU's)
     if quantization is not None and not on_cpu:
         raise ValueError(f"--quantization {quantization} runs on the CPU only (the {kernels.name} kernels read "
                          f"float weights)")
@@ -281,7 +281,7 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ke
     """
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
-    zeros = getattr(kernels, "zeros", None) or kernels.xp.zeros   # the CPU's: on huge pages (kernels/cpu/memory.py)
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     dtype = kernels.kv_cache_dtype if dtype is None else dtype
-    return [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]
+    # the table's zeros: the CPU's on huge pages (kernels/cpu/memory.py)
+    return [(kernels.zeros(shape, dtype=dtype), kernels.zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]

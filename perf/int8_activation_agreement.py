@@ -61,7 +61,7 @@ def main(argv=None):
     cpu = get_kernels("cpu")
     runs = {}
     for act in ("float32", "int8"):
-        table = SimpleNamespace(**{k: v for k, v in vars(cpu).items() if k != "decoder_layers"})
+        table = SimpleNamespace(**{**vars(cpu), "stacked_layers": False})   # the kernels one by one
         if act == "int8":
             def linear(x, weight, *, out=None, _linear=cpu.linear):
                 if x.shape[0] <= _INT8_MAX_TOKENS:

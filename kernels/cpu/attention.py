@@ -75,6 +75,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .compile_jobs import NumbaJob
 from .kv_dtype import KV_CACHE_DTYPES, is_float32, line_elems, to_f32
 from .math import LOG2E, exp2
 from .simd import PV_ROWS, QK_ROWS, TILE_RB, W as _W, exp2_sum16 as _exp2_sum16, pv_rows as _pv_rows
@@ -679,3 +680,19 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         attention_into(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _F32(scale * LOG2E), out,
                        *plan(seq_lens, query_start_loc, H, Hkv, D, bs, num_threads()))
     return out
+
+# ----------------------------------------------------------------------------------------------
+# compiled ahead (compile_jobs.py; runtime/worker/precompile.py through the table)
+# ----------------------------------------------------------------------------------------------
+
+# the two kinds of item (attention_item, inlined into the layer loop's region): q, the caches, step
+# metadata, scale, out; the item's fields; the task's scratch rows
+_ATTEND_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64  F2 F2 F2 I1 F2 F2 F1 F1"
+_DECODE_ITEM = "F3 F4 F4 I2 I1 I1 f32 F3  i64 i64 i64 i64 i64 i64 i64 i64  F2 F2 F2 F1 F1 F1 F2 F2 F3"
+PRECOMPILE = (
+    NumbaJob(_decode_item, _DECODE_ITEM, "attention", 7.5, "paged attention: decode items"),
+    NumbaJob(_attend_item, _ATTEND_ITEM, "attention", 6, "paged attention: prefill tiles"),
+    NumbaJob(_plan, "I1 I1 i64 i64 i64 i64 i64 i64 i64 i64", "attention", 4, "paged attention: work plan"),
+    NumbaJob(finish_attention, "I2 i64 i64 F2 F2 F3 I1 F3", "linear", 3.5, "paged attention: merge of key partitions"),
+    NumbaJob(attention_scratch, "i64 i64 i64 i64 i64 i64", "linear", 1, "paged attention: scratch buffers"),
+)

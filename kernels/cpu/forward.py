@@ -53,6 +53,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .attention import attention_item, attention_scratch, attention_into, finish_attention, plan
+from .compile_jobs import QUANTIZED, NumbaJob
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear_into, linear_item, linear_items, linear_plan
 from .math import LOG2E
@@ -626,3 +627,31 @@ def decoder_layers(weights: dict, buffers: dict, positions, attn_metadata, kv_ca
             _layers(*step, row_tasks(T * hid, T, threads), row_tasks(b["qkv"].size, T, threads),
                     row_tasks(b["gate_up"].size, T, threads), rows._ROWS_PER_ITEM, items, n_parts, attn_tasks)
     return b["hidden"], residual
+
+# ----------------------------------------------------------------------------------------------
+# compiled ahead (compile_jobs.py; runtime/worker/precompile.py through the table)
+# ----------------------------------------------------------------------------------------------
+
+# _phase_item: phase, i, layer, task; buffers (residual, hidden, x, qkv, q, attn, attn2, gate_up, act);
+# stacked weights ({W}); one layer's caches; step metadata; attention scratch; product scratch (a
+# placeholder with float32 weights); int8 ({A}: none, or b1 where products take int8 activations:
+# product_item)
+_PHASE_ITEM = ("i64 i64 i64 u64  F2 F2 F2 F2 F3 F3 F2 F2 F2  {W}  F4 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 "
+               "I2 i64 I2 i64  F3 F3 F3 I2 F3 F3 F2 F2 F2 F2 F2 F3 F2 {A}")
+# _layers_region: buffers, stacked weights, cache addresses and a cache, step metadata, tasks, int8,
+# and _phase_item's address and signature key
+_LAYERS_REGION = "F2 F2 F2 F2 F3 F3 F2 F2  {W}  I2 F4  I1 F2 I1 I2 I1 I1 i64 i64 f64 f32 I2 i64 I2 i64 i64 {A} i64 i64"
+# the stacked weights (ln1, qkv, o, ln2, gate_up, down): float32 stacks, or QuantizedStack tables
+_WEIGHTS = {"float32": "F2 F3 F3 F2 F3 F3", "quantized": "F2 I3 I3 F2 I3 I3", "quantized-int8": "F2 I3 I3 F2 I3 I3"}
+_INT8 = {"float32": "none", "quantized": "none", "quantized-int8": "b1"}
+_PHASE_SECONDS = {"float32": 10, "quantized": 11, "quantized-int8": 11}
+PRECOMPILE = (
+    NumbaJob(wait_items_done, "I1 i64 i64", "linear", 0.1, "decoder layers: phase barrier"),
+    NumbaJob(_row_bytes, "i64 i64", "linear", 0.1, "GGUF row sizes", QUANTIZED),
+    *(NumbaJob(_phase_item, _PHASE_ITEM.format(W=_WEIGHTS[v], A=_INT8[v]), "layers", _PHASE_SECONDS[v],
+               "decoder layers: one work item of a phase", (v,)) for v in _WEIGHTS),
+    *(NumbaJob(_layers_region, _LAYERS_REGION.format(W=_WEIGHTS[v], A=_INT8[v]), "rest", 6,
+               "decoder layers: one parallel region per step", (v,)) for v in _WEIGHTS),
+    NumbaJob(_product_region, "F2 i64 i64 F2 i64 i64 i64", "rest", 1,
+             "matrix products from GGUF blocks, parallel region (lm_head)", QUANTIZED),
+)

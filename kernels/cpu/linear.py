@@ -34,6 +34,7 @@ import functools
 import numpy as np
 from numba import njit, prange
 
+from .compile_jobs import NumbaJob
 from .simd import compiles_avx512
 from .threads import NO_TRANS, ROW_MAJOR, TRANS, fetch_add, num_threads, ptr, region_guard, sgemm
 
@@ -334,3 +335,13 @@ def linear(x, weight, out=None):
     with region_guard():
         linear_into(x, weight, out, *linear_plan(T, weight.shape, num_threads()))
     return out
+
+# ----------------------------------------------------------------------------------------------
+# compiled ahead (compile_jobs.py; runtime/worker/precompile.py through the table)
+# ----------------------------------------------------------------------------------------------
+
+PRECOMPILE = (   # float32 weights only (GGUF-typed ones: quant_linear.py)
+    NumbaJob(linear_item, "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products", ("float32",)),
+    NumbaJob(linear_items, "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items", ("float32",)),
+    NumbaJob(linear_into, "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)", ("float32",)),
+)

@@ -67,6 +67,7 @@ from numba import njit, prange
 from ..quant_reference import (BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QUANT_TYPES, quant_type,
                                row_bytes)
 from . import quant_int8
+from .compile_jobs import QUANTIZED, NumbaJob
 from .quant_decode import decode_row
 from .quant_fused import FUSED_MAX_TOKENS, fused_rows
 from .quant_int8 import INT8_TYPES, int8_rows, int8_scratch_size
@@ -492,3 +493,19 @@ def interleaved_embedding(packed: np.ndarray, qtype, ids: np.ndarray, hidden_siz
     out = np.empty((ids.shape[0], hidden_size), _F32)
     x8_decode_rows(packed, q.id, ids, out)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled ahead (compile_jobs.py; runtime/worker/precompile.py through the table)
+# ----------------------------------------------------------------------------------------------
+
+# the products' entry (forward.product_item): quant_task_rows_f32, or with int8 activations
+# quant_task_rows (which calls it too); lm_head and the embedding are a read-only mapped tensor
+_TASK_ROWS = "F2 U2 i64 F2 i64 F2 u64 i64 i64"
+PRECOMPILE = (
+    NumbaJob(quant_task_rows_f32, _TASK_ROWS, "linear", 8.5, "matrix products from GGUF blocks", ("quantized",)),
+    NumbaJob(quant_task_rows, _TASK_ROWS, "linear", 11, "matrix products from GGUF blocks", ("quantized-int8",)),
+    NumbaJob(quant_item_rows, "i64 i64 i64 b1 i64", "linear", 0.1, "matrix products: rows per item", QUANTIZED),
+    NumbaJob(quant_scratch, "i64 i64 i64", "linear", 0.1, "matrix products: scratch", QUANTIZED),
+    NumbaJob(_embedding_into, "U2r i64 I1 F2", "rest", 3, "embedding rows from GGUF blocks", QUANTIZED),
+)

@@ -73,6 +73,7 @@ from numba.extending import intrinsic
 
 from ..quant_reference import QUANT_TYPES, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, _k_scale_min
 from .memory import huge_page_zeros, release_mapped_pages
+from .compile_jobs import NumbaJob
 from .quant_int8 import (_FL, _HALF, _I8, _I16, _I32, _V8F, _V8I32, _V16I16, _V32I8, INT8_BLOCK, ISA, _c64, _call, _load,
                          _scratch_layout, _splat, _udot, load_f16, quantize_once)
 
@@ -646,3 +647,12 @@ def x8_decode_rows(w, qtype, ids, out):
                                 hi = (np.int32(flat[o + _q6k_qh_at(p // 2, c) + 4 * lane + i]) >> shift) & 3
                                 q = (lo | (hi << 4)) - 32
                                 out[t, 256 * b + 64 * p + 32 * h + 4 * c + i] = d1 * np.float32(q)
+
+# ----------------------------------------------------------------------------------------------
+# compiled ahead (compile_jobs.py; runtime/worker/precompile.py through the table)
+# ----------------------------------------------------------------------------------------------
+
+PRECOMPILE = (
+    NumbaJob(x8_decode_rows, "U2 i64 I1 F2", "rest", 2, "embedding rows from an interleaved table (tied to lm_head)",
+             ("quantized-int8",)),
+)

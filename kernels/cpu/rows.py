@@ -18,6 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .compile_jobs import NumbaJob
 from .kv_dtype import from_f32
 from .math import LOG2E, exp2
 from .memory import HUGE_PAGE_MIN_BYTES, huge_page_zeros
@@ -328,3 +329,17 @@ def rope_and_cache(positions, qkv, cos_sin_cache, key_cache, value_cache, slot_m
     with region_guard():
         rope_and_cache_into(*args, _tasks(qkv.size, T), _ROWS_PER_ITEM)
     return out
+
+# ----------------------------------------------------------------------------------------------
+# compiled ahead (compile_jobs.py; runtime/worker/precompile.py through the table)
+# ----------------------------------------------------------------------------------------------
+
+PRECOMPILE = (
+    NumbaJob(_rms_norm_rows, "F2 F1 f64 F2 i64 i64", "linear", 0.4, "RMSNorm"),
+    NumbaJob(_fused_add_rms_norm_rows, "F2 F2 F1 f64 F2 F2 i64 i64", "linear", 0.4, "residual add + RMSNorm"),
+    NumbaJob(_rope_and_cache_rows, "I1 F2 F2 F4 F4 I1 i64 i64 F3 i64 i64", "linear", 1.1, "RoPE and KV-cache append"),
+    NumbaJob(_silu_and_mul_rows, "F2 F2 i64 i64", "linear", 0.3, "SwiGLU"),
+    NumbaJob(fused_add_rms_norm_into, "F2 F2 F1 f64 F2 F2 i64 i64", "rest", 1.8,
+             "residual add + RMSNorm, parallel region (final norm)"),
+    NumbaJob(_copy_blocks_kernel, "F4 I2", "rest", 0.1, "KV block copies (copy-on-write)"),
+)

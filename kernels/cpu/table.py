@@ -12,17 +12,18 @@ forward pass (``model/llama.py``) is written against; ``kernels.get_kernels("cpu
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
 
 from .. import reference
 from ..quant_reference import QuantizedWeight
+from . import attention, compile_jobs, forward, linear as linear_module, quant_int8, quant_linear, quant_x8, rows
 from .attention import paged_attention
 from .forward import decoder_layers, quantized_linear, stack_quantized
 from .kv_dtype import KV_CACHE_DTYPES
 from .linear import linear as _float_linear
-from . import quant_int8
 from .memory import huge_page_zeros
 from .quant_linear import interleaved_embedding, kernel_layout, quant_embedding, quant_kernel_type
 from .rows import copy_blocks, fused_add_rms_norm, rms_norm, rope_and_cache, silu_and_mul
@@ -69,6 +70,39 @@ def prepare_weight(w):
             return out
     return w
 
+def apply_token_bitmask(logits, bitmask):
+    """Structured outputs' mask on ``logits [R, V]`` float32 in place: -inf where bit ``t % 32`` of
+    ``bitmask [R, W]`` int32 word ``t // 32`` is clear (``reference.apply_token_bitmask``, the spec);
+    returns ``logits``."""
+    logits[...] = reference.apply_token_bitmask(logits, bitmask)
+    return logits
+
+
+def activate():
+    """Nothing to route: the kernels run on the calling thread (and Numba's pool) and return when done."""
+    return contextlib.nullcontext()
+
+
+def synchronize():
+    """Nothing to wait for: every kernel call has returned when done."""
+
+
+def empty_cache():
+    """Nothing cached to release: arrays are NumPy's, freed with their last reference."""
+
+
+def precompile_jobs(variant: str = "float32") -> tuple:
+    """The ``compile_jobs.NumbaJob``s a two-thread worker of weight layout ``variant``
+    (``compile_jobs.VARIANTS``) calls, from each kernel module's ``PRECOMPILE``, group by group.
+
+    Raises:
+        ValueError: an unknown variant.
+    """
+    declared = (attention.PRECOMPILE + rows.PRECOMPILE + forward.PRECOMPILE + linear_module.PRECOMPILE
+                + quant_linear.PRECOMPILE + quant_x8.PRECOMPILE)
+    return compile_jobs.in_group_order(declared, variant)
+
+
 __all__ = [
     "paged_attention",
     "copy_blocks",
@@ -79,6 +113,8 @@ __all__ = [
     "linear",
     "embedding",
     "prepare_weight",
+    "apply_token_bitmask",
+    "precompile_jobs",
     "CPU_KERNELS",
 ]
 
@@ -86,6 +122,9 @@ __all__ = [
 CPU_KERNELS = SimpleNamespace(
     xp=np,
     name="cpu",
+    weight_dtype="float32",
+    stacked_layers=True,
+    device_sampling=False,
     kv_cache_dtype=np.dtype(np.float32),
     kv_cache_dtypes=KV_CACHE_DTYPES,
     act_dtype=np.dtype(np.float32),
@@ -104,6 +143,12 @@ CPU_KERNELS = SimpleNamespace(
     decoder_layers=decoder_layers,
     stack_quantized=stack_quantized,
     zeros=huge_page_zeros,
+    activate=activate,
+    synchronize=synchronize,
+    empty_cache=empty_cache,
+    apply_token_bitmask=apply_token_bitmask,
     integer_products=quant_int8.ISA is not None,
+    precompile_variants=compile_jobs.VARIANTS,
+    precompile_jobs=precompile_jobs,
 )
 """The CPU kernel table (see kernels/__init__.py ``get_kernels``)."""

@@ -97,6 +97,9 @@ class CudaKernels:
     """
 
     name = "cuda"
+    weight_dtype = "bfloat16"
+    stacked_layers = False   # the forward pass calls the operations layer by layer
+    device_sampling = True   # steps run through runtime/worker/device_step.py
 
     def __init__(self, xp, get_function, gemm, ptr=None, smem_limit: int = DEFAULT_SMEM_LIMIT,
                  device=None, kernel_names=()):
@@ -174,6 +177,30 @@ class CudaKernels:
     def to_numpy(self, a) -> np.ndarray:
         """Device array -> NumPy array."""
         return to_numpy(a)
+
+    def zeros(self, shape, dtype=np.float32):
+        """A zeroed device array (the KV cache)."""
+        return self.xp.zeros(shape, dtype=dtype)
+
+    # ---- the device, as the model runner sees it -----------------------------------------------
+    def activate(self):
+        """Context manager under which a step's work goes to the device's stream."""
+        return self.device.activate()
+
+    def synchronize(self):
+        """Wait for all work on the device, every stream (set-up runs on the legacy default
+        stream, steps on their own non-blocking one)."""
+        self.device.synchronize_device()
+
+    def empty_cache(self):
+        """Hand the blocks CuPy's memory pool holds for reuse back to the driver (best effort; none
+        on the host)."""
+        pool = getattr(self.xp, "get_default_memory_pool", None)
+        if pool is not None:
+            try:
+                pool().free_all_blocks()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
 
     def bf16_to_float32(self, a, out=None):
         """uint16 bf16 array on this backend -> float32 array of the same shape."""
@@ -467,7 +494,7 @@ class CudaKernels:
     def apply_token_bitmask(self, logits, bitmask):
         """Structured outputs' mask on ``logits [R, V]`` float32 in place (sampling.cu): -inf where
         bit ``t % 32`` of ``bitmask [R, W]`` int32 word ``t // 32`` is clear (``W >= ceil(V / 32)``;
-        runtime/worker/sampler.py ``apply_token_bitmask`` is the spec)."""
+        ``reference.apply_token_bitmask`` is the spec)."""
         R, V = logits.shape
         if R and V:
             self._launch("apply_token_bitmask_kernel", (math.ceil(V / 256), R), (256,),

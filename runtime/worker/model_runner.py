@@ -18,11 +18,15 @@ automatic sizes are capped at what
 ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever need (plus one block per
 sequence for copy-on-write).
 
-On the CUDA table a step runs through ``runtime/worker/device_step.py``: one upload, forward, device
-sampling, one download, one sync per step, and CUDA graphs for decode steps. A step with prompt
-logprob rows (rare: only requests that ask for them, only while their prompt is computed) runs
-the eager path below on either table: the forward returns the sampled rows' logits followed by
-the prompt rows', reduced in chunks (``sampler.prompt_logprobs``).
+The runner reads the same on every device: what differs is asked of the kernel table
+(``kernels/table.py``: the ``--dtype`` its weights take, ``activate``, ``synchronize``,
+``empty_cache``, the structured-outputs mask). On a table that samples on its device
+(``device_sampling``: the CUDA table) a step runs through ``runtime/worker/device_step.py``: one
+upload, forward, device sampling, one download, one sync per step, and CUDA graphs for decode
+steps; the KV budget is then profiled there. A step with prompt logprob rows (rare: only requests
+that ask for them, only while their prompt is computed) or a constrained row runs the eager path
+below, as every step does on the other tables: the forward returns the sampled rows' logits
+followed by the prompt rows', reduced in chunks (``sampler.prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -83,6 +87,18 @@ def num_kv_blocks(bytes_per_block: int, *, block_size: int, max_num_seqs: int, m
         raise ValueError(f"the KV cache gets no block of {bytes_per_block} bytes from {source}; "
                          "free memory or lower the model / max_model_len")
     return n
+
+
+def _check_dtype(dtype: str, kernels: KernelTable, device: str) -> None:
+    """Refuse a ``--dtype`` the table's weights are not served in (``auto`` or its ``weight_dtype``).
+
+    Raises:
+        ValueError: naming the flag and the values it takes.
+    """
+    if dtype not in ("auto", kernels.weight_dtype):
+        raise ValueError(f"--dtype {dtype} is not available on {device}: it takes auto or {kernels.weight_dtype} "
+                         "(on the CPU, auto serves weights in their stored types: bf16 safetensors stay bf16, "
+                         "a .gguf file's tensors are read as stored)")
 
 
 def kv_cache_dtype(kernels: KernelTable, name: str, device: str) -> np.dtype:
@@ -162,6 +178,7 @@ class ModelRunner:
             ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``kv_cache_dtype``, the
             dtype ``engine_config.kv_cache_dtype`` names on this device).
         block_size: tokens per block.
+        device_step: the ``DeviceStep`` of a table with ``device_sampling`` (the CUDA table), else None.
 
     Raises:
         ValueError / FileNotFoundError / RuntimeError: from loading or sizing (bad model, no
@@ -177,12 +194,8 @@ class ModelRunner:
         cfg = engine_config
         self.config = cfg
         self.device = resolve_device(cfg.device)
-        native = {"cpu": "float32", "cuda": "bfloat16"}[self.device]
-        if cfg.dtype not in ("auto", native):
-            raise ValueError(f"--dtype {cfg.dtype} is not available on {self.device}: it takes auto or {native} "
-                             "(on the CPU, auto serves weights in their stored types: bf16 safetensors stay bf16, "
-                             "a .gguf file's tensors are read as stored)")
         self.kernels: KernelTable = get_kernels(self.device)
+        _check_dtype(cfg.dtype, self.kernels, self.device)
         self.kv_cache_dtype = kv_cache_dtype(self.kernels, cfg.kv_cache_dtype, self.device)
         self.xp = self.kernels.xp
         self.model, self.model_config, self.model_dir = load_model(cfg.model, self.device, cfg.load_format,
@@ -192,28 +205,17 @@ class ModelRunner:
         self.block_size = cfg.block_size
         itemsize = self.kv_cache_dtype.itemsize   # a 16-bit cache: twice the blocks for one budget
         self.bytes_per_block = self.block_size * self.model_config.kv_bytes_per_token(itemsize)
-        self.device_step = None
-        if self.device == "cuda":
-            cuda: CudaKernelTable = self.kernels  # the CUDA table's extras (kernels/table.py)
-            mc = self.model_config
-            graph_rows = 1 << max(0, (cfg.max_num_seqs - 1).bit_length())  # decode graphs pad to this
-            cuda.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
-            self.device_step = DeviceStep(cuda, self.model, max_num_seqs=cfg.max_num_seqs,
-                                          max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                          max_model_len=self.max_model_len, block_size=self.block_size,
-                                          enforce_eager=getattr(cfg, "enforce_eager", False))
+        self.device_step = self._device_step() if self.kernels.device_sampling else None
         available = None
         if cfg.num_kv_blocks_override is None and cfg.kv_cache_memory is None:
-            available = self._profile_gpu_budget() if self.device == "cuda" else \
-                int(cfg.cpu_kv_cache_fraction * mem_available_bytes())
+            available = self._available_kv_bytes()
         self.num_blocks = num_kv_blocks(
             self.bytes_per_block, block_size=self.block_size, max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.max_model_len, num_blocks_override=cfg.num_kv_blocks_override,
             kv_cache_memory=cfg.kv_cache_memory, available_bytes=available)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, self.block_size, self.kernels,
                                             self.kv_cache_dtype)
-        if self.device == "cuda":  # setup ran on the legacy default stream, steps run on a non-blocking one
-            self.kernels.device.synchronize_device()
+        self.kernels.synchronize()   # set-up may run on another stream than the steps (the CUDA table's)
         self._seqs: dict[int, SamplingState] = {}
         self._last_sampled = LastSampledTokens()
         self._grammars = GrammarMatchers(self._tokenizer_json)
@@ -222,7 +224,25 @@ class ModelRunner:
         from ...model.tokenizer import Tokenizer
         return Tokenizer.from_pretrained(self.model_dir).hf.to_str()
 
-    # --- KV sizing on GPU ----------------------------------------------------------------------
+    def _device_step(self) -> DeviceStep:
+        """The one-sync step of a table that samples on its device, its decode scratch reserved
+        for the largest graph (``max_num_seqs`` rows padded to a power of two)."""
+        cfg, mc = self.config, self.model_config
+        cuda: CudaKernelTable = self.kernels  # the extras of a table with device_sampling (kernels/table.py)
+        graph_rows = 1 << max(0, (cfg.max_num_seqs - 1).bit_length())  # decode graphs pad to this
+        cuda.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
+        return DeviceStep(cuda, self.model, max_num_seqs=cfg.max_num_seqs,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
+                          block_size=self.block_size, enforce_eager=cfg.enforce_eager)
+
+    # --- KV sizing ------------------------------------------------------------------------------
+    def _available_kv_bytes(self) -> int:
+        """The automatic KV budget: profiled through the device step where there is one (a GPU's
+        memory), else ``cpu_kv_cache_fraction`` of the machine's available RAM."""
+        if self.device_step is not None:
+            return self._profile_gpu_budget()
+        return int(self.config.cpu_kv_cache_fraction * mem_available_bytes())
+
     def _profile_gpu_budget(self) -> int:
         """Bytes left for the KV cache after a profiling step of the largest shape.
 
@@ -285,7 +305,7 @@ class ModelRunner:
 
         num_plp = len(plan.prompt_logprob_indices)
         # a step with a constrained row samples eagerly (the device step's graphs and packed upload
-        # carry no bitmask yet); its mask is applied by the sampler on the table's array module
+        # carry no bitmask yet); the sampler applies its mask with the table's apply_token_bitmask
         if self.device_step is not None and not num_plp and not any(self._seqs[s].matcher is not None
                                                                      for s in sample_ids):
             if R and not plan.num_tokens:
@@ -298,14 +318,12 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=lp,
                               logprob_token_ids=lp_ids, forward_time=fwd, sample_time=smp)
 
-        if self.device_step is not None:  # a prompt-logprob / constrained step on the GPU: eager, on folio's stream
-            with self.device_step.dev.activate():
-                return self._execute_eager(plan, sample_ids, R, num_plp)
-        return self._execute_eager(plan, sample_ids, R, num_plp)
+        with self.kernels.activate():   # eager, on the table's stream
+            return self._execute_eager(plan, sample_ids, R, num_plp)
 
     def _execute_eager(self, plan: StepPlan, sample_ids: list[int], R: int, num_plp: int) -> StepResult:
-        """Forward + sample on any table, one kernel call at a time (the CPU path, and GPU steps
-        with prompt-logprob rows)."""
+        """Forward + sample on any table, one kernel call at a time (every step of a table without
+        device sampling; steps with prompt-logprob or constrained rows on one with it)."""
         xp = self.xp
         t0 = time.perf_counter()
         copies = np.asarray(plan.block_copies, dtype=np.int64).reshape(-1, 2)
@@ -346,7 +364,7 @@ class ModelRunner:
             states = [self._seqs[s] for s in sample_ids]
             out = sample(logits[:R] if num_plp else logits, states, xp,
                          bitmask=fill_batch_bitmask(states, int(logits.shape[1])),
-                         bitmask_kernel=self.kernels.apply_token_bitmask if self.device == "cuda" else None)
+                         bitmask_kernel=self.kernels.apply_token_bitmask)
             for st, tok in zip(states, out.token_ids.tolist()):
                 st.append(tok)
             advance(states, out.token_ids.tolist())
@@ -373,11 +391,7 @@ class ModelRunner:
         self._seqs.clear()
         self.model = None
         self.device_step = None
-        if self.device == "cuda" and hasattr(self.xp, "get_default_memory_pool"):
-            try:
-                self.xp.get_default_memory_pool().free_all_blocks()
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
+        self.kernels.empty_cache()
 
 
 def _profile_plan(lens: list[int], block_size: int, vocab_size: int, seed: int):

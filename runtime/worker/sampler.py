@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...kernels import to_numpy
+from ...kernels import reference, to_numpy
 from ...kernels.table import CudaKernelTable
 from ..common.sampling_params import SamplingParams
 
@@ -212,17 +212,15 @@ def _top_k_top_p_threshold(logits, top_k: np.ndarray, top_p: np.ndarray, xp=np,
 
 def apply_token_bitmask(logits, bitmask, xp=np):
     """``logits`` ``[R, V]`` float32 with -inf wherever ``bitmask`` ``[R, ceil(V / 32)]`` int32 has
-    the token's bit clear (bit ``t % 32`` of word ``t // 32``; llguidance's and xgrammar's layout).
-    One vectorised gather and shift over ``[R, V]``; no loop over the vocabulary. Returns a new
-    array (``logits`` is not written)."""
+    the token's bit clear (bit ``t % 32`` of word ``t // 32``; llguidance's and xgrammar's layout):
+    ``reference.apply_token_bitmask`` for NumPy, else one vectorised gather and shift over ``[R, V]``;
+    no loop over the vocabulary. Returns a new array (``logits`` is not written)."""
+    if xp is np:
+        return reference.apply_token_bitmask(logits, bitmask)
     V = logits.shape[1]
-    if xp is np:  # the bytes of little-endian int32 words, unpacked little-bit first, are the token order
-        allowed = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), axis=1,
-                                count=V, bitorder="little").view(bool)
-    else:
-        cols = xp.arange(V)
-        words = xp.asarray(bitmask)[:, cols >> 5]
-        allowed = ((words >> (cols & 31).astype(xp.int32)) & 1).astype(bool)
+    cols = xp.arange(V)
+    words = xp.asarray(bitmask)[:, cols >> 5]
+    allowed = ((words >> (cols & 31).astype(xp.int32)) & 1).astype(bool)
     return xp.where(allowed, logits, xp.float32(_MASK))
 
 
@@ -235,8 +233,8 @@ def sample(logits, states: list[SamplingState], xp=np, bitmask=None, bitmask_ker
         xp: numpy or cupy (the module of ``logits``).
         bitmask: ``[R, ceil(V / 32)]`` int32 host array of the tokens each row may sample
             (``fill_batch_bitmask``; unconstrained rows all ones), or ``None``.
-        bitmask_kernel: the device table's ``apply_token_bitmask`` (in place on a float32 copy),
-            used instead of the array-module version when given (the CUDA table).
+        bitmask_kernel: a kernel table's ``apply_token_bitmask`` (in place on a float32 copy),
+            used instead of the array-module version when given (the model runner's).
 
     Returns:
         ``SamplerOutput`` with host arrays. The caller appends the tokens to the states.

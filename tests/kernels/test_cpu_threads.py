@@ -250,8 +250,7 @@ c = ModelConfig(vocab_size=97, hidden_size=256, intermediate_size=384, num_hidde
                 num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=True)
 w = dummy_weights(c, seed=1)
 fused = LlamaForCausalLM(c, w, get_kernels("cpu"))   # decoder_layers
-loop = LlamaForCausalLM(c, w, SimpleNamespace(**{k: v for k, v in vars(get_kernels("cpu")).items()
-                                                 if k != "decoder_layers"}))   # the kernels one by one
+loop = LlamaForCausalLM(c, w, SimpleNamespace(**{**vars(get_kernels("cpu")), "stacked_layers": False}))   # one by one
 T = 200
 ids, pos = np.arange(T, dtype=np.int64) % 97, np.arange(T, dtype=np.int64)
 md = AttentionMetadata(pos.copy(), np.array([0, T], np.int32), np.array([T], np.int32),

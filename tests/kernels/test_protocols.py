@@ -1,8 +1,9 @@
 """The written contracts hold: both kernel tables conform to ``KernelTable`` and each to its own
 extension (``CpuKernelTable``, ``CudaKernelTable``) and not to the other's, the CUDA table's devices
-to ``KernelDevice``, every executor to ``Executor``, the runners to ``StepRunner`` (members present,
-and every method accepts the protocol's call shape: its parameters by the same names and kinds,
-extra ones only with defaults)."""
+to ``KernelDevice``, the CPU table's compile jobs to ``CompileJob``, every executor to ``Executor``,
+the runners to ``StepRunner`` (members present, and every method accepts the protocol's call shape:
+its parameters by the same names and kinds, extra ones only with defaults); and every member the
+model and the worker read from a table is declared."""
 
 import inspect
 import os
@@ -14,7 +15,7 @@ import pytest
 from folio.kernels.cpu.table import CPU_KERNELS
 from folio.kernels.cuda.device import CupyDevice, HostDevice
 from folio.kernels.cuda.table import CudaKernels
-from folio.kernels.table import CpuKernelTable, CudaKernelTable, KernelDevice, KernelTable
+from folio.kernels.table import CompileJob, CpuKernelTable, CudaKernelTable, KernelDevice, KernelTable
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.executor import Executor, InlineExecutor, StepRunner, ThreadedExecutor
 
@@ -140,6 +141,30 @@ def test_the_protocols_declare_what_the_worker_calls():
         used |= table_members_used(os.path.join(root, name))
     assert {"capture", "sample", "reserve_decode_scratch"} <= used   # the scan sees the calls
     assert used - protocol_members(CudaKernelTable) == set()
+
+
+def test_the_protocols_declare_what_the_model_and_precompile_read():
+    # the model (model/llama.py, model/loader.py) and the ahead compilation (precompile.py) read a
+    # table's differences from declared members (stacked_layers, zeros, precompile_jobs, ...),
+    # never by probing for what one table has
+    import folio.model as model
+    import folio.runtime.worker as worker
+    paths = [os.path.join(os.path.dirname(model.__file__), name) for name in ("llama.py", "loader.py")]
+    used = set()
+    for path in paths + [os.path.join(os.path.dirname(worker.__file__), "precompile.py")]:
+        used |= table_members_used(path)
+    assert {"stacked_layers", "zeros", "decoder_layers", "precompile_jobs"} <= used   # the scan sees the reads
+    assert used - (protocol_members(CpuKernelTable) | protocol_members(CudaKernelTable)) == set()
+
+
+@pytest.mark.parametrize("variant", CPU_KERNELS.precompile_variants)
+def test_the_cpu_tables_compile_jobs_conform(variant):
+    jobs = CPU_KERNELS.precompile_jobs(variant)
+    assert jobs and len({j.name for j in jobs}) == len(jobs)
+    for job in jobs:
+        assert_conforms(job, CompileJob)
+    with pytest.raises(ValueError, match="unknown kernel variant"):
+        CPU_KERNELS.precompile_jobs("float16")
 
 
 def test_a_table_without_an_operation_does_not_conform():

@@ -119,7 +119,7 @@ def test_fused_layers_equal_the_per_kernel_loop(tiny, threads, driver, forced, k
             monkeypatch.setattr(module, "num_threads", lambda: 3)
     config, w, fused = tiny
     assert fused.layer_stacks is not None
-    table = SimpleNamespace(**{k: v for k, v in vars(get_kernels("cpu")).items() if k != "decoder_layers"})
+    table = SimpleNamespace(**{**vars(get_kernels("cpu")), "stacked_layers": False})
     loop = LlamaForCausalLM(config, w, table)
     assert loop.layer_stacks is None
     rng = np.random.default_rng(11)

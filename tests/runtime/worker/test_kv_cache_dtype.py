@@ -175,17 +175,18 @@ def test_n4_seeded_samples_share_blocks(llm):
 
 
 def test_precompile_jobs_take_the_cache_dtype():
-    # runtime/worker/precompile.py: the jobs' KV cache arrays (F4) are of the configured dtype, so
-    # a bfloat16 server compiles the uint16 variants and the default one the float32 ones only
-    # (test_warm_up.py checks that each covers its engine's warm-up)
+    # runtime/worker/precompile.py: the jobs' KV cache arrays (F4, kernels/cpu/compile_jobs.py) are
+    # of the configured dtype, so a bfloat16 server compiles the uint16 variants and the default one
+    # the float32 ones only (test_warm_up.py checks that each covers its engine's warm-up)
     from numba import types
 
+    from folio.kernels.cpu.compile_jobs import argument_types
     from folio.runtime.worker import precompile
-    assert precompile._types()["F4"].dtype == types.float32
-    assert precompile._types("float32")["F4"].dtype == types.float32
-    assert precompile._types("bfloat16")["F4"].dtype == types.uint16
-    assert precompile._types("bfloat16")["F3"].dtype == types.float32
+    assert argument_types()["F4"].dtype == types.float32
+    assert argument_types("float32")["F4"].dtype == types.float32
+    assert argument_types("bfloat16")["F4"].dtype == types.uint16
+    assert argument_types("bfloat16")["F3"].dtype == types.float32
     job = next(j for j in precompile.JOBS if j.function == "_copy_blocks_kernel")
-    fn, sig = precompile._dispatcher(job, "bfloat16")
+    fn, sig = job.dispatcher, job.types("bfloat16")
     precompile.compile_job(job, "bfloat16")
     assert sig in fn.signatures and sig[0].dtype == types.uint16
