@@ -6,8 +6,10 @@ paged attention in ``attention.py``, matrix products (``linear``) in ``linear.py
 layer of a step as one compiled call in ``forward.py``, the vectorised ``exp2`` in ``math.py``,
 and the threading policy all of them follow in ``threads.py`` (one pool, Numba's, sized to the
 cores this process may run on; BLAS held at one thread and called per tile from that pool; work
-items taken from a shared counter). ``CPU_KERNELS`` is the ``kernels.table.KernelTable`` the
+items taken from a shared counter). ``CPU_KERNELS`` is the ``kernels.table.CpuKernelTable`` the
 forward pass (``model/llama.py``) is written against; ``kernels.get_kernels("cpu")`` returns it.
+``precompile_jobs`` gathers what each kernel module compiles ahead (its ``PRECOMPILE``,
+``compile_jobs.py``).
 """
 
 from __future__ import annotations

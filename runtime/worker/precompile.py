@@ -173,7 +173,7 @@ def in_cache(job: CompileJob, kv_cache_dtype: str = "auto") -> bool:
 
 def _child_main(args: list[str]) -> int:
     # "--variant V" first (default float32); "--check": first one line "missing N" (jobs of any
-    # group not in the cache), and stop there when N is 0; then the given groups' jobs in order
+    # group not in the cache), and stop there when N is 0; then the given groups' jobs in order,
     # one line per job: "done NAME SECONDS C|L"
     variant = "float32"
     if args[:1] == ["--variant"]:
