@@ -4,9 +4,9 @@ Written against a kernel table (``folio.kernels.table.KernelTable``, from
 ``folio.kernels.get_kernels``) and its array module ``kernels.xp`` only: NumPy + Numba kernels on
 the CPU, CuPy + CUDA kernels on the GPU. The per-layer loop of ``forward`` is what the CUDA table
 runs, one kernel launch per operation (captured as CUDA graphs for decode steps by
-``runtime/worker/device_step.py``); the CPU table runs every layer of a step in one compiled call
-(``decoder_layers``, ``kernels/cpu/forward.py``) over weights stacked per kind
-(``layer_stacks``), the same kernels in the same order. Weights in GGUF block types or 16-bit
+``runtime/worker/device_step.py``); a table with ``stacked_layers`` (the CPU's) runs every layer
+of a step in one compiled call (``decoder_layers``, ``kernels/cpu/forward.py``) over weights
+stacked per kind (``layer_stacks``), the same kernels in the same order. Weights in GGUF block types or 16-bit
 floats (``QuantizedWeight``) are served by the CPU table only.
 
 Architecture: Llama (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
