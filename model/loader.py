@@ -284,4 +284,5 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, ke
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     dtype = kernels.kv_cache_dtype if dtype is None else dtype
     # the table's zeros: the CPU's on huge pages (kernels/cpu/memory.py)
-    return [(kernels.zeros(shape, dtype=dtype), kernels.zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]
+    zeros = kernels.zeros
+    return [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]

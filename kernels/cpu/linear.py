@@ -343,5 +343,6 @@ def linear(x, weight, out=None):
 PRECOMPILE = (   # float32 weights only (GGUF-typed ones: quant_linear.py)
     NumbaJob(linear_item, "F2 F2 F2 i64 i64 i64 i64", "linear", 10, "matrix products", ("float32",)),
     NumbaJob(linear_items, "i64 i64 i64 i64 i64", "linear", 0.4, "matrix products: work items", ("float32",)),
-    NumbaJob(linear_into, "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)", ("float32",)),
+    NumbaJob(linear_into, "F2 F2 F2 i64 i64 i64", "rest", 7, "matrix products, parallel region (lm_head)",
+             ("float32",)),
 )

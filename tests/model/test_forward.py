@@ -175,7 +175,8 @@ def greedy(model, config, prompt_ids, max_tokens, stop_at_eos):
     """Greedy generation through the paged cache: one prefill step then one decode step per token."""
     from support.greedy import greedy_generate
 
-    return greedy_generate(model, config, prompt_ids, max_tokens=max_tokens, ignore_eos=not stop_at_eos)["generated_ids"]
+    out = greedy_generate(model, config, prompt_ids, max_tokens=max_tokens, ignore_eos=not stop_at_eos)
+    return out["generated_ids"]
 
 
 @pytest.mark.parametrize("case_id", ["a", "b", "d", "e"])
