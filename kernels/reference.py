@@ -34,8 +34,9 @@ import math
 
 import numpy as np
 
-# the kernels of the tables (float32_to_bf16_bits, bf16_bits_to_float32, kv_cache_values: the cache's
-# helpers; reshape_and_cache and rotary_embedding: the two parts of rope_and_cache's spec)
+# the kernels of the tables (gumbel_noise, sample_gumbel: the CUDA table's sampler's; float32_to_bf16_bits,
+# bf16_bits_to_float32, kv_cache_values: the cache's helpers; reshape_and_cache and rotary_embedding: the
+# two parts of rope_and_cache's spec)
 __all__ = [
     "paged_attention",
     "copy_blocks",
