@@ -381,7 +381,8 @@ def test_replica_doors_listen_on_the_chosen_loopback_ports_and_admit_only_the_ro
     reps = client.health()["replicas"]
     assert [r["address"] for r in reps] == [f"tcp://127.0.0.1:{RPC_PORT}", f"tcp://127.0.0.1:{RPC_PORT + 1}"]
     for r in reps:
-        assert _handshake(r["address"]) == "HANDSHAKE_FAILED_PROTOCOL"        # no CURVE: refused
+        # no CURVE: refused (libzmq reports a security mismatch as _PROTOCOL or _NO_DETAIL by version)
+        assert _handshake(r["address"]).startswith("HANDSHAKE_FAILED_")
         stranger = CurveKeys.generate()        # CURVE with keys of another cluster: refused
         assert _handshake(r["address"], stranger).startswith("HANDSHAKE_FAILED_")
     # and the router still serves through them
