@@ -38,9 +38,9 @@
 #
 # Dry run: FOLIO_GPU_CHECK_DRY=1 runs every step here, without a GPU: the CUDA kernel table is the
 # SIMT emulator's (FOLIO_CUDA_TABLE=simt.table:simt_kernels), sizes are tiny, the limits x3, the
-# Hugging Face benchmark steps are left out and, where torch is missing or has no CUDA, the golden
-# step compares with folio's CPU forward instead of transformers. The install step runs as on the
-# device.
+# Hugging Face benchmark steps are left out, the golden step's hf_compare runs transformers on the
+# CPU and, where torch is missing, is reported as {"skipped": "no torch"} (no comparison is made).
+# The install step runs as on the device.
 # tests/perf/test_gpu_check_dry.py runs it in the default suite, so a real run fails only on what truly
 # needs a GPU.
 #

@@ -19,7 +19,8 @@
    tie (``hf_compare``).
 
 ``--dry`` (perf/gpu_check.sh with FOLIO_GPU_CHECK_DRY=1): the same code on the CUDA table under the
-SIMT emulator ($FOLIO_CUDA_TABLE), at sizes the emulator runs in seconds.
+SIMT emulator ($FOLIO_CUDA_TABLE), at sizes the emulator runs in seconds; ``hf_compare`` runs
+transformers on the CPU, and where torch is missing reports ``{"skipped": "no torch"}`` instead.
 
 Usage: python perf/gpu_check_golden.py --out result.json [--dry]
 """
@@ -88,68 +89,37 @@ def write_bf16_safetensors(path, tensors: dict) -> None:
 
 
 class _Transformers:
-    """The reference: Hugging Face transformers, bf16 on the GPU, from the same folder."""
+    """The reference: Hugging Face transformers, bf16 on ``device`` (the GPU; the CPU in the dry
+    run), from the same folder."""
 
     name = "transformers"
 
-    def __init__(self, folder):
+    def __init__(self, folder, device="cuda"):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
 
-        self.torch = torch
+        self.torch, self.device = torch, device
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        self.model = AutoModelForCausalLM.from_pretrained(folder, **{dtype_kw: torch.bfloat16}).cuda().eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, **{dtype_kw: torch.bfloat16}).to(device).eval()
         self.version = {"transformers": transformers.__version__, "torch": torch.__version__}
 
     def logits(self, ids):
         with self.torch.no_grad():
-            x = self.torch.tensor([list(ids)], dtype=self.torch.long, device="cuda")
+            x = self.torch.tensor([list(ids)], dtype=self.torch.long, device=self.device)
             return self.model(x).logits[0].float().cpu().numpy()
 
     def greedy(self, prompt, n):
         with self.torch.no_grad():
-            x = self.torch.tensor([list(prompt)], dtype=self.torch.long, device="cuda")
+            x = self.torch.tensor([list(prompt)], dtype=self.torch.long, device=self.device)
             out = self.model.generate(x, attention_mask=self.torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, pad_token_id=0)
             return out[0, len(prompt):].tolist()
 
     def close(self):
         del self.model
-        self.torch.cuda.empty_cache()
-
-
-class _FolioCpu:
-    """The dry run's reference where torch is absent: folio's float32 CPU forward (NumPy/Numba),
-    from the same folder (the comparison's code path runs; the bound is loose for it)."""
-
-    name = "folio-cpu"
-
-    def __init__(self, folder):
-        from folio.model.loader import load_model
-
-        self.folder = folder
-        self.model, self.config, _ = load_model(folder, "cpu")
-        self.version = {}
-
-    def logits(self, ids):
-        from folio.kernels import get_kernels
-        from folio.model.loader import allocate_kv_caches
-
-        k = get_kernels("cpu")
-        n = len(ids)
-        bt = np.arange(n // 16 + 1, dtype=np.int32)
-        return _run(self.model, k, allocate_kv_caches(self.config, len(bt), 16, k), np.asarray(ids, np.int64), bt,
-                    [(0, n)])[0]
-
-    def greedy(self, prompt, n):
-        seq = list(prompt)
-        for _ in range(n):
-            seq.append(int(self.logits(seq)[-1].argmax()))
-        return seq[len(prompt):]
-
-    def close(self):
-        self.model = None
+        if self.device == "cuda":
+            self.torch.cuda.empty_cache()
 
 
 def hf_compare(dry: bool) -> dict:
@@ -161,8 +131,10 @@ def hf_compare(dry: bool) -> dict:
     prefills, then one decode step per token, split-K partitions): every logit within
     ``logit_bound``. (2) Greedy ids: folio's engine (``LLM(device="cuda")``, CUDA graphs) against
     the reference's greedy continuation, step by step up to the first difference, which passes
-    only at a near tie: a reference top-1 / top-2 margin below twice the bound there. Without torch
-    (only allowed in ``--dry``) the reference is folio's CPU forward.
+    only at a near tie: a reference top-1 / top-2 margin below twice the bound there. In ``--dry``
+    transformers runs on the CPU; without torch there the comparison is not made and the result
+    says so (``{"skipped": "no torch", ...}``, which does not fail the check); on a GPU a missing
+    torch is a failure.
     """
     from gpu_check_bench import SMOLLM2_135M, synthetic_tokenizer
 
@@ -172,6 +144,13 @@ def hf_compare(dry: bool) -> dict:
     from folio.model.loader import allocate_kv_caches, load_model
     from folio.model.weights import dummy_weights
 
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        if not dry:
+            return {"ok": False, "error": f"transformers / torch missing: {e}"}
+        return {"skipped": "no torch", "reason": f"{type(e).__name__}: {e}"}
     cfg = dict(SMOLLM2_135M, num_hidden_layers=2, vocab_size=2048) if dry else SMOLLM2_135M
     config = ModelConfig.from_dict(cfg)
     t0 = time.perf_counter()
@@ -181,15 +160,7 @@ def hf_compare(dry: bool) -> dict:
             json.dump(cfg, f)
         synthetic_tokenizer(d, cfg["vocab_size"])
         write_bf16_safetensors(os.path.join(d, "model.safetensors"), dummy_weights(config, seed=3))
-        try:
-            import torch
-            if dry and not torch.cuda.is_available():  # a CPU-only torch: the dry run's reference
-                raise ImportError("torch has no CUDA")
-            ref = _Transformers(d)
-        except ImportError as e:
-            if not dry:
-                return {"ok": False, "error": f"transformers / torch missing: {e}"}
-            ref = _FolioCpu(d)
+        ref = _Transformers(d, "cpu" if dry else "cuda")
         prompt = np.random.default_rng(2).integers(0, cfg["vocab_size"], n_prompt).tolist()
         ref_gen = ref.greedy(prompt, n_gen)
         ids = np.asarray(prompt + ref_gen, np.int64)
