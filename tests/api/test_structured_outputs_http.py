@@ -19,11 +19,11 @@ import pytest
 from support.json_prefix import json_prefix_ok
 from support.serve_helpers import API_KEY
 
-openai = pytest.importorskip("openai")
-pydantic = pytest.importorskip("pydantic")
+import openai  # in the test extra: missing, the install is broken (an error, not a skip)
+import pydantic  # FastAPI's and openai's dependency
 
-from folio.api.tool_calls import parse_tool_calls, resolve_tool_choice, tool_constraint  # noqa: E402
-from folio.cmd_serve import spawn_server, stop_server  # noqa: E402
+from folio.api.tool_calls import parse_tool_calls, resolve_tool_choice, tool_constraint
+from folio.cmd_serve import spawn_server, stop_server
 
 MODEL = "smol"
 FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", str(48 << 20), "--max-num-seqs", "16",
