@@ -70,6 +70,6 @@ def test_linear_is_the_exact_product():
     exact, bound = B.linear(x, w)
     want = np.array([[math.fsum(float(a) * float(b) for a, b in zip(row, col)) for col in w] for row in x])
     # float64 sums of 70 exact products: within gamma_70 (float64) of sum |x w|
-    np.testing.assert_array_less(np.abs(exact - want), 70 * 2.0 ** -53 * (np.abs(x) @ np.abs(w).T) * 1.01 + TINY)
-    np.testing.assert_allclose(bound, 2 * B.gamma(70) * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
-                               * 1.01, rtol=1e-12)
+    mag = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    np.testing.assert_array_less(np.abs(exact - want), B.gamma64(70) * mag + TINY)
+    np.testing.assert_allclose(bound, (2 * B.gamma(70) + 2 * B.gamma64(70)) * mag, rtol=1e-12)

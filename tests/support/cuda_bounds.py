@@ -22,11 +22,27 @@ import numpy as np
 
 U = 2.0 ** -24         # float32 unit roundoff
 U_BF16 = 2.0 ** -8     # bf16 unit roundoff: half an ulp, relative
+U64 = 2.0 ** -53       # float64 unit roundoff: the "exact" results and the bounds here are float64
 
 
 def gamma(n) -> np.ndarray | float:
     n = np.asarray(n, dtype=np.float64)
     return n * U / (1 - n * U)
+
+
+def gamma64(n) -> np.ndarray | float:
+    """``gamma`` of float64: what evaluating an ``n``-operation expression here in float64 may
+    add, relative to the magnitude of its terms."""
+    n = np.asarray(n, dtype=np.float64)
+    return n * U64 / (1 - n * U64)
+
+
+def compose(rel) -> np.ndarray | float:
+    """A first-order sum of relative errors (``k u`` for ``k`` roundings, ``4 u`` for a 2-ulp
+    function, ...) made a bound: ``|prod (1 + d_i) - 1| <= rel / (1 - rel)`` when ``sum |d_i| <=
+    rel < 1`` (Higham, lemma 3.1: the products of two or more ``d_i`` that the sum leaves out)."""
+    rel = np.asarray(rel, dtype=np.float64)
+    return rel / (1 - rel)
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -60,44 +76,50 @@ def check(got, want, bound, what: str):
 
 def rms_norm(x, weight, eps, rounded=True):
     """y = x / sqrt(mean(x^2) + eps) * w. Float32: the sum of squares gamma_n, mean and +eps 2u,
-    rsqrtf 4u (the square root halves the first three), two products 2u -> gamma_n / 2 + 7u of |y|."""
+    rsqrtf 4u (the square root halves the first three), two products 2u -> gamma_n / 2 + 7u of |y|,
+    composed; plus this float64 evaluation of y (n + 5 operations on positive terms but x and w)."""
     x = np.asarray(x, dtype=np.float64)
     w = np.asarray(weight, dtype=np.float64)
+    n = x.shape[-1]
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-    err = (gamma(x.shape[-1]) / 2 + 7 * U) * np.abs(y) * 1.01
+    err = (compose(gamma(n) / 2 + 7 * U) + 2 * gamma64(n + 5)) * np.abs(y)
     return y, rounded_bound(np.abs(y), err)
 
 
 def silu_and_mul(x, rounded=True):
     """silu(g) * u = g / (1 + exp(-g)) * u: expf 4u, add, divide, multiply 3u -> 8u of |y| (the
-    relative error of 1 + e^-g is at most that of e^-g)."""
+    relative error of 1 + e^-g is at most that of e^-g), composed; plus this float64 evaluation of
+    y (4 operations, none a cancellation)."""
     x = np.asarray(x, dtype=np.float64)
     inter = x.shape[-1] // 2
     g, u = x[..., :inter], x[..., inter:]
     y = g / (1.0 + np.exp(-g)) * u
-    err = 8 * U * np.abs(y) * 1.01
+    err = (compose(8 * U) + 2 * gamma64(4)) * np.abs(y)
     return y, rounded_bound(np.abs(y), err)
 
 
 def rope(positions, x, cos_sin_cache):
     """[x1 c - x2 s, x2 c + x1 s] with float32 c, s taken as exact inputs: two products and a sum,
-    gamma_3 (|x1 c| + |x2 s|)."""
+    gamma_3 (|x1 c| + |x2 s|); plus this float64 evaluation of y and of the magnitude (3 operations
+    each, relative to the magnitude)."""
     half = cos_sin_cache.shape[1] // 2
     c = cos_sin_cache[positions, :half].astype(np.float64)[:, None, :]
     s = cos_sin_cache[positions, half:].astype(np.float64)[:, None, :]
     x1, x2 = x[..., :half].astype(np.float64), x[..., half:].astype(np.float64)
     y = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     mag = np.concatenate([np.abs(x1 * c) + np.abs(x2 * s), np.abs(x2 * c) + np.abs(x1 * s)], axis=-1)
-    err = gamma(3) * mag * 1.01
+    err = (gamma(3) + 2 * gamma64(3)) * mag
     return y, rounded_bound(np.abs(y), err)
 
 
 def linear(x, w):
     """x @ w.T with bf16 inputs (exact products), float32 tensor-core accumulation: 2 gamma_K of
-    sum |x w|."""
+    sum |x w|; plus this float64 evaluation of x @ w.T and of sum |x w| (K terms each; bf16
+    products are exact in float64)."""
     x = np.asarray(x, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
-    return x @ w.T, 2 * gamma(x.shape[-1]) * (np.abs(x) @ np.abs(w).T) * 1.01
+    K = x.shape[-1]
+    return x @ w.T, (2 * gamma(K) + 2 * gamma64(K)) * (np.abs(x) @ np.abs(w).T)
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,

@@ -183,9 +183,12 @@ def test_text_score_order_and_ignore_eos():
     for s in seqs:
         assert s.text == tok.decode(s.token_ids)
         assert EOS not in s.token_ids  # without include_stop_str_in_output
-        assert s.cum_logprob == pytest.approx(sum(
-            float(toy_logprobs(p + s.token_ids[:i])[t]) for i, t in enumerate(
-                s.token_ids + ([EOS] if s.finish_reason == "stop" else []))), abs=1e-9)
+        # the search adds the same float32 logprobs, as Python floats, one step at a time from 0.0:
+        # the same additions in the same order give the same float (sum() may compensate: a loop)
+        want = 0.0
+        for i, t in enumerate(s.token_ids + ([EOS] if s.finish_reason == "stop" else [])):
+            want += float(toy_logprobs(p + s.token_ids[:i])[t])
+        assert s.cum_logprob == want
     # ranked by cum_logprob / generated length (length_penalty 1; a final EOS is not counted)
     scores = [s.cum_logprob / max(len(s.token_ids), 1) for s in seqs]
     assert scores == sorted(scores, reverse=True)

@@ -272,7 +272,12 @@ def test_chat_and_metrics(llm):
         best = max(entry, key=lambda t: entry[t].logprob)
         assert best == tok_id and entry[tok_id].rank == 1  # greedy: the sampled token is the top-1
         assert len(entry) == 2 and all(lp.logprob <= 0 for lp in entry.values())
-    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
+    # the output processor adds each sampled token's float32 logprob (the same value its top-k
+    # entry carries: both are read from one log-softmax row) from 0.0, step by step: so does this
+    want = 0.0
+    for t, e in zip(comp.token_ids, comp.logprobs):
+        want += e[t].logprob
+    assert comp.cumulative_logprob == want
     assert out.metrics.arrival_time <= out.metrics.first_token_time <= out.metrics.finished_time
     m = llm.get_metrics()
     delta = {k: m[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
