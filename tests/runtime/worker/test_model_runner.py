@@ -157,7 +157,8 @@ def test_logprobs_in_step_result(runner):
     c = runner.model_config
     atol = 2 * forward_logit_atol(c.num_hidden_layers, max(c.hidden_size, c.intermediate_size),
                                   np.array(lc["top5_logits"]), schedules=2)
-    np.testing.assert_allclose(res.logprobs[0, 1:], np.array(lc["top5_logits"]) - lc["logsumexp"], atol=atol, rtol=0)
+    np.testing.assert_allclose(res.logprobs[0, 1:], np.array(lc["top5_logits"]) - lc["logsumexp"],
+                               atol=atol, rtol=0)
     runner.execute(finish_plan(1, [40]))
 
 
