@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     print("command: python -m perf.int8_activation_kl " + " ".join(sys.argv[1:]), flush=True)
     ids = text_ids(a.tokens or None)
-    print(f"text: {TEXT.relative_to(ROOT)}, {len(ids)} tokens ({len(ids) - 0} positions)", flush=True)
+    print(f"text: {TEXT.relative_to(ROOT)}, {len(ids)} tokens (as many positions)", flush=True)
     for t in a.types.split(","):
         r = measure(t, ids)
         for name, f in r.items():
