@@ -189,12 +189,13 @@ def test_folio_launches_pass_cupys_argument_parsing(shared_mem):
     # shape (3 positional arguments, the rest keywords) before compiling or touching a device; a
     # call it accepts then asks the runtime for the current device (RawKernel._kernel), which on a
     # machine without a GPU or driver raises CUDARuntimeError from there, and on a GPU launches
-    kern = _NoCompileKernel('extern "C" __global__ void k(float* x) {}', "k")
+    kern = _NoCompileKernel('extern "C" __global__ void k(float x) {}', "k")  # takes the float32 passed
     with pytest.raises(TypeError, match="3 positional arguments"):
         kern((1,), (32,), (np.float32(0),), shared_mem)   # the call folio made before issue 30
     kt = CudaKernels(np, lambda name: kern, gemm=None, device=HostDevice())
     if _has_gpu():
         kt._launch("k", (1,), (32,), (np.float32(0),), shared_mem=shared_mem)
+        cupy.cuda.Device().synchronize()   # a launch error surfaces here
     else:
         with pytest.raises(CUDARuntimeError) as err:
             kt._launch("k", (1,), (32,), (np.float32(0),), shared_mem=shared_mem)
