@@ -185,6 +185,7 @@ def _run(a: argparse.Namespace) -> int:
     from .ipc.scheduler_process import Server
     from .ipc.transport import private_ipc_address
     from .model.config import ModelConfig
+    from .model.loader import check_quantization
     from .model.registry import resolve_model
 
     config = engine_config_from_args(a)
@@ -192,6 +193,7 @@ def _run(a: argparse.Namespace) -> int:
     a.allowed_origins = parse_origins(a.allowed_origins)
     t0 = time.monotonic()
     model_dir = resolve_model(config.model)                 # imports a GGUF once
+    check_quantization(config.model, config.quantization, config.dtype, config.load_format)  # from the header
     max_model_len = config.resolve_max_model_len(ModelConfig.from_pretrained(model_dir).max_position_embeddings)
     load_chat_template(a.chat_template)                     # a bad template fails now, not per request
     http_sock = bind_http(a.host, a.port, a.allow_remote)   # a busy port fails before the model loads

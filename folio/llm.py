@@ -37,7 +37,10 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, executor=None, **engine_args):
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         if executor is None:
+            from .model.loader import check_quantization
             from .runtime.worker import precompile
+            # refused from the file's header, before the kernels compile for a model that cannot load
+            check_quantization(self.config.model, self.config.quantization, self.config.dtype, self.config.load_format)
             from .runtime.worker.model_runner import ModelRunner  # the worker side, in this process
             # a cold Numba cache: the kernels compiled in parallel processes, with progress
             # (a bar on a terminal), instead of silently inside the first step

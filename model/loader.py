@@ -113,6 +113,37 @@ def resolve_activation_quantization(requested: str, name_or_path: str, dtype: st
     return _activations(requested, quantized, source)
 
 
+def check_quantization(name_or_path: str, quantization: str | None, dtype: str = "auto",
+                       load_format: str = "auto") -> None:
+    """Refuse ``quantization`` of weights that are already in quantized GGUF types, from the GGUF
+    header alone (milliseconds), before any weight is read or kernel compiled: on the CPU with
+    ``dtype="auto"`` a ``.gguf`` file's tensors are served as stored, and ``quantize_weights``
+    takes float matrices only.
+
+    Raises:
+        ValueError: naming the flag, the file's quantized type and a tensor, and the ways out.
+        what ``registry.resolve_model`` raises.
+    """
+    from .gguf_header import read_tensor_infos
+    from .gguf_weights import gguf_source
+    from .registry import resolve_model
+
+    if quantization is None or dtype != "auto" or load_format == "dummy":
+        return
+    source = gguf_source(Path(resolve_model(name_or_path)))
+    if source is None:
+        return
+    _, infos = read_tensor_infos(source)
+    quantized = [(name, GGML_TYPE_NAMES.get(info.type_id, str(info.type_id))) for name, info in infos.items()
+                 if GGML_TYPE_NAMES.get(info.type_id) not in _FLOAT_TYPES]
+    if quantized:
+        name, type_name = quantized[0]
+        raise ValueError(f"--quantization {quantization}: {source.name} is already quantized ({type_name}, e.g. "
+                         f"{name}); --quantization applies to float weights (serve the file as it is, add "
+                         f"--dtype float32 to quantize its dequantized weights, or re-quantize it with "
+                         f"llama.cpp's llama-quantize)")
+
+
 def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto", dtype: str = "auto",
                quantization: str | None = None, activation_quantization: str = "auto"):
     """Resolve, read and place a model.
@@ -166,6 +197,8 @@ def load_model(name_or_path: str, device: str = "cpu", load_format: str = "auto"
     if quantization is not None and not on_cpu:
         raise ValueError(f"--quantization {quantization} runs on the CPU only (the {kernels.name} kernels read "
                          f"float weights)")
+    if on_cpu:
+        check_quantization(name_or_path, quantization, dtype, load_format)
     model_dir = Path(resolve_model(name_or_path))
     config = ModelConfig.from_pretrained(model_dir)
     source = gguf_source(model_dir)
@@ -203,7 +236,7 @@ def _read_weights(model_dir: Path, config: ModelConfig, kernels, load_format: st
             return _DeviceDummyWeights(config, kernels)
         return dummy_weights(config, seed=0)
     if source is not None and stored:
-        # (--quantization of a file of quantized types is refused by quantize_weights, naming a tensor)
+        # (--quantization of a file of quantized types was refused before: check_quantization)
         return load_gguf_weights(source, config)
     folder = float32_import(model_dir) if source is not None else model_dir
     return load_weights(folder, config, keep_bf16=kernels.kv_cache_dtype == np.uint16, keep_16bit=stored)

@@ -79,6 +79,18 @@ def test_max_model_len_is_checked_against_the_model_before_loading(default_model
     assert EngineConfig(max_model_len=512).resolve_max_model_len(8192) == 512
 
 
+def test_quantization_of_a_quantized_gguf_is_refused_before_loading(default_model_dir):
+    # the default model is a Q4_1 GGUF served as stored: --quantization has no float weights to take
+    r = run_folio("serve", "--quantization", "q8_0", "--port", "0", "--address", f"tcp://127.0.0.1:{free_port()}")
+    assert r.returncode == 1 and "--quantization q8_0" in r.stderr and "already quantized" in r.stderr, r.stderr
+    assert "loading" not in r.stdout and "compiling" not in r.stdout + r.stderr and "Traceback" not in r.stderr
+    from folio.model.loader import check_quantization
+    with pytest.raises(ValueError, match="already quantized"):
+        check_quantization("smollm2-135m-instruct", "q4_k")
+    check_quantization("smollm2-135m-instruct", None)                     # nothing to refuse
+    check_quantization("smollm2-135m-instruct", "q8_0", dtype="float32")  # dequantized first: float weights
+
+
 def test_a_busy_http_port_fails_before_the_model_loads():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
