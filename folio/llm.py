@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from .runtime.scheduler.beam_search import BeamSearchOutput
 from .runtime.common.config import DEFAULT_MODEL, EngineConfig
+from .runtime.common.grammar import GrammarError
 from .runtime.scheduler.engine import LLMEngine
 from .runtime.common.outputs import RequestOutput
 from .runtime.common.sampling_params import BeamSearchParams, SamplingParams
@@ -67,7 +68,9 @@ class LLM:
             one finished ``RequestOutput`` per prompt, in the order given.
         Raises:
             ValueError: a bad prompt or parameter (raised before anything runs; no request of
-                the call is left queued).
+                the call is left queued); ``GrammarError`` (a ``ValueError``) for a constraint
+                the worker could not compile, raised when it fails (before that request runs;
+                the call's other requests are aborted).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -165,6 +168,9 @@ class LLM:
                     rid = delta.request_id
                     if rid not in pending:
                         continue
+                    if delta.error is not None:     # its constraint did not compile (the worker's message)
+                        pending.discard(rid)
+                        raise GrammarError(delta.error)
                     deltas[rid].append(delta)
                     if delta.finished:
                         final[rid] = RequestOutput.from_deltas(deltas.pop(rid))

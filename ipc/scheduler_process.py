@@ -63,10 +63,8 @@ class _Request:
 @dataclass
 class _Pending:
     engine_id: str
-    prompt: str | None
-    prompt_token_ids: list[int] | None
+    inputs: Any              # the request's ProcessedPrompt (runtime/inputs/input_processor.py)
     sampling_params: Any
-    cache_salt: str | None
     arrival_time: float
 
 
@@ -249,32 +247,32 @@ class Server(ClientSocket):
         if eid in self._requests:
             raise M.MessageError(f"request id {rid!r} is already in flight", request_id=rid)
         try:
-            prompt, ids, sp = self._prepare(msg_type, f)
+            inputs, sp = self._prepare(msg_type, f)
         except (ValueError, TypeError) as e:
             self.stats["num_errors"] += 1
             self._send(identity, M.error_reply(str(e), "invalid_argument", rid))
             return
         self._requests[eid] = _Request(identity, rid)
-        self._pending_adds.append(_Pending(eid, prompt, ids, sp, f.get("cache_salt"), time.time()))
+        self._pending_adds.append(_Pending(eid, inputs, sp, time.time()))
         self.stats["num_requests"] += 1
 
     def _prepare(self, msg_type: str, f: dict):
-        """``(prompt text, token ids, params)`` of a client's request: the engine's
-        ``InputProcessor`` renders and tokenizes it here, while the worker computes, rather than in
-        ``engine.add_request``. Raises ``ValueError`` (``InputError``) / ``TypeError``."""
+        """``(processed prompt, params)`` of a client's request, validated once, here, where it
+        enters: its parameters built from the message, its prompt rendered, tokenized and checked
+        by the engine's ``InputProcessor`` (``ProcessedPrompt``, which ``engine.add_request`` takes
+        as it is) while the worker computes. Raises ``ValueError`` (``InputError``) / ``TypeError``."""
         from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams
         sp = BeamSearchParams.from_dict(f["params"]) if msg_type == "beam_search" else \
             SamplingParams.from_dict(f["sampling"])
         inputs = self.engine.input_processor
+        salt = f.get("cache_salt")
         if msg_type == "chat":
-            prompt = inputs.render_chat(f["messages"], f.get("add_generation_prompt", True))
-            return prompt, inputs.tokenize(prompt, param="messages", max_tokens=sp.max_tokens), sp
+            return inputs.process(None, sp.max_tokens, messages=f["messages"], cache_salt=salt,
+                                  add_generation_prompt=f.get("add_generation_prompt", True)), sp
         prompt, ids = f.get("prompt"), f.get("prompt_token_ids")
         if (prompt is None) == (ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
-        if ids is not None:
-            return None, inputs.check_token_ids(ids), sp
-        return prompt, inputs.tokenize(prompt, max_tokens=sp.max_tokens), sp
+        return inputs.process(prompt, sp.max_tokens, prompt_token_ids=ids, cache_salt=salt), sp
 
     @staticmethod
     def _engine_id(identity: bytes, rid: str) -> str:
@@ -315,10 +313,7 @@ class Server(ClientSocket):
             if r is None:
                 continue
             try:
-                kwargs = {"prompt_token_ids": p.prompt_token_ids, "arrival_time": p.arrival_time}
-                if p.cache_salt is not None:
-                    kwargs["cache_salt"] = p.cache_salt
-                self.engine.add_request(p.engine_id, p.prompt, p.sampling_params, **kwargs)
+                self.engine.add_request(p.engine_id, p.inputs, p.sampling_params, arrival_time=p.arrival_time)
             except (ValueError, TypeError) as e:
                 self._requests.pop(p.engine_id, None)
                 self.stats["num_errors"] += 1
@@ -328,6 +323,14 @@ class Server(ClientSocket):
         """One ``output`` message per request delta: only the samples that changed, each sample's
         finish reason on its last message only. The step's deltas also feed the serving statistics."""
         scheduled = self.engine.stats["num_scheduled_tokens"]
+        failed = [d for d in deltas if getattr(d, "error", None) is not None]
+        if failed:     # requests whose constraint did not compile on the worker: an error reply each
+            deltas = [d for d in deltas if getattr(d, "error", None) is None]
+            for d in failed:
+                r = self._requests.pop(d.request_id, None)
+                if r is not None:
+                    self.stats["num_errors"] += 1
+                    self._outbox.append((r.identity, M.error_reply(d.error, "invalid_argument", r.client_request_id)))
         self.serving_stats.on_step(deltas, scheduled - self._last_scheduled_tokens)
         self._last_scheduled_tokens = scheduled
         for d in deltas:

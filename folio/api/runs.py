@@ -179,14 +179,15 @@ class _Run:
     object_name = ""          # of the whole response
     chunk_object_name = ""    # of a streamed chunk
 
-    def __init__(self, serving: OpenAIServing, req, prompts: list[list[int]], sampling: dict, id_prefix: str):
+    def __init__(self, serving: OpenAIServing, req, prompts: list[list[int]], sampling: dict, id_prefix: str,
+                 constraint_param: str = "structured_outputs"):
         self.serving, self.req, self.sampling = serving, req, sampling
         if req.use_beam_search:   # one choice per result sequence, best first
             beam = beam_search_params(req, sampling)
             req.n = beam["beam_width"]
             self.group = BeamSearchGroup(serving.client, prompts, beam, req.cache_salt)
         else:
-            self.group = RequestGroup(serving.client, prompts, sampling, req.cache_salt)
+            self.group = RequestGroup(serving.client, prompts, sampling, req.cache_salt, constraint_param)
         self.acc = _Accumulator(len(prompts), req.n)
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -252,7 +253,6 @@ class CompletionRun(_Run):
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported over HTTP", "echo")
         sampling = sampling_params(req, req.max_tokens, req.logprobs, structured_outputs=req.structured_outputs)
-        serving.check_structured_outputs(sampling, "structured_outputs")
         self.prompts = completion_prompts(serving, req)
         super().__init__(serving, req, [ids for _, ids in self.prompts], sampling, "cmpl")
 
@@ -309,8 +309,7 @@ class ChatRun(_Run):
         self.top_k = (req.top_logprobs or 0) if req.logprobs else None
         renames = {"logprobs": "top_logprobs", "max_tokens": limit_name, "structured_outputs": so_param}
         sampling = sampling_params(req, max_tokens, self.top_k, renames, structured)
-        serving.check_structured_outputs(sampling, so_param)
-        super().__init__(serving, req, [ids], sampling, "chatcmpl")
+        super().__init__(serving, req, [ids], sampling, "chatcmpl", so_param)
 
     def _constraint(self, req: ChatCompletionRequest) -> tuple[dict | None, str]:
         """``(structured_outputs dict or None, the field it came from)``: at most one of

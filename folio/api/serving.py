@@ -32,8 +32,8 @@ from functools import partial
 from typing import AsyncIterator
 
 from ..ipc.client import AsyncClient, ClientTimeoutError, ServerError, StreamDelta
-from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-from ..runtime.common.grammar import GrammarError, GrammarValidator
+from ..runtime.common.sampling_params import BeamSearchParams, SamplingParams
+from ..runtime.common.grammar import GrammarError, check_constraint
 from ..runtime.inputs.input_processor import InputError, InputProcessor
 from .protocol import APIError, ChatMessage
 
@@ -56,7 +56,7 @@ def api_error_from(exc: Exception) -> APIError:
                              f"text must be valid Unicode): {exc}")
     if isinstance(exc, ServerError):
         status = _STATUS.get(exc.code, 500)
-        param = exc.message.split(" ", 1)[0] if status == 400 else None
+        param = exc.message.split(" ", 1)[0].rstrip(":") if status == 400 else None
         return APIError(status, exc.message, param if param in _SAMPLING_NAMES else None)
     if isinstance(exc, ClientTimeoutError):
         return APIError(503, f"the engine did not answer: {exc}")
@@ -108,7 +108,6 @@ class OpenAIServing:
     loopback_bind: bool = False
     metrics_need_key: bool = True
     inputs: InputProcessor = field(init=False)
-    _grammars: GrammarValidator | None = field(init=False, default=None)
 
     def __post_init__(self):
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len)
@@ -206,24 +205,6 @@ class OpenAIServing:
                                 f"max_num_seqs ({limit}): one request's choices run side by side; send the "
                                 "prompts in several requests", "prompt")
 
-    def check_structured_outputs(self, sampling: dict, param: str) -> None:
-        """Build the request's constraint (``sampling["structured_outputs"]``) before it is sent:
-        in the HTTP process's thread, bounded in time, cached by its text
-        (``runtime/common/grammar.py``).
-
-        Raises:
-            APIError(400, param): invalid, too large or too slow to compile.
-        """
-        so = sampling.get("structured_outputs")
-        if so is None:
-            return
-        if self._grammars is None:
-            self._grammars = GrammarValidator(self.tokenizer.hf.to_str(), self.tokenizer.eos_token_ids)
-        try:
-            self._grammars.check(StructuredOutputsParams.from_dict(so), param)
-        except (GrammarError, ValueError) as e:
-            raise APIError(400, grammar_message(str(e), param), param) from None
-
     def check_length(self, num_prompt: int, max_tokens: int | None, param: str = "prompt",
                      max_tokens_param: str = "max_tokens") -> None:
         """Raises ``APIError(400)`` when the prompt + ``max_tokens`` cannot fit ``max_model_len``."""
@@ -231,17 +212,6 @@ class OpenAIServing:
             self.inputs.check_length(num_prompt, max_tokens, param=param, max_tokens_param=max_tokens_param)
         except InputError as e:
             raise api_error_from(e) from None
-
-
-def grammar_message(message: str, param: str) -> str:
-    """A grammar error's message for the client: llguidance reports an internal limit it hits (a
-    grammar with too many symbols) as a Rust panic with a ``<backtrace>``; that becomes one
-    sentence saying the constraint is too large (the panic goes to the log)."""
-    if "<backtrace>" not in message and ": panic: " not in message:
-        return message
-    log.info("%s: the grammar compiler failed: %s", param, message.split("<backtrace>", 1)[0].strip())
-    return (f"{param}: the constraint is too large or too complex to compile (the grammar it makes is over the "
-            "compiler's limits); make it smaller")
 
 
 # the fields of ``structured_outputs`` that tune a JSON constraint rather than set one: a chat
@@ -318,7 +288,10 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, renames: 
         renames: ``{SamplingParams field: request field}`` where the request names a value
             differently (chat's ``top_logprobs`` is ``logprobs``): an error names the request's field.
     Raises:
-        APIError(400): an unsupported feature or an invalid value (message from ``SamplingParams``).
+        APIError(400): an unsupported feature, an invalid value (message from ``SamplingParams``),
+            or a constraint over ``MAX_GRAMMAR_CHARS`` (param: what ``renames`` calls
+            ``structured_outputs``). The constraint is compiled by the engine's worker, which
+            refuses it there (a 400 from ``RequestGroup.start``) if it does not compile.
     """
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
@@ -336,7 +309,12 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, renames: 
     if d.get("top_k") == -1:
         d["top_k"] = 0                  # vLLM's "off"; folio takes -1 as well, keep one spelling
     try:
-        return SamplingParams.from_dict(d).to_dict()
+        sp = SamplingParams.from_dict(d)
+        if sp.structured_outputs is not None:   # its size here; the engine's worker compiles it
+            check_constraint(sp.structured_outputs, (renames or {}).get("structured_outputs", "structured_outputs"))
+        return sp.to_dict()
+    except GrammarError as e:
+        raise APIError(400, str(e), e.param) from None
     except ValueError as e:
         message = str(e)
         name = message.split(" ", 1)[0]
@@ -389,8 +367,10 @@ class RequestGroup:
     ``(prompt_index, StreamDelta)``; ``close()`` cancels what still runs (the client aborts it).
     """
 
-    def __init__(self, client: AsyncClient, prompts: list[list[int]], sampling: dict, cache_salt: str | None):
+    def __init__(self, client: AsyncClient, prompts: list[list[int]], sampling: dict, cache_salt: str | None,
+                 constraint_param: str = "structured_outputs"):
         self.client, self.prompts, self.sampling, self.cache_salt = client, prompts, sampling, cache_salt
+        self.constraint_param = constraint_param   # the request's field the constraint came from
         self.rid = uuid.uuid4().hex
         self._q: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -418,12 +398,20 @@ class RequestGroup:
                 item = await self._q.get()
                 i, d, exc = item
                 if exc is not None:
-                    raise api_error_from(exc)
+                    raise self._named(api_error_from(exc))
                 answered.add(i)
                 self._buffer.append(item)
         except BaseException:
             await self.close()
             raise
+
+    def _named(self, err: APIError) -> APIError:
+        """An engine error about the constraint names the request's own field (``response_format``,
+        ``tools``) rather than ``structured_outputs``."""
+        if err.param == "structured_outputs" and self.constraint_param != "structured_outputs":
+            err.param = self.constraint_param
+            err.message = err.message.replace("structured_outputs", self.constraint_param, 1)
+        return err
 
     async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Raises ``APIError`` for an engine error after the start (e.g. shutdown)."""

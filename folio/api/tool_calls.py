@@ -61,7 +61,7 @@ def validate_tools(tools: list[dict]) -> None:
     function: {name, parameters}}``, no name is given twice, and each ``parameters`` is a JSON
     schema llguidance can read (its grammar validated without a tokenizer, well under a
     millisecond for a small schema; a ``required`` or named choice's constraint is compiled whole
-    later, ``OpenAIServing.check_structured_outputs``).
+    by the engine's worker, ``runtime/worker/grammar_matchers.py``).
 
     Raises:
         APIError(400, param tools): naming the tool at fault.

@@ -34,21 +34,26 @@ trip and no change to the overlap. What follows from it:
 * Beam search with a constraint is refused (a 400 over HTTP): every beam would need its own matcher
   forked at each step, which the beam coordinator does not do.
 
-Compilation off the step path
------------------------------
-``GrammarValidator`` checks a constraint before admission (``LLMEngine.add_request``, the HTTP
-HTTP process): the grammar is built and its lexer compiled in a thread pool, with a time bound
-(``COMPILE_TIMEOUT_S``) and resource limits (``LLParserLimits``); the result is cached by the
-grammar's text. An invalid, too large or too slow grammar raises ``GrammarError`` naming the field,
-before the request is queued. The caller waits for the build (at most ``COMPILE_TIMEOUT_S``; a
-build that times out goes on in its pool thread until llguidance's fuel limits end it): the HTTP
-HTTP process checks in its own worker threads, off the event loop; ``LLMEngine.add_request`` (offline,
-and the scheduler process for the ZeroMQ door and, again, for HTTP requests) checks between steps,
-which costs milliseconds for a typical schema and nothing for a cached one. The worker builds each
-sequence's matcher from the same text, copying a cached matcher per grammar text (llguidance builds
-the lexer lazily, so a copy is cheap); the worker's grammar tokenizer is built when its first
-constrained sequence arrives (once: it walks the whole vocabulary; shared with the validator in
-one process).
+Compiled once, where the matchers live, off every step path
+-----------------------------------------------------------
+A constraint is checked where the request enters (the HTTP process or ``LLMEngine.add_request``:
+its kind and values by ``StructuredOutputsParams``, its size by ``check_constraint``; both
+cheap, no grammar is built) and named by ``grammar_key`` (sha256 of its canonical JSON and the
+EOS ids). It is compiled once, by the worker (``runtime/worker/grammar_matchers.py``), which
+needs the compiled grammar for its matchers: the scheduler sends ``(key, constraint)`` with a plan
+(``StepPlan.grammar_compiles``), the worker compiles it on its own bounded thread pool
+(``GrammarMatchers.prepare``; the JSON schema or GBNF conversion too, which takes seconds for
+large inputs) and reports ``(key, error)`` with a later result (``StepResult.grammar_results``).
+Meanwhile the request waits outside the scheduler's queues (``runtime/scheduler/grammar_gate.py``,
+as vLLM V1's scheduler skips a request whose grammar is not ready), so no step, of the engine
+loop or of the worker, waits for a compile. A failed compile ends the request with an error (a
+400 over HTTP; ``GrammarError`` from ``LLM.generate``); a key already known bad is refused at
+``add_request``. Each compile is bounded by ``COMPILE_TIMEOUT_S`` seconds of its own thread's CPU
+time, counted from when it starts (waiting in the pool's queue does not count, and neither do
+other processes' or threads' use of the CPU), and by ``COMPILE_WALL_S`` of wall time; llguidance's
+``LLParserLimits`` bound what a grammar may grow to. A grammar whose language is empty (a
+``$ref`` cycle, ``root ::= root``) is refused: nothing the model could write satisfies it
+(``compile_grammar``).
 """
 
 from __future__ import annotations
@@ -56,15 +61,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
-from collections import OrderedDict
 
 import numpy as np
 
-COMPILE_TIMEOUT_S = 10.0   # most seconds a constraint may take to build before admission
-MAX_GRAMMAR_CHARS = 1 << 20   # the longest constraint text accepted (1 MiB)
-CACHE_SIZE = 256           # grammars remembered per validator / per worker
+COMPILE_TIMEOUT_S = 10.0   # most CPU seconds of its thread one compile may take
+COMPILE_WALL_S = 4 * COMPILE_TIMEOUT_S   # most wall seconds from its start (a starved compile ends too)
+MAX_GRAMMAR_CHARS = 1 << 20   # the longest constraint accepted, in characters of its canonical JSON (1 MiB)
+CACHE_SIZE = 256           # compiled grammars (worker) and failed keys (both sides) remembered
 # the whitespace between JSON tokens (llguidance's ``whitespace_pattern``): by default llama.cpp's
 # JSON grammar's ``ws ::= | " " | "\n" [ \t]{0,20}`` (grammars/json.gbnf), at most one space or
 # one newline and 20 spaces or tabs, so that a model cannot pad with whitespace until max_tokens;
@@ -95,7 +98,7 @@ def grammar_text(so) -> str:
 
     Raises:
         GrammarError: the constraint is not convertible (bad JSON, a GBNF grammar that does not
-            parse); deeper errors surface in ``GrammarValidator.check``.
+            parse); deeper errors surface in ``compile_grammar``.
     """
     llg = _llg()
     try:
@@ -141,81 +144,65 @@ def parser_limits():
                                  verbose_errors=False)
 
 
-def new_matcher(tokenizer, text: str):
-    """A fresh ``LLMatcher`` for a grammar text. Raises ``GrammarError`` on a grammar error."""
+def compile_error_message(message: str) -> str:
+    """A compile error as the client reads it: llguidance reports an internal limit it hits (a
+    grammar with too many symbols) as a Rust panic with a ``<backtrace>``; that becomes one
+    sentence saying the constraint is too large (the caller logs the panic)."""
+    if "<backtrace>" not in message and "panic" not in message:
+        return message
+    return ("the constraint is too large or too complex to compile (the grammar it makes is over the "
+            "compiler's limits); make it smaller")
+
+
+def check_constraint(so, param: str = "structured_outputs") -> None:
+    """Refuse a constraint too large to compile (``MAX_GRAMMAR_CHARS`` characters of its canonical
+    JSON, ``StructuredOutputsParams.canonical_json``), before anything is built.
+
+    Raises:
+        GrammarError(param=param): the constraint is too large.
+    """
+    size = len(so.canonical_json())
+    if size > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{param}: the constraint is too large ({size} characters, at most "
+                           f"{MAX_GRAMMAR_CHARS})", param)
+
+
+def grammar_key(so, eos_token_ids) -> str:
+    """The name of a constraint's compiled grammar: sha256 (hex) of its canonical JSON and the EOS
+    ids its matchers end with (the same constraint with other EOS ids is another grammar)."""
+    eos = ",".join(str(int(t)) for t in eos_token_ids)
+    return hashlib.sha256(f"{eos}|{so.canonical_json()}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def compile_grammar(tokenizer, text: str):
+    """A fresh ``LLMatcher`` for a grammar text, checked to admit some output.
+
+    A grammar whose language is empty (a rule that only refers to itself, ``root ::= root``, or a
+    JSON schema ``$ref`` cycle) compiles, and its matcher then allows EOS alone while not in an
+    accepting state: the output would be empty and not valid. Such a grammar is refused here, by
+    its first mask (one mask of one row, what the first step computes anyway). A grammar that
+    admits only infinite outputs (a required property that refers back to its own object) is not
+    found this way: its first tokens are allowed; ``max_tokens`` ends it with ``"length"``.
+
+    Raises:
+        GrammarError: a grammar error (llguidance's message), or an empty language.
+    """
     llg = _llg()
     m = llg.LLMatcher(tokenizer, text, log_level=0, limits=parser_limits())
     if m.is_error():
         raise GrammarError(m.get_error())
+    if not m.is_accepting():
+        row = np.zeros(bitmask_words(tokenizer.vocab_size), dtype=np.int32)
+        fill_bitmask(m, row)
+        eos = np.asarray(list(tokenizer.eos_tokens), dtype=np.int64)
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        # (llguidance's matcher is then in error, "NoExtensionBias": nothing extends the empty output)
+        if not len(np.setdiff1d(allowed, eos)):
+            raise GrammarError("the constraint admits no output (no string satisfies it: a rule that only "
+                               "refers to itself, or a $ref cycle)")
+        if m.is_error():
+            raise GrammarError(m.get_error().split("\n")[0])
     return m
-
-
-class GrammarValidator:
-    """Checks constraints before admission: build in a thread pool, bounded in time, cached by text.
-
-    Args:
-        tokenizer_json: the model's ``tokenizer.json`` text (``Tokenizer.hf.to_str()``).
-        eos_token_ids: the engine's EOS ids.
-        timeout_s: the time bound of one build.
-    """
-
-    _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="folio-grammar")
-
-    def __init__(self, tokenizer_json: str, eos_token_ids, timeout_s: float = COMPILE_TIMEOUT_S):
-        self.tokenizer_json = tokenizer_json
-        self.eos_token_ids = list(eos_token_ids)
-        self.timeout_s = float(timeout_s)
-        self._cache: OrderedDict[str, str | None] = OrderedDict()  # grammar text -> error or None
-        self._lock = threading.Lock()
-
-    def _build(self, text: str) -> str | None:
-        try:
-            new_matcher(grammar_tokenizer(self.tokenizer_json, self.eos_token_ids), text)
-        except GrammarError as e:
-            return str(e)
-        return None
-
-    def check(self, so, param: str = "structured_outputs") -> str:
-        """The grammar text of ``so`` (a ``StructuredOutputsParams``) once it builds.
-
-        Raises:
-            GrammarError(param=param): too long, invalid, or not built within ``timeout_s``.
-        """
-        size = len(so.json) if isinstance(so.json, str) else 0
-        size += len(so.regex or "") + len(so.grammar or "") + sum(len(c) for c in so.choice or [])
-        if size > MAX_GRAMMAR_CHARS:
-            raise GrammarError(f"{param}: the constraint is too large ({size} characters, at most "
-                               f"{MAX_GRAMMAR_CHARS})", param)
-        try:
-            text = grammar_text(so)
-        except GrammarError as e:
-            raise GrammarError(str(e).replace("structured_outputs", param, 1), param) from None
-        with self._lock:
-            if text in self._cache:
-                self._cache.move_to_end(text)
-                err = self._cache[text]
-                if err is not None:
-                    raise GrammarError(f"{param}: invalid {so.kind}: {err}", param)
-                return text
-        slow = GrammarError(f"{param}: the {so.kind} constraint took more than {self.timeout_s:g} s to compile",
-                            param)
-        t0 = time.perf_counter()
-        fut = self._pool.submit(self._build, text)
-        try:
-            err = fut.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise slow from None
-        if time.perf_counter() - t0 > self.timeout_s:
-            # built, but past the bound (this thread was descheduled while the build ran): the
-            # bound is on the time taken, whoever noticed it
-            raise slow
-        with self._lock:
-            self._cache[text] = err
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        if err is not None:
-            raise GrammarError(f"{param}: invalid {so.kind}: {err}", param)
-        return text
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -185,6 +185,9 @@ class RequestDelta:
         metrics: the request's times, on the last delta only.
         prompt_logprobs: the prompt logprobs, on the first delta after they are complete
             (requests that asked for them only).
+        error: why the request ended without running, on its only delta (its constraint did not
+            compile: ``GrammarError``'s message, naming ``structured_outputs``); its samples then
+            finish with ``"abort"``. ``None`` otherwise.
     """
 
     request_id: str
@@ -195,4 +198,5 @@ class RequestDelta:
     prompt_token_ids: list[int]
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None
 

@@ -66,7 +66,6 @@ class StructuredOutputsParams:
         if isinstance(self.json, (dict, str)):
             try:
                 schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-                _json.dumps(schema)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"structured_outputs json is not a JSON schema: {e}") from None
             if not isinstance(schema, (dict, bool)):
@@ -92,6 +91,24 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs whitespace_pattern and disable_any_whitespace cannot both be set")
             if self.json is None and not self.json_object:
                 raise ValueError("structured_outputs whitespace_pattern applies to json and json_object only")
+        try:
+            self.canonical_json()          # (also proves a dict schema is JSON)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs json is not a JSON schema: {e}") from None
+
+    def canonical_json(self) -> str:
+        """The constraint as one JSON text (keys sorted, no spaces; a ``json`` given as text is
+        parsed first), computed once: what its size is measured in and its grammar's key hashes
+        (``runtime/common/grammar.py``). Raises ``TypeError`` / ``ValueError`` for a value JSON
+        cannot hold."""
+        text = self.__dict__.get("_canonical")
+        if text is None:
+            d = self.to_dict()
+            if isinstance(d.get("json"), str):
+                d["json"] = _json.loads(d["json"])
+            text = self.__dict__["_canonical"] = _json.dumps(d, sort_keys=True, separators=(",", ":"),
+                                                             ensure_ascii=False, allow_nan=False)
+        return text
 
     @property
     def kind(self) -> str:

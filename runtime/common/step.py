@@ -45,6 +45,8 @@ class NewSequence:
             request with ``seed`` and ``n > 1``, sample ``i`` gets a distinct derived seed.
         eos_token_ids: ids that end generation (masked while fewer than min_tokens are out,
             unless ignore_eos).
+        grammar_key: the compiled grammar that constrains it (``StepPlan.grammar_compiles`` of an
+            earlier plan), or ``None``; ``sampling`` then carries no ``structured_outputs``.
     """
 
     seq_id: int
@@ -53,6 +55,7 @@ class NewSequence:
     sampling: dict
     seed: int | None
     eos_token_ids: list[int]
+    grammar_key: str | None = None
 
 
 @dataclass
@@ -80,6 +83,12 @@ class StepPlan:
             prompt position of a request that asked for them), in batch order.
         prompt_logprob_token_ids: ``[N]`` int64 the prompt token following each of those rows
             (whose logprob is wanted).
+        grammar_compiles: ``[{"key", "structured_outputs", "eos_token_ids"}]``: grammars to compile
+            before any sequence of theirs is scheduled (``runtime/common/grammar.py``); answered in
+            a later ``StepResult.grammar_results``.
+        grammar_releases: keys of compiled grammars no live request uses any more.
+    A plan with no tokens (``num_tokens == 0``) only carries these and finished sequences: the
+    worker answers it once a compile ends or after ``GRAMMAR_POLL_S`` seconds.
     """
 
     step_id: int
@@ -97,6 +106,8 @@ class StepPlan:
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     prompt_logprob_indices: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     prompt_logprob_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    grammar_compiles: list[dict] = field(default_factory=list)
+    grammar_releases: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +134,8 @@ class StepResult:
             token, columns 1.. the top-K (K = the largest ``prompt_logprobs`` of the step).
         prompt_logprob_token_ids: ``[N, 1 + K]`` int64 matching (column 0 = the prompt token).
         prompt_logprob_ranks: ``[N]`` int64 1-based rank of each prompt token in its row.
+        grammar_results: ``[{"key", "error"}]``: grammars whose compile ended (``error`` ``None``:
+            compiled) or ran past its bound since the previous result, each reported once.
     """
 
     step_id: int
@@ -136,6 +149,22 @@ class StepResult:
     prompt_logprobs: np.ndarray | None = None
     prompt_logprob_token_ids: np.ndarray | None = None
     prompt_logprob_ranks: np.ndarray | None = None
+    grammar_results: list[dict] = field(default_factory=list)
+
+
+GRAMMAR_POLL_S = 0.01   # the longest a worker holds the answer to a plan with no tokens
+
+
+def poll_plan(step_id: int, grammar_compiles=(), grammar_releases=()) -> StepPlan:
+    """A plan with no tokens: it carries grammar compiles and releases, and its result the
+    grammars compiled meanwhile (the engine sends one while requests wait for their grammar and
+    nothing else runs)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return StepPlan(step_id=step_id, input_ids=empty, positions=empty, slot_mapping=empty,
+                    query_start_loc=np.zeros(1, dtype=np.int32), seq_lens=np.zeros(0, dtype=np.int32),
+                    block_tables=np.zeros((0, 1), dtype=np.int32), seq_ids=empty, logits_indices=empty,
+                    sample_seq_ids=empty, grammar_compiles=list(grammar_compiles),
+                    grammar_releases=list(grammar_releases))
 
 
 def make_step_plan(out, block_size: int) -> StepPlan:
@@ -194,8 +223,8 @@ def make_step_plan(out, block_size: int) -> StepPlan:
         plp_targets = np.array(targets, dtype=np.int64)
     new_seqs = [NewSequence(seq_id=s.seq_id, prompt_token_ids=list(s.request.prompt_token_ids),
                             output_token_ids=s.all_token_ids[s.num_prompt_tokens:],
-                            sampling=s.request.sampling_params.to_dict(), seed=s.seed,
-                            eos_token_ids=list(s.request.eos_token_ids))
+                            sampling=s.request.worker_sampling, seed=s.seed,
+                            eos_token_ids=list(s.request.eos_token_ids), grammar_key=s.request.grammar_key)
                 for s in out.new_seqs]
     return StepPlan(
         step_id=out.step_id,

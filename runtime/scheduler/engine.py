@@ -25,7 +25,6 @@ passes a ``ZmqExecutor`` (a worker process). Loop shape after vLLM's ``LLMEngine
 from __future__ import annotations
 
 from collections import deque
-from functools import cached_property
 from typing import Any, Iterable
 
 from ..common.config import EngineConfig
@@ -34,11 +33,12 @@ from ..common.config import cdiv
 from .output_processor import OutputProcessor
 from ..common.outputs import RequestDelta
 from ..common.sampling_params import BeamSearchParams, SamplingParams
-from ..common.grammar import GrammarValidator
+from ..common.grammar import check_constraint, grammar_key
+from .grammar_gate import GrammarGate
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
-from ..common.step import make_step_plan
-from ..inputs.input_processor import InputProcessor
+from ..common.step import make_step_plan, poll_plan
+from ..inputs.input_processor import InputProcessor, ProcessedPrompt
 
 
 class LLMEngine:
@@ -89,6 +89,7 @@ class LLMEngine:
         self._depth = 1 if config.async_scheduling and not isinstance(executor, InlineExecutor) else 0
         self._busy = False             # a step was handed over and work remained since
         self._pending: list[RequestDelta] = []  # deltas of requests that ended outside a step
+        self.grammar_gate = GrammarGate()      # constrained requests until the worker compiled their grammar
         self.stats = {"num_steps": 0, "forward_time": 0.0, "sample_time": 0.0, "num_scheduled_tokens": 0,
                       "num_generated_tokens": 0, "worker_idle_time": 0.0, "worker_busy_time": 0.0,
                       "num_decode_only_steps": 0, "decode_only_forward_time": 0.0}
@@ -103,7 +104,13 @@ class LLMEngine:
         ``prompt`` takes every form ``folio.LLM.generate`` takes (vLLM's ``add_request`` too): a
         string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}`` (either with
         ``"cache_salt"``), or ``None`` with ``prompt_token_ids``. The prompt goes through the
-        ``InputProcessor`` (``runtime/inputs/input_processor.py``), then the engine's own checks.
+        ``InputProcessor`` (``runtime/inputs/input_processor.py``), then the engine's own checks;
+        a ``ProcessedPrompt`` (what ``InputProcessor.process`` returns, for the same
+        ``max_tokens``) is taken as it is, not checked again.
+
+        A request with ``structured_outputs`` waits, outside the scheduler's queues, until the
+        worker has compiled its grammar (``grammar_gate.py``); one whose grammar fails then ends
+        with a delta whose ``error`` says why.
 
         ``max_tokens=0`` is a defined prompt-only result: the request's only delta comes with the
         next step, with no tokens, empty text and ``finish_reason="length"``; no block is used.
@@ -119,8 +126,8 @@ class LLMEngine:
                 not all fit the cache unshared, ``prompt_logprobs`` with ``max_tokens=0``, a prompt over
                 ``max_num_batched_tokens`` when chunked prefill is off, or a bad cache_salt /
                 sampling_params type; ``GrammarError`` (a ``ValueError`` with ``param``
-                ``structured_outputs``) for a constraint that is invalid, too large or too slow to
-                compile.
+                ``structured_outputs``) for a constraint that is too large, or whose grammar the
+                worker already refused.
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -132,14 +139,20 @@ class LLMEngine:
                              f"{type(sampling_params).__name__}")
         if request_id in self.scheduler.requests or self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        inputs = self.input_processor.process(prompt, sampling_params.max_tokens,
-                                              prompt_token_ids=prompt_token_ids, cache_salt=cache_salt)
+        if isinstance(prompt, ProcessedPrompt):   # validated where it entered (ipc/scheduler_process.py)
+            if prompt_token_ids is not None or cache_salt is not None:
+                raise ValueError("a ProcessedPrompt carries its own token ids and cache_salt")
+            inputs = prompt
+        else:
+            inputs = self.input_processor.process(prompt, sampling_params.max_tokens,
+                                                  prompt_token_ids=prompt_token_ids, cache_salt=cache_salt)
         prompt, prompt_token_ids, cache_salt = inputs.prompt, inputs.prompt_token_ids, inputs.cache_salt
         num_prompt, max_tokens = len(prompt_token_ids), inputs.max_tokens
-        if sampling_params.structured_outputs is not None:
+        so = sampling_params.structured_outputs
+        if so is not None:
             if beam is not None:  # not reachable through BeamSearchParams; kept for subclasses
                 raise ValueError("beam search cannot be combined with structured_outputs")
-            self.grammar_validator.check(sampling_params.structured_outputs)
+            check_constraint(so)      # its size; the worker compiles it (grammar_gate.py)
         if sampling_params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({sampling_params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
                              "the samples of one request run side by side")
@@ -161,18 +174,34 @@ class LLMEngine:
                              f"KV blocks ({need} per beam, nothing shared) but the whole cache has {total}")
         request = Request(request_id, prompt, prompt_token_ids, sampling_params, max_tokens, cache_salt,
                           arrival_time, self.eos_token_ids, beam_params=beam)
+        runnable = True
+        if so is not None:
+            request.grammar_key = grammar_key(so, self.eos_token_ids)
+            runnable = self.grammar_gate.admit(request, so, self.eos_token_ids)   # (GrammarError: known bad)
         self.output_processor.add_request(request)
-        if max_tokens == 0:
-            self._pending.append(self.output_processor.finish_beams(request) if beam is not None
+        if runnable:
+            self._start(request)
+
+    def _start(self, request: Request) -> None:
+        """Queue a validated request whose grammar, if any, is compiled on the worker."""
+        if request.max_output_tokens == 0:
+            self._pending.append(self.output_processor.finish_beams(request) if request.beam is not None
                                  else self.output_processor.finish_request(request, "length"))
             return
         self.scheduler.add_request(request)
 
-    @cached_property
-    def grammar_validator(self) -> GrammarValidator:
-        """Checks constraints before admission (built on first use: the grammar tokenizer walks
-        the whole vocabulary; ``runtime/common/grammar.py``)."""
-        return GrammarValidator(self.tokenizer.hf.to_str(), self.eos_token_ids)
+    def _grammar_results(self, results) -> None:
+        """Apply the worker's grammar answers: start the requests whose grammar compiled, end
+        those whose grammar failed (their only delta carries the error)."""
+        runnable, failed = self.grammar_gate.on_results(results) if results else ([], [])
+        failed += self.grammar_gate.expired()
+        for request in runnable:
+            self._start(request)
+        for request, error in failed:
+            delta = self.output_processor.finish_request(request, "abort")
+            if delta is not None:
+                delta.error = error
+                self._pending.append(delta)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests now: their blocks are freed, their last delta (``finish_reason="abort"``
@@ -181,15 +210,17 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            request = self.scheduler.abort_request(rid)
+            request = self.scheduler.abort_request(rid) or self.grammar_gate.drop(rid)
             if request is not None:
                 delta = self.output_processor.finish_request(request, "abort")
                 if delta is not None:
                     self._pending.append(delta)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether ``step()`` has anything left to do (requests, deltas to hand out, steps in flight)."""
-        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._in_flight)
+        """Whether ``step()`` has anything left to do (requests, also those waiting for their
+        grammar, deltas to hand out, steps in flight)."""
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._in_flight) \
+            or self.grammar_gate.has_held()
 
     # -- steps ---------------------------------------------------------------------------------------
     def step(self, block: bool = True) -> list[RequestDelta]:
@@ -205,6 +236,16 @@ class LLMEngine:
             RuntimeError: the worker failed a step (every request it ran is requeued and
                 recomputed later), or requests are waiting that the scheduler cannot run.
         """
+        outputs = self._step(block)
+        outputs.extend(self._pending)   # (requests whose grammar failed in this step)
+        self._pending = []
+        gate = self.grammar_gate
+        for d in outputs:
+            if d.finished:
+                gate.finished(d.request_id)
+        return outputs
+
+    def _step(self, block: bool) -> list[RequestDelta]:
         outputs, self._pending = self._pending, []
         self._fill()
         if not self._in_flight:
@@ -223,7 +264,10 @@ class LLMEngine:
         return outputs
 
     def _fill(self) -> None:
-        """Hand over steps until ``1 + depth`` are in flight or nothing can be scheduled."""
+        """Hand over steps until ``1 + depth`` are in flight or nothing can be scheduled; with
+        nothing to schedule and nothing in flight, a plan of no tokens carries the grammar gate's
+        compiles and releases, and waits for its answers (``step.poll_plan``)."""
+        gate = self.grammar_gate
         while len(self._in_flight) <= self._depth and self.scheduler.has_unfinished():
             out = self.scheduler.schedule()
             if out.is_empty:
@@ -231,22 +275,30 @@ class LLMEngine:
                 # pass; each such pass moves running sequences to waiting, so this ends
                 if out.num_preempted:
                     continue
-                return
+                break
             plan = make_step_plan(out, self.config.block_size)
+            plan.grammar_compiles, plan.grammar_releases = gate.take_compiles(), gate.take_releases()
             self.executor.submit(plan)
             self._in_flight.append((out, self._busy))
             self._busy = True
             self.stats["num_scheduled_tokens"] += plan.num_tokens
+        if not self._in_flight and gate.waiting_for_worker():
+            out = self.scheduler.empty_step()
+            self.executor.submit(poll_plan(out.step_id, gate.take_compiles(), gate.take_releases()))
+            self._in_flight.append((out, False))
 
     def _collect(self) -> list[RequestDelta]:
         """Read the oldest step's result and apply it (see the module docstring)."""
         out, counts_idle = self._in_flight.popleft()
         result = self.executor.get_result()
+        self._grammar_results(result.grammar_results)
+        if out.is_empty and not result.error and result.step_id == out.step_id:   # a poll plan
+            return []
         if result.error or result.step_id != out.step_id:
             # the later steps in flight were built on this one: wait for them, then undo all
             failed = [out] + [o for o, _ in self._in_flight]
             for _ in range(len(self._in_flight)):
-                self.executor.get_result()
+                self._grammar_results(self.executor.get_result().grammar_results)
             self._in_flight.clear()
             self._busy = False
             self.scheduler.rollback(failed)

@@ -327,6 +327,12 @@ class Scheduler:
             out.block_tables = kv.get_block_tables([s.seq_id for s in out.seqs])
         return out
 
+    def empty_step(self) -> SchedulerOutput:
+        """A step that runs nothing (the next step id): the engine's plan of no tokens, which
+        carries grammar compiles while requests wait for them (``engine.py``)."""
+        self._step_id += 1
+        return SchedulerOutput(self._step_id)
+
     def _preempt_idle_beams(self, out: SchedulerOutput) -> None:
         """Nothing could be scheduled and sequences wait: unless a result in flight will change
         the picture, preempt the beams that hold blocks while their siblings wait for blocks

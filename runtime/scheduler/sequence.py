@@ -157,6 +157,7 @@ class Request:
         beam: the search state (``beam_search.BeamState``) of a beam search request, else ``None``.
         prompt_logprobs_next: the first prompt position whose prompt logprob (the logprob of the
             prompt token after it) is not yet scheduled, or -1 when none is wanted or all are.
+        grammar_key: the key of its constraint's grammar (``runtime/common/grammar.py``), or ``None``.
         first_scheduled_time / first_token_time / last_token_time / finished_time: seconds
             since the epoch, or ``None``.
     """
@@ -189,6 +190,19 @@ class Request:
         self.beam = BeamState(beam_params, self.eos_stop_set) if beam_params is not None else None
         wants = getattr(sampling_params, "prompt_logprobs", None) is not None
         self.prompt_logprobs_next = 0 if wants and len(self.prompt_token_ids) > 1 else -1
+        self.grammar_key: str | None = None   # its constraint's compiled grammar (grammar_gate.py)
+        self._worker_sampling: dict | None = None
+
+    @property
+    def worker_sampling(self) -> dict:
+        """The sampling parameters as the worker takes them (``NewSequence.sampling``), made once
+        per request: ``SamplingParams.to_dict`` without the constraint, which reaches the worker
+        once, compiled there by its key (``grammar_key``)."""
+        if self._worker_sampling is None:
+            d = self.sampling_params.to_dict()
+            d["structured_outputs"] = None
+            self._worker_sampling = d
+        return self._worker_sampling
 
     @property
     def is_finished(self) -> bool:

@@ -45,7 +45,7 @@ from .device_step import DeviceStep
 from .grammar_matchers import GrammarMatchers, advance, fill_batch_bitmask
 from .sampler import SamplingState, prompt_logprobs, sample
 from ..common.sampling_params import SamplingParams
-from ..common.step import LastSampledTokens, StepPlan, StepResult
+from ..common.step import GRAMMAR_POLL_S, LastSampledTokens, StepPlan, StepResult
 
 
 def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
@@ -266,19 +266,35 @@ class ModelRunner:
 
     # --- one step -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run ``plan``: drop finished sequences, register new ones, copy blocks, forward, sample.
+        """Run ``plan``: start its grammar compiles (``GrammarMatchers``, on their own threads),
+        drop finished sequences, register new ones, copy blocks, forward, sample. A plan with no
+        tokens only waits, at most ``GRAMMAR_POLL_S``, for a compile to end.
 
         Returns:
             ``StepResult`` with one sampled id per ``plan.logits_indices`` row (in order), raw
-            logprobs when asked, and timings; on any exception, ``StepResult.error`` holds
-            ``"<ExceptionType>: <message>"`` and the other fields are empty (the runner keeps
-            working for the next plan).
+            logprobs when asked, timings, and the grammars compiled since the previous result; on
+            any exception, ``StepResult.error`` holds ``"<ExceptionType>: <message>"`` and the
+            other fields are empty but the grammars (the runner keeps working for the next plan).
         """
-        try:
-            return self._execute(plan)
-        except Exception as e:  # noqa: BLE001 - report to the scheduler instead of crashing
+        grammars = self._grammars
+        for g in plan.grammar_compiles:      # compiled on the grammar pool, never in a step
+            grammars.prepare(g["key"], g["structured_outputs"], g["eos_token_ids"])
+        for key in plan.grammar_releases:
+            grammars.release(key)
+        if not plan.num_tokens and not plan.new_seqs:   # a poll: finished sequences, compiles' results
+            for sid in plan.finished_seq_ids:
+                self._seqs.pop(int(sid), None)
+            self._last_sampled.forget(plan.finished_seq_ids)
             return StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, dtype=np.int64),
-                              error=f"{type(e).__name__}: {e}")
+                              grammar_results=grammars.poll(GRAMMAR_POLL_S) if grammars.pending() else [])
+        try:
+            result = self._execute(plan)
+        except Exception as e:  # noqa: BLE001 - report to the scheduler instead of crashing
+            result = StepResult(step_id=plan.step_id, sampled_token_ids=np.zeros(0, dtype=np.int64),
+                                error=f"{type(e).__name__}: {e}")
+        if grammars.pending():
+            result.grammar_results = grammars.poll()
+        return result
 
     def _execute(self, plan: StepPlan) -> StepResult:
         for sid in plan.finished_seq_ids:
@@ -288,8 +304,8 @@ class ModelRunner:
             st = self._seqs[int(ns.seq_id)] = SamplingState(
                 ns.seq_id, SamplingParams.from_dict(ns.sampling), ns.prompt_token_ids, ns.output_token_ids,
                 ns.seed, ns.eos_token_ids, engine_seed=self.config.seed)
-            if st.params.structured_outputs is not None:
-                self._grammars.attach(st)
+            if ns.grammar_key is not None:
+                self._grammars.attach(st, ns.grammar_key)
         sample_ids = [int(s) for s in np.asarray(plan.sample_seq_ids).reshape(-1)]
         missing = [s for s in sample_ids if s not in self._seqs]
         if missing:
@@ -387,6 +403,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Release the KV cache and the model (idempotent)."""
+        self._grammars.shutdown()
         self.kv_caches = []
         self._seqs.clear()
         self.model = None

@@ -10,7 +10,10 @@ serve``): there the environment variables FOLIO_ECHO_NUM_BLOCKS, FOLIO_ECHO_STEP
 FOLIO_ECHO_FAIL_INIT and FOLIO_ECHO_PERIOD give the same settings (pass them in the executor's
 ``env``). FOLIO_ECHO_INIT_S makes start-up take that many seconds (as loading a model does).
 Rows that ask for logprobs (beam search asks for ``2 * beam_width``) or prompt logprobs get made-up
-ones from ``echo_logprobs``, a function of the row's last input token alone.
+ones from ``echo_logprobs``, a function of the row's last input token alone. A plan's grammar
+compiles are compiled for real (the worker's ``GrammarMatchers``, the model's tokenizer): a
+constraint is accepted or refused, and takes its time, as with a model; the echoed tokens are not
+masked. A plan with no tokens (a poll) takes no ``step_s``.
 """
 
 import os
@@ -52,10 +55,27 @@ class EchoRunner:
         self.seen_seqs = set()
         self.want: dict[int, tuple] = {}   # seq_id -> (logprobs, prompt_logprobs) asked for
         self.last_sampled = LastSampledTokens() if LastSampledTokens is not None else None
+        self.grammars = None
+        self.config = config
+
+    def _grammar_matchers(self):
+        if self.grammars is None:
+            from folio.model.registry import resolve_model
+            from folio.model.tokenizer import Tokenizer
+            from folio.runtime.worker.grammar_matchers import GrammarMatchers
+            self.grammars = GrammarMatchers(lambda: Tokenizer.from_pretrained(resolve_model(self.config.model)).hf.to_str())
+        return self.grammars
 
     def execute(self, plan):
         t0 = time.perf_counter()
-        if self.step_s:
+        compiles, releases = getattr(plan, "grammar_compiles", ()), getattr(plan, "grammar_releases", ())
+        if compiles or releases:
+            g = self._grammar_matchers()
+            for c in compiles:
+                g.prepare(c["key"], c["structured_outputs"], c["eos_token_ids"])
+            for key in releases:
+                g.release(key)
+        if self.step_s and len(plan.input_ids):
             time.sleep(self.step_s)  # stands for the forward pass
         self.seen_seqs.update(s.seq_id for s in plan.new_seqs)
         if self.last_sampled is None:
@@ -69,6 +89,9 @@ class EchoRunner:
             self.last_sampled.record(plan, ids)
         result = StepResult(plan.step_id, ids.astype(np.int64), forward_time=time.perf_counter() - t0)
         self._logprobs(plan, ids, result)
+        if self.grammars is not None and self.grammars.pending():
+            from folio.runtime.common.step import GRAMMAR_POLL_S
+            result.grammar_results = self.grammars.poll(0.0 if len(plan.input_ids) else GRAMMAR_POLL_S)
         return result
 
     def _logprobs(self, plan, ids, result):
