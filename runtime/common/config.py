@@ -33,6 +33,10 @@ class EngineConfig:
             ``max_position_embeddings``.
         enable_prefix_caching: automatic prefix caching (hash-chained full blocks).
         enable_chunked_prefill: split prefills that do not fit the step's token budget.
+        max_step_ms: a bound, in milliseconds, on a step that decodes running streams (their
+            inter-token latency): its prefill chunk is sized from the measured prefill rate
+            (``runtime/scheduler/step_time.py``); ``None`` or 0: chunks by tokens only. Needs
+            chunked prefill. Default ``DEFAULT_MAX_STEP_MS`` (docs/cli.md says how it was chosen).
         num_kv_blocks_override / kv_cache_memory: size the KV cache by block count (any device),
             or by bytes (CPU; default: ``cpu_kv_cache_fraction`` of available RAM, capped by what
             max_num_seqs x max_model_len could ever use).
@@ -73,6 +77,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    max_step_ms: float | None = None
     num_kv_blocks_override: int | None = None
     kv_cache_memory: int | None = None
     cpu_kv_cache_fraction: float = 0.25
@@ -100,6 +105,11 @@ class EngineConfig:
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool) or
+                                             not isinstance(self.max_step_ms, (int, float)) or
+                                             not 0 <= self.max_step_ms < float("inf")):
+            raise ValueError(f"max_step_ms must be a number of milliseconds >= 0 (0: no bound), got "
+                             f"{self.max_step_ms!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:

@@ -65,7 +65,7 @@ import threading
 import numpy as np
 
 COMPILE_TIMEOUT_S = 10.0   # most CPU seconds of its thread one compile may take
-COMPILE_WALL_S = 4 * COMPILE_TIMEOUT_S   # most wall seconds from its start (a starved compile ends too)
+COMPILE_WALL_S = 12 * COMPILE_TIMEOUT_S  # most wall seconds from its start (a compile starved of CPU ends too)
 MAX_GRAMMAR_CHARS = 1 << 20   # the longest constraint accepted, in characters of its canonical JSON (1 MiB)
 CACHE_SIZE = 256           # compiled grammars (worker) and failed keys (both sides) remembered
 # the whitespace between JSON tokens (llguidance's ``whitespace_pattern``): by default llama.cpp's

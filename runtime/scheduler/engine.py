@@ -314,6 +314,7 @@ class LLMEngine:
         stats["worker_busy_time"] += float(result.forward_time) + float(result.sample_time)
         if counts_idle:
             stats["worker_idle_time"] += float(result.idle_time)
+        self.scheduler.observe_step(out, float(result.forward_time) + float(result.sample_time))
         update = self.scheduler.update_from_output(out, result)
         stats["num_generated_tokens"] += len(update.seqs)
         deltas, stopped = self.output_processor.process(update, result)

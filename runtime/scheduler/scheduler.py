@@ -3,7 +3,9 @@ update: the scheduler owns every sequence's lifecycle.
 
 ``schedule()`` decides the next step: decode-first (every running sequence that is decoding gets
 its one token), then prefills oldest first within ``max_num_batched_tokens``, chunked when they do
-not fit (Sarathi, Agrawal et al. 2023), at most ``max_num_seqs`` sequences. When a running
+not fit (Sarathi, Agrawal et al. 2023), at most ``max_num_seqs`` sequences. With
+``max_step_ms``, a step that decodes gives its prefills only the tokens the measured prefill rate
+fits in that time (``step_time.py``), so no running stream waits longer for a long prompt. When a running
 sequence cannot get a block, the newest running sequence is preempted by recompute: its blocks
 are freed (their hashes stay, so the prefix cache usually gives most of them back) and it goes to
 the front of the waiting queue. ``num_computed_tokens`` advances when a step is scheduled, and a
@@ -48,6 +50,7 @@ from .beam_search import BeamSearchCoordinator
 from .kv_cache_manager import KVCacheManager
 from .prompt_logprobs import PromptLogprobsTracker
 from .sequence import Request, Sequence, SequenceStatus
+from .step_time import StepTimeModel
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -156,6 +159,9 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = config.enable_chunked_prefill
+        # a bound on the time of a step that decodes running streams (step_time.py)
+        self.step_time = StepTimeModel(config.max_step_ms / 1000.0) \
+            if config.max_step_ms and config.enable_chunked_prefill else None
         self.kv_cache_manager = kv_cache_manager if kv_cache_manager is not None else \
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.beam_search = BeamSearchCoordinator(self)
@@ -297,6 +303,8 @@ class Scheduler:
                 seq.sent_to_worker = True
                 out.new_seqs.append(seq)
             budget -= 1
+        if self.step_time is not None and seqs:   # streams wait for this step: bound its prefills
+            budget = min(budget, self.step_time.prefill_tokens())
         for seq, num_new in prefills:
             if budget <= 0:
                 break
@@ -326,6 +334,14 @@ class Scheduler:
                 self._pending_copies = []
             out.block_tables = kv.get_block_tables([s.seq_id for s in out.seqs])
         return out
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The worker took ``seconds`` (forward + sampling) for step ``out``: what the step-time
+        bound measures (``step_time.StepTimeModel``)."""
+        if self.step_time is not None and out.seqs:
+            n = out.num_new_tokens
+            decodes = sum(1 for k in n if k == 1)
+            self.step_time.observe(sum(n) - decodes, decodes, seconds)
 
     def empty_step(self) -> SchedulerOutput:
         """A step that runs nothing (the next step id): the engine's plan of no tokens, which

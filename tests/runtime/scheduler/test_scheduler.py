@@ -409,3 +409,59 @@ def test_a_request_that_can_never_run_is_refused_before_admission():
                                                           for i in range(4)]
     assert max(len(pl.seq_ids) for pl in ex.plans) <= 4
     assert_idle(engine)
+
+
+# -- a bound on the step's time ------------------------------------------------------------------------
+
+FIXED_S, PER_TOKEN_S = 0.005, 0.001     # what TimedExecutor reports a step took
+
+
+class TimedExecutor(FakeExecutor):
+    """``FakeExecutor`` whose steps report a known cost: ``FIXED_S + PER_TOKEN_S`` per token."""
+
+    def execute(self, plan):
+        result = super().execute(plan)
+        result.forward_time = FIXED_S + PER_TOKEN_S * plan.num_tokens
+        return result
+
+
+@OVERLAP
+def test_a_step_time_bound_shrinks_the_chunks_and_changes_no_output(overlap):
+    from folio.runtime.scheduler.step_time import MIN_CHUNK_TOKENS
+
+    def serve(max_step_ms):
+        config = EngineConfig(block_size=4, async_scheduling=overlap, max_step_ms=max_step_ms)
+        ex = TimedExecutor(256, 4)
+        engine = RecordingEngine(config, executor=ex, tokenizer=FakeTokenizer())
+        for i in range(2):      # two streams decoding
+            engine.add_request(f"s{i}", None, SamplingParams(max_tokens=60), prompt_token_ids=prompt(3, i))
+        for _ in range(4):
+            engine.step()
+        engine.add_request("long", None, SamplingParams(max_tokens=4), prompt_token_ids=prompt(200, 9))
+        return run(engine), ex
+
+    bounded, ex = serve(40)
+    unbounded, ref = serve(None)
+    # the same tokens, and those of a plain loop: chunking changes no output
+    for rid, p, n in [("s0", prompt(3, 0), 60), ("s1", prompt(3, 1), 60), ("long", prompt(200, 9), 4)]:
+        assert bounded[rid].outputs[0].token_ids == unbounded[rid].outputs[0].token_ids == expected(p, n)
+    long_seq = 200       # the long prompt's chunks, and the steps that decoded the streams meanwhile
+
+    def chunks(plans):
+        out = []
+        for plan in plans:
+            n = np.diff(plan.query_start_loc)
+            if n.max() > 3:    # (the streams' prompts have 3 tokens)
+                out.append((int(n.max()), int((n == 1).sum()), FIXED_S + PER_TOKEN_S * plan.num_tokens))
+        return out
+    got, before = chunks(ex.plans), chunks(ref.plans)
+    assert before == [(long_seq, 2, FIXED_S + PER_TOKEN_S * (long_seq + 2))]   # one 207 ms step
+    # bounded: a first chunk from the streams' own prefill (its 5 ms of fixed cost counted as its 6
+    # tokens': 40 ms fits fewer tokens), then the chunks the measured rate fits into 40 ms beside
+    # the two decodes ((40 - 7) ms / 1 ms per token = 33 tokens; with overlap the step after the
+    # first is planned before the first's time is known); every step that decoded took <= 40 ms
+    first = 2 if overlap else 1
+    assert all(MIN_CHUNK_TOKENS <= c < 33 and d == 2 for c, d, _ in got[:first])
+    assert [c for c, _, _ in got[first:-1]] == [33] * (len(got) - first - 1) and got[-1][0] <= 33
+    assert sum(c for c, _, _ in got) == long_seq
+    assert all(t <= 0.040 + 1e-9 for _, d, t in got if d)

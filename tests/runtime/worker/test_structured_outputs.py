@@ -21,7 +21,7 @@ from folio import LLM, SamplingParams
 from folio.ipc import messages as M
 from folio.runtime.common.config import EngineConfig
 from folio.runtime.common.sampling_params import StructuredOutputsParams
-from folio.runtime.common.step import NewSequence, StepPlan
+from folio.runtime.common.step import NewSequence, StepPlan, StepResult
 from folio.runtime.common.grammar import GrammarError
 from folio.runtime.worker.sampler import apply_token_bitmask
 
@@ -65,6 +65,19 @@ def test_round_trip_through_dict_and_the_wire():
                     new_seqs=[NewSequence(0, [1, 2], [5], d, None, [2])])
     got = M.plan_from_fields(M.decode([bytes(f) for f in M.encode_plan(plan)])[1])
     assert SamplingParams.from_dict(got.new_seqs[0].sampling) == sp
+    # the grammar's own fields: a compile (the constraint, once), its key on the sequence, a
+    # release, and the worker's answer
+    key = "ab" * 32
+    plan.new_seqs = [NewSequence(0, [1, 2], [5], {**d, "structured_outputs": None}, None, [2], grammar_key=key)]
+    plan.grammar_compiles = [{"key": key, "structured_outputs": d["structured_outputs"], "eos_token_ids": [2]}]
+    plan.grammar_releases = ["cd" * 32]
+    got = M.plan_from_fields(M.decode([bytes(f) for f in M.encode_plan(plan)])[1])
+    assert got.new_seqs[0].grammar_key == key and got.grammar_compiles == plan.grammar_compiles
+    assert got.grammar_releases == plan.grammar_releases
+    res = StepResult(1, np.zeros(1, np.int64), grammar_results=[{"key": key, "error": None},
+                                                                {"key": "cd" * 32, "error": "bad"}])
+    assert M.result_from_fields(M.decode([bytes(f) for f in M.encode_result(res)])[1]).grammar_results == \
+        res.grammar_results
 
 
 # -- the sampler's mask -----------------------------------------------------------------------------
@@ -200,10 +213,16 @@ def test_preempted_constrained_sequences_replay_their_matchers(runner):
     (dict(regex="a[b"), "invalid regex"),
     (dict(grammar="root ::= ( unclosed"), "grammar"),
 ])
-def test_bad_constraints_fail_before_admission(llm, so, needle):
+def test_bad_constraints_fail_before_they_run(llm, so, needle):
+    # the worker's compile refuses it: the request ends with the error before any step of its
+    # own; LLM.generate raises it
     with pytest.raises(GrammarError, match=needle) as e:
-        llm.llm_engine.add_request("bad", "x", SamplingParams(structured_outputs=_so(**so)))
+        llm.generate("x", SamplingParams(structured_outputs=_so(**so)), use_tqdm=False)
     assert e.value.param == "structured_outputs"
+    assert not llm.llm_engine.has_unfinished_requests()
+    # known bad now: refused by add_request at once
+    with pytest.raises(GrammarError, match=needle):
+        llm.llm_engine.add_request("bad", "x", SamplingParams(structured_outputs=_so(**so)))
     assert "bad" not in llm.llm_engine.scheduler.requests
     # others are unaffected
     out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
@@ -242,17 +261,22 @@ def test_the_batched_mask_equals_each_matcher_alone(default_model_dir):
     from folio.model.tokenizer import Tokenizer
     from folio.runtime.common.grammar import fill_bitmask
     from folio.runtime.worker.sampler import SamplingState
+    from folio.runtime.common.grammar import grammar_key
     from folio.runtime.worker.grammar_matchers import GrammarMatchers, fill_batch_bitmask
+    from support.serve_helpers import poll_until
     tok = Tokenizer.from_pretrained(default_model_dir)
     V = tok.vocab_size
     valid = tok.hf.encode('{"name": "Ann", "age": 31}', add_special_tokens=False).ids
-    sp = SamplingParams(structured_outputs=_so(json=SCHEMA))
+    so = _so(json=SCHEMA)
     gm = GrammarMatchers(tok.hf.to_str)
-    states = [SamplingState(i, sp, [1], valid[:i], None, tok.eos_token_ids) for i in range(len(valid))]
+    key = grammar_key(so, tok.eos_token_ids)
+    gm.prepare(key, so.to_dict(), tok.eos_token_ids)
+    poll_until(lambda: gm.poll(0.05), 60, "the compile")
+    states = [SamplingState(i, SamplingParams(), [1], valid[:i], None, tok.eos_token_ids) for i in range(len(valid))]
     states.insert(2, SamplingState(99, SamplingParams(), [1], [], None, tok.eos_token_ids))  # unconstrained
-    for st in states:
-        if st.params.structured_outputs is not None:
-            gm.attach(st)
+    for i, st in enumerate(states):
+        if i != 2:
+            gm.attach(st, key)
     got = fill_batch_bitmask(states, V)
     assert (got[2] == -1).all()
     for i, st in enumerate(states):
@@ -264,20 +288,3 @@ def test_the_batched_mask_equals_each_matcher_alone(default_model_dir):
         if len(st.output_token_ids) < len(valid):  # the valid instance's next token is allowed
             t = valid[len(st.output_token_ids)]
             assert (int(row[t >> 5]) >> (t & 31)) & 1
-
-
-def test_too_large_and_too_slow_constraints_are_refused(default_model_dir):
-    from folio.model.tokenizer import Tokenizer
-    from folio.runtime.common.grammar import MAX_GRAMMAR_CHARS, GrammarValidator
-    tok = Tokenizer.from_pretrained(default_model_dir)
-    v = GrammarValidator(tok.hf.to_str(), tok.eos_token_ids)
-    with pytest.raises(GrammarError, match="too large") as e:
-        v.check(_so(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "response_format")
-    assert e.value.param == "response_format"
-    # a bound no build can meet (building a matcher takes far more than a microsecond)
-    slow = GrammarValidator(tok.hf.to_str(), tok.eos_token_ids, timeout_s=1e-6)
-    with pytest.raises(GrammarError, match="took more than"):
-        slow.check(_so(regex="(ab|cd){1,40}x"))
-    # the same text, checked with a usable bound, is cached: a second check builds nothing
-    assert v.check(_so(regex="(ab|cd){1,40}x")) == v.check(_so(regex="(ab|cd){1,40}x"))
-    assert len(v._cache) == 1
