@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="automatic prefix caching")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill, help="split long prefills over several steps")
+    p.add_argument("--max-step-ms", type=float, default=d.max_step_ms,
+                   help="bound, in ms, on a step that decodes running streams (their inter-token latency): a long "
+                        "prompt's prefill chunk is sized from the measured prefill rate to fit it (0: chunks by "
+                        "--max-num-batched-tokens only)")
     p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory,
                    help="KV cache bytes on CPU (None: a quarter of available memory, capped by what "
                         "max_num_seqs x max_model_len can use)")
@@ -95,7 +99,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                         gpu_memory_utilization=a.gpu_memory_utilization,
                         enable_prefix_caching=a.enable_prefix_caching,
-                        enable_chunked_prefill=a.enable_chunked_prefill, kv_cache_memory=a.kv_cache_memory,
+                        enable_chunked_prefill=a.enable_chunked_prefill, max_step_ms=a.max_step_ms or None,
+                        kv_cache_memory=a.kv_cache_memory,
                         num_kv_blocks_override=a.num_kv_blocks_override, load_format=a.load_format,
                         dtype=a.dtype, quantization=a.quantization,
                         activation_quantization=a.activation_quantization, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed,

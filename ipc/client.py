@@ -459,9 +459,16 @@ class AsyncClient:
         ``ipc/scheduler_process.py``)."""
         return (await self._call("metrics", timeout))["metrics"]
 
+    def fail_pending(self, message: str, code: str = "shutdown") -> None:
+        """End every call and stream waiting for the server with ``ServerError(message, code)``
+        (a process that stops answers its callers instead of leaving them waiting)."""
+        for key, q in list(self._routes.items()):
+            q.put_nowait(("error", {"message": message, "code": code, "request_id": key}))
+
     async def close(self) -> None:
         if self._closed:
             return
+        self.fail_pending("the client was closed")
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()

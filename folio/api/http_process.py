@@ -6,7 +6,8 @@ passes it down as an inherited file descriptor, with a pipe on which this proces
 once uvicorn accepts connections. The API key comes in the environment (``FOLIO_API_KEY``), never
 on the command line. The process dies with its parent (``PR_SET_PDEATHSIG``, as the worker does).
 
-SIGINT / SIGTERM: uvicorn stops accepting, lets open responses finish (at most
+SIGINT / SIGTERM: uvicorn stops accepting, requests still waiting for the engine get the JSON 503
+of a shutdown (``AsyncClient.fail_pending``), open responses finish (at most
 ``--graceful-shutdown-s`` seconds) and the process exits 0 without a traceback.
 """
 
@@ -123,8 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     level = a.uvicorn_log_level
     config = uvicorn.Config(build_app(serving), log_level=level, access_log=level in ("info", "debug", "trace"),
                             timeout_graceful_shutdown=a.graceful_shutdown_s, lifespan="on")
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # the requests still waiting for the engine get its 503 now (the scheduler, stopping
+            # first, answered those it had), rather than uvicorn's text/plain 500 when the graceful
+            # shutdown's time is out
+            if serving.client is not None:
+                serving.client.fail_pending("server shutting down", "shutdown")
+            await super().shutdown(sockets)
+
     try:
-        asyncio.run(_serve(uvicorn.Server(config), sock, a.ready_fd))
+        asyncio.run(_serve(Server(config), sock, a.ready_fd))
     except KeyboardInterrupt:
         pass
     finally:

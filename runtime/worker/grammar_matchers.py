@@ -19,10 +19,11 @@ a sequence to it, so ``attach`` never compiles.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import numpy as np
 
@@ -39,6 +40,53 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_NICE)
     except (AttributeError, OSError):
         pass
+
+
+class _CompilePool:
+    """``threads`` daemon threads running compiles in order (``submit`` returns a
+    ``concurrent.futures.Future``). Daemon threads, unlike ``ThreadPoolExecutor``'s: a process
+    that stops (``shutdown``, SIGTERM) does not wait for a compile that llguidance cannot
+    interrupt."""
+
+    def __init__(self, threads: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True) for i in range(threads)]
+        self._started = False
+
+    def submit(self, fn, *args) -> Future:
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        _lower_priority()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the future carries it
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel the queued compiles and let the threads end after the one they run."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
 
 
 class _Compile:
@@ -76,7 +124,7 @@ class GrammarMatchers:
         self._tokenizer_json = tokenizer_json
         self._json_text: str | None = None
         self.timeout_s, self.wall_s = float(timeout_s), float(wall_s)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="folio-grammar", initializer=_lower_priority)
+        self._pool = _CompilePool(threads, "folio-grammar")
         self._lock = threading.Lock()
         self._pinned: dict[str, tuple] = {}                  # key -> (matcher, grammar vocab): live requests use it
         self._spare: OrderedDict[str, tuple] = OrderedDict()  # released, kept for reuse (LRU)
@@ -114,8 +162,9 @@ class GrammarMatchers:
 
     def _compile(self, job: _Compile, structured_outputs: dict, eos_token_ids: list):
         """A pool thread's work: ``(matcher, grammar vocab)`` or the error's text."""
-        job.clock = time.pthread_getcpuclockid(threading.get_ident())
-        job.cpu0, job.wall0 = time.clock_gettime(job.clock), time.monotonic()
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        job.cpu0, job.wall0 = time.clock_gettime(clock), time.monotonic()
+        job.clock = clock               # (last: poll reads the bounds once this is set)
         try:
             so = StructuredOutputsParams.from_dict(structured_outputs)
             tokenizer = self._tokenizer(eos_token_ids)
@@ -216,7 +265,8 @@ class GrammarMatchers:
         state.grammar_vocab = vocab
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop compiling (a compile under way is abandoned: its thread is a daemon)."""
+        self._pool.shutdown()
 
 
 def fill_batch_bitmask(states, vocab_size: int) -> np.ndarray | None:

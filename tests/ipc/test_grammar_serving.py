@@ -140,3 +140,58 @@ def test_a_constraint_that_admits_no_output_is_a_400(server, field, constraint):
             assert e.value.code == "invalid_argument"
             assert zc.generate({"prompt_token_ids": [5]}, {"max_tokens": 3}).outputs[0].token_ids == [6, 7, 8]
             assert idle_metrics(zc)["num_free_blocks"] == idle_metrics(zc)["num_total_blocks"]
+
+
+def test_sigterm_during_slow_compiles_stops_at_once_with_json_503s():
+    import json
+    import signal
+    import threading
+    import time
+
+    from support.serve_helpers import pid_gone, poll_until
+    proc, addr = spawn_server(ECHO + ["--api-key", API_KEY, "--served-model-name", "echo", "smollm2-135m-instruct"],
+                              env=echo_env(step_s=0.01), startup_timeout=180)
+    url = proc.http_url
+    answers: dict = {}
+    body = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+
+    def slow(i):      # ~10 s of one core each to compile (9000 properties)
+        schema = {"type": "object", "properties": {f"k{i}_{j}": {"type": "string"} for j in range(9000)}}
+        r = httpx.post(url + "/v1/chat/completions", headers=_headers(), timeout=120,
+                       json={**body, "max_tokens": 2, "structured_outputs": {"json": schema}})
+        answers[f"slow{i}"] = (r.status_code, r.headers.get("content-type"), r.text)
+
+    def stream():
+        events = []
+        with httpx.stream("POST", url + "/v1/chat/completions", headers=_headers(), timeout=120,
+                          json={**body, "max_tokens": 3000, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        answers["stream"] = (r.status_code, events)
+
+    try:
+        with Client(addr, timeout=60) as zc:
+            worker = zc.health()["worker_pid"]
+            threads = [threading.Thread(target=slow, args=(i,)) for i in range(2)] + [threading.Thread(target=stream)]
+            for t in threads:
+                t.start()
+            poll_until(lambda: zc.get_metrics()["num_requests_in_flight"] == 3 and
+                       zc.get_metrics()["num_streamed_tokens"] > 5, 60, "two compiles and a stream under way")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        # (a compile of the worker's is not waited for: the scheduler would kill the worker after 10 s)
+        poll_until(lambda: proc.poll() is not None, 8, "folio serve to exit")
+        print(f"folio serve exited {time.monotonic() - t0:.2f} s after SIGTERM, two compiles under way")
+        assert proc.returncode == 0
+        for t in threads:
+            t.join(30)
+        for i in range(2):
+            status, ctype, text = answers[f"slow{i}"]
+            assert status == 503 and ctype.startswith("application/json"), (status, ctype, text)
+            assert "shutting down" in json.loads(text)["error"]["message"]
+        status, events = answers["stream"]
+        assert status == 200 and events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+        poll_until(lambda: pid_gone(worker), 10, "the worker to be gone")
+    finally:
+        stop_server(proc)
