@@ -144,11 +144,12 @@ def parser_limits():
                                  verbose_errors=False)
 
 
-def compile_error_message(message: str) -> str:
+def compile_error_message(message: str, panic: bool = False) -> str:
     """A compile error as the client reads it: llguidance reports an internal limit it hits (a
-    grammar with too many symbols) as a Rust panic with a ``<backtrace>``; that becomes one
-    sentence saying the constraint is too large (the caller logs the panic)."""
-    if "<backtrace>" not in message and "panic" not in message:
+    grammar with too many symbols) as a Rust panic with a ``<backtrace>`` (or raises pyo3's
+    ``PanicException``: ``panic=True``); that becomes one sentence saying the constraint is too
+    large (the caller logs the panic)."""
+    if not panic and "<backtrace>" not in message and ": panic: " not in message:
         return message
     return ("the constraint is too large or too complex to compile (the grammar it makes is over the "
             "compiler's limits); make it smaller")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -183,7 +184,7 @@ class GrammarMatchers:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             print(f"folio worker: the grammar compiler failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            return f"structured_outputs: {compile_error_message('panic')}"
+            return f"structured_outputs: {compile_error_message(str(e), panic=True)}"
 
     def release(self, key: str) -> None:
         """No live request uses grammar ``key`` any more: it may be evicted (it stays as a spare,
@@ -212,7 +213,10 @@ class GrammarMatchers:
         for key, job in list(self._jobs.items()):
             if job.future.done():
                 del self._jobs[key]
-                value = job.future.result()
+                try:
+                    value = job.future.result()
+                except BaseException as e:  # noqa: BLE001 - (a bug of _compile's): this request's error, not the step's
+                    value = f"structured_outputs: the constraint did not compile: {type(e).__name__}: {e}"
                 if isinstance(value, str):
                     self._fail(key, value)
                     out.append({"key": key, "error": value})
