@@ -13,6 +13,9 @@ def cdiv(a: int, b: int) -> int:
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 """``--kv-cache-dtype`` values (vLLM's names); which of them a device runs: ``KernelTable.kv_cache_dtypes``."""
+DEFAULT_MAX_STEP_MS = 200.0
+"""``--max-step-ms``' default: a stream beside a long prompt's prefill still gets a token every 200 ms
+(reading speed, about 5 tokens/s); docs/cli.md gives the measurements behind it."""
 ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
 """``--activation-quantization`` values; what each means: ``model.loader.resolve_activation_quantization``
 (which checks them again for ``load_model``'s own callers)."""
@@ -77,7 +80,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_step_ms: float | None = None
+    max_step_ms: float | None = DEFAULT_MAX_STEP_MS
     num_kv_blocks_override: int | None = None
     kv_cache_memory: int | None = None
     cpu_kv_cache_fraction: float = 0.25

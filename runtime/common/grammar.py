@@ -181,7 +181,9 @@ def compile_grammar(tokenizer, text: str):
     A grammar whose language is empty (a rule that only refers to itself, ``root ::= root``, or a
     JSON schema ``$ref`` cycle) compiles, and its matcher then allows EOS alone while not in an
     accepting state: the output would be empty and not valid. Such a grammar is refused here, by
-    its first mask (one mask of one row, what the first step computes anyway). A grammar that
+    its first mask (one mask of one row, what the first step computes anyway; a limit that mask
+    hits, e.g. llguidance's "Too many items", is refused with llguidance's message, as the first
+    step would have hit it and ended the output at once). A grammar that
     admits only infinite outputs (a required property that refers back to its own object) is not
     found this way: its first tokens are allowed; ``max_tokens`` ends it with ``"length"``.
 
@@ -195,14 +197,15 @@ def compile_grammar(tokenizer, text: str):
     if not m.is_accepting():
         row = np.zeros(bitmask_words(tokenizer.vocab_size), dtype=np.int32)
         fill_bitmask(m, row)
+        error = m.get_error().split("\n")[0] if m.is_error() else None
+        if error is not None and "NoExtension" not in error:
+            raise GrammarError(error)     # a limit the first mask hit (it would hit it in the first step)
+        # (llguidance's matcher is in error "NoExtensionBias" when nothing extends the empty output)
         eos = np.asarray(list(tokenizer.eos_tokens), dtype=np.int64)
         allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
-        # (llguidance's matcher is then in error, "NoExtensionBias": nothing extends the empty output)
-        if not len(np.setdiff1d(allowed, eos)):
+        if error is not None or not len(np.setdiff1d(allowed, eos)):
             raise GrammarError("the constraint admits no output (no string satisfies it: a rule that only "
                                "refers to itself, or a $ref cycle)")
-        if m.is_error():
-            raise GrammarError(m.get_error().split("\n")[0])
     return m
 
 

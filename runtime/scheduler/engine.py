@@ -32,7 +32,7 @@ from ..common.executor import Executor, InlineExecutor, StepRunner, ThreadedExec
 from ..common.config import cdiv
 from .output_processor import OutputProcessor
 from ..common.outputs import RequestDelta
-from ..common.sampling_params import BeamSearchParams, SamplingParams
+from ..common.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ..common.grammar import check_constraint, grammar_key
 from .grammar_gate import GrammarGate
 from .scheduler import Scheduler, SchedulerOutput
@@ -334,7 +334,9 @@ class LLMEngine:
         kernels), ten short prompts at once (the parallel prefill kernels, then a decode of ten
         sequences: the batched products), one long prompt (a decode cut into key ranges, the
         single-sequence products), one prompt sampled with n = 2 (its shared partial block is
-        copied on write: the block-copy kernel). Each makes two tokens. Prompts that do not fit the model's
+        copied on write: the block-copy kernel), one constrained by a grammar (the worker builds
+        its grammar tokenizer, a pass over the vocabulary that holds its interpreter for about a
+        second, now rather than during a client's stream). Each makes at most two tokens. Prompts that do not fit the model's
         length or the KV cache are left out, and so is the n = 2 request where ``max_num_seqs`` is 1
         (``add_request`` would refuse it); the prefix cache is emptied after, so no warm-up
         block is ever a hit, and the counters of ``get_metrics()`` start again from zero (as
@@ -351,8 +353,11 @@ class LLMEngine:
         longest = self.max_model_len - 2
         greedy = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
         forked = SamplingParams(n=2, max_tokens=2, ignore_eos=True, temperature=1.0, seed=0)
+        constrained = SamplingParams(max_tokens=2, temperature=0.0,
+                                     structured_outputs=StructuredOutputsParams(choice=["warm"]))
         phases = [([min(bs - 1, longest)], greedy), ([min(40, longest)] * 10, greedy),
-                  ([min(600, longest)], greedy), ([min(bs + bs // 2, longest)], forked)]
+                  ([min(600, longest)], greedy), ([min(bs + bs // 2, longest)], forked),
+                  ([min(bs - 1, longest)], constrained)]
         room = int(self.get_metrics()["num_total_blocks"])
         for p, (lengths, params) in enumerate(phases):
             if any(n < 1 for n in lengths) or sum(params.n * cdiv(n + 2, bs) for n in lengths) > room \

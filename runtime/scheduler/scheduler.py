@@ -304,7 +304,9 @@ class Scheduler:
                 out.new_seqs.append(seq)
             budget -= 1
         if self.step_time is not None and seqs:   # streams wait for this step: bound its prefills
-            budget = min(budget, self.step_time.prefill_tokens())
+            cap = self.step_time.prefill_tokens()
+            if cap is not None:
+                budget = min(budget, cap)
         for seq, num_new in prefills:
             if budget <= 0:
                 break

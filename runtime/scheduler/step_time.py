@@ -13,14 +13,14 @@ way), the scheduler gives a step's prefills only the tokens the measured rate sa
 ``decode_s`` (a weighted mean of seconds per token, so the rate follows a prompt whose chunks
 cost more as its context grows; before any step with decodes had prefill, a step's whole time
 over its tokens, an upper bound). Times are the worker's (``StepResult.forward_time +
-sample_time``). Until a step with prefill was measured, a chunk is ``MIN_CHUNK_TOKENS`` (it
-measures the rate); a chunk is never smaller, so a prompt always advances however busy the
-decodes keep the step.
+sample_time``). Until a step with prefill was measured (``folio serve``'s warm-up measures
+some), chunks are bounded by tokens only; a chunk is never smaller than ``MIN_CHUNK_TOKENS``, so
+a prompt always advances however long the decodes alone take.
 """
 
 from __future__ import annotations
 
-MIN_CHUNK_TOKENS = 16    # the smallest chunk a step with decodes gives its prefills (and the first)
+MIN_CHUNK_TOKENS = 16    # the smallest chunk a step with decodes gives its prefills
 DECAY = 0.7              # weight of the past in the weighted means, per observation
 
 
@@ -61,9 +61,10 @@ class StepTimeModel:
                 self.s_per_token = None      # (the upper bound is dropped, not averaged in)
         self.s_per_token = per if self.s_per_token is None else DECAY * self.s_per_token + (1 - DECAY) * per
 
-    def prefill_tokens(self) -> int:
-        """The prefill tokens a step with decodes may take to end within ``max_step_s``."""
+    def prefill_tokens(self) -> int | None:
+        """The prefill tokens a step with decodes may take to end within ``max_step_s``; ``None``
+        (no bound) until the rate was measured."""
         if self.s_per_token is None:
-            return MIN_CHUNK_TOKENS
+            return None
         room = self.max_step_s - self.decode_s
         return max(MIN_CHUNK_TOKENS, int(room / self.s_per_token))
