@@ -280,13 +280,13 @@ def test_the_json_whitespace_options(default_model_dir):
     # what each setting's grammar accepts, token by token through llguidance's matcher: by default
     # llama.cpp's bound, ANY_WHITESPACE anything, disable_any_whitespace nothing
     from folio.model.tokenizer import Tokenizer
-    from folio.runtime.common.grammar import ANY_WHITESPACE, grammar_text, grammar_tokenizer, new_matcher
+    from folio.runtime.common.grammar import ANY_WHITESPACE, compile_grammar, grammar_text, grammar_tokenizer
     from folio.runtime.common.sampling_params import StructuredOutputsParams
     tok = Tokenizer.from_pretrained(default_model_dir)
     lltok = grammar_tokenizer(tok.hf.to_str(), tok.eos_token_ids)
 
     def accepts(text, **options):
-        m = new_matcher(lltok, grammar_text(StructuredOutputsParams(json_object=True, **options)))
+        m = compile_grammar(lltok, grammar_text(StructuredOutputsParams(json_object=True, **options)))
         return all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
 
     texts = {'{"a":[1,2]}': (True, True, True), '{"a": [1, 2]}': (True, True, False),
