@@ -336,8 +336,8 @@ class LLMEngine:
         single-sequence products), one prompt sampled with n = 2 (its shared partial block is
         copied on write: the block-copy kernel), one constrained by a grammar (the worker builds
         its grammar tokenizer, a pass over the vocabulary that holds its interpreter for about a
-        second, now rather than during a client's stream). Each makes at most two tokens. Prompts that do not fit the model's
-        length or the KV cache are left out, and so is the n = 2 request where ``max_num_seqs`` is 1
+        second, now rather than during a client's stream). Each makes at most two tokens. Prompts
+        that do not fit the model's length or the KV cache are left out, and so is the n = 2 request where ``max_num_seqs`` is 1
         (``add_request`` would refuse it); the prefix cache is emptied after, so no warm-up
         block is ever a hit, and the counters of ``get_metrics()`` start again from zero (as
         vLLM's ``reset_prefix_cache`` resets its prefix-cache stats): the warm-up is not counted.

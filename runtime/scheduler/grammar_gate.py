@@ -157,7 +157,8 @@ class GrammarGate:
         for key, sent in list(self._sent.items()):
             if now - sent > self.answer_timeout_s:
                 del self._sent[key]
-                err = f"structured_outputs: the worker did not compile the constraint within {self.answer_timeout_s:g} s"
+                err = ("structured_outputs: the worker did not compile the constraint within "
+                       f"{self.answer_timeout_s:g} s")
                 for request in self._held.pop(key, []):
                     self.finished(request.request_id)
                     failed.append((request, err))

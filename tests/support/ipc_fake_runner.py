@@ -63,7 +63,8 @@ class EchoRunner:
             from folio.model.registry import resolve_model
             from folio.model.tokenizer import Tokenizer
             from folio.runtime.worker.grammar_matchers import GrammarMatchers
-            self.grammars = GrammarMatchers(lambda: Tokenizer.from_pretrained(resolve_model(self.config.model)).hf.to_str())
+            model = self.config.model
+            self.grammars = GrammarMatchers(lambda: Tokenizer.from_pretrained(resolve_model(model)).hf.to_str())
         return self.grammars
 
     def execute(self, plan):
