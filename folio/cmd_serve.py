@@ -33,7 +33,8 @@ import signal
 import sys
 
 from .serve_http import http_process_flags, serve_with_http_process
-from .runtime.common.config import ACTIVATION_QUANTIZATIONS, DEFAULT_MODEL, KV_CACHE_DTYPES, EngineConfig
+from .runtime.common.config import ACTIVATION_QUANTIZATIONS, DEFAULT_MAX_STEP_MS, DEFAULT_MODEL, KV_CACHE_DTYPES, \
+    EngineConfig
 
 WORKER_RUNNER = "folio.runtime.worker.model_runner:ModelRunner"
 
@@ -58,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="automatic prefix caching")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill, help="split long prefills over several steps")
-    p.add_argument("--max-step-ms", type=float, default=d.max_step_ms,
+    p.add_argument("--max-step-ms", type=float, default=DEFAULT_MAX_STEP_MS,
                    help="bound, in ms, on a step that decodes running streams (their inter-token latency): a long "
                         "prompt's prefill chunk is sized from the measured prefill rate to fit it (0: chunks by "
                         "--max-num-batched-tokens only)")

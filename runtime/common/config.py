@@ -14,7 +14,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 """``--kv-cache-dtype`` values (vLLM's names); which of them a device runs: ``KernelTable.kv_cache_dtypes``."""
 DEFAULT_MAX_STEP_MS = 200.0
-"""``--max-step-ms``' default: a stream beside a long prompt's prefill still gets a token every 200 ms
+"""``folio serve --max-step-ms``' default: a stream beside a long prompt's prefill still gets a token every 200 ms
 (reading speed, about 5 tokens/s); docs/cli.md gives the measurements behind it."""
 ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
 """``--activation-quantization`` values; what each means: ``model.loader.resolve_activation_quantization``
@@ -39,7 +39,9 @@ class EngineConfig:
         max_step_ms: a bound, in milliseconds, on a step that decodes running streams (their
             inter-token latency): its prefill chunk is sized from the measured prefill rate
             (``runtime/scheduler/step_time.py``); ``None`` or 0: chunks by tokens only. Needs
-            chunked prefill. Default ``DEFAULT_MAX_STEP_MS`` (docs/cli.md says how it was chosen).
+            chunked prefill. Default ``None`` here (offline use: throughput first, as vLLM's offline
+            ``LLM`` keeps larger steps than its server); ``folio serve`` defaults to
+            ``DEFAULT_MAX_STEP_MS`` (docs/cli.md says how it was chosen).
         num_kv_blocks_override / kv_cache_memory: size the KV cache by block count (any device),
             or by bytes (CPU; default: ``cpu_kv_cache_fraction`` of available RAM, capped by what
             max_num_seqs x max_model_len could ever use).
@@ -80,7 +82,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_step_ms: float | None = DEFAULT_MAX_STEP_MS
+    max_step_ms: float | None = None
     num_kv_blocks_override: int | None = None
     kv_cache_memory: int | None = None
     cpu_kv_cache_fraction: float = 0.25
