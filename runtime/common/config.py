@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 
@@ -19,6 +20,83 @@ DEFAULT_MAX_STEP_MS = 200.0
 ACTIVATION_QUANTIZATIONS = ("auto", "int8", "none")
 """``--activation-quantization`` values; what each means: ``model.loader.resolve_activation_quantization``
 (which checks them again for ``load_model``'s own callers)."""
+
+
+SPECULATIVE_METHODS = ("ngram",)
+"""``SpeculativeConfig.method`` values (vLLM's names; the draft-model method is not implemented)."""
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``, the same JSON keys): a proposer
+    guesses the next tokens of a sequence, one forward pass verifies them all, and the longest
+    prefix the target model agrees with is kept, plus the target's own next token (Leviathan et
+    al. 2023; Chen et al. 2023). Greedy output is exactly the output without speculation.
+
+    Attributes:
+        method: ``"ngram"``: prompt lookup (Saxena 2023, vLLM's ``ngram``): the last n tokens of
+            the sequence (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked up
+            in its prompt and output, and the tokens that followed their earliest occurrence are
+            proposed.
+        num_speculative_tokens: most tokens proposed per sequence per step (k, >= 1); a
+            speculating sequence computes k + 1 positions in the step.
+        prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram matched (tokens,
+            1 <= min <= max); when only one is given the other takes its value, as in vLLM.
+        disable_by_batch_size: no sequence speculates in a step while more than this many
+            sequences are running (vLLM's name): a batch that large is no longer bound by reading
+            the weights, so the k extra positions per sequence cost their full compute. How the
+            default was chosen: docs/python-api.md ("Speculative decoding").
+    Raises:
+        ValueError: an unknown method or key, or a value out of range (named in the message).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int = 2
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r} (draft models are not implemented)")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max, self.prompt_lookup_min = 4, 1
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "disable_by_batch_size" else 1):
+                raise ValueError(f"speculative_config {name} must be an integer >= "
+                                 f"{0 if name == 'disable_by_batch_size' else 1}, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """A ``SpeculativeConfig`` from itself, a dict of its keys or their JSON text (the CLI's
+        ``--speculative-config``); ``None`` stays ``None``.
+
+        Raises:
+            ValueError: not JSON, not an object, unknown keys, or a bad value.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(map(str, unknown))}")
+        return cls(**value)
 
 
 @dataclass
@@ -70,6 +148,8 @@ class EngineConfig:
             ``--async-scheduling``): the scheduler prepares and sends step N+1 while the worker runs
             step N, the tokens sampled in N being fed on the worker's side. Outputs are the same
             either way; ``False`` runs one step at a time.
+        speculative_config: a ``SpeculativeConfig`` (or its dict or JSON text), or ``None`` (the
+            default): no speculative decoding.
     Raises:
         ValueError: on any inconsistent value, at construction.
     """
@@ -95,8 +175,10 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     async_scheduling: bool = True
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -16,6 +16,13 @@ Overlap scheduling: the scheduler may hand over plan N+1 before plan N's result 
 sequence that samples in step N and decodes in step N+1 then has ``PLACEHOLDER_TOKEN_ID`` as its
 input id in plan N+1; the worker, which runs plans in order, puts there the token that sequence
 sampled in the step before (SGLang's "future token ids"; ``LastSampledTokens`` does it).
+
+Speculative decoding: a sequence with ``num_draft_tokens[i] = d > 0`` computes its last token
+followed by ``d`` proposed tokens; the worker takes the logits of all ``d + 1`` rows (the last of
+them ``logits_indices[i]``), accepts the longest prefix of the drafts the target agrees with and
+samples one more token after it (``runtime/worker/spec_decode.py``). The result says how many
+drafts each row accepted (``StepResult.num_accepted_tokens``); its ``sampled_token_ids`` stay one
+per row, the token after the accepted drafts. Such a sequence's inputs are never placeholders.
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ class StepPlan:
             before any sequence of theirs is scheduled (``runtime/common/grammar.py``); answered in
             a later ``StepResult.grammar_results``.
         grammar_releases: keys of compiled grammars no live request uses any more.
+        num_draft_tokens: ``[R]`` int64 drafts of each sampled row's sequence (speculative
+            decoding: its rows ``logits_indices[i] - d .. logits_indices[i]`` are verified, the
+            drafts being the input ids of the last ``d`` of them), or empty: none in the step.
     A plan with no tokens (``num_tokens == 0``) only carries these and finished sequences: the
     worker answers it once a compile ends or after ``GRAMMAR_POLL_S`` seconds.
     """
@@ -108,6 +118,7 @@ class StepPlan:
     prompt_logprob_token_ids: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     grammar_compiles: list[dict] = field(default_factory=list)
     grammar_releases: list[str] = field(default_factory=list)
+    num_draft_tokens: np.ndarray = field(default_factory=lambda: _NO_ROWS)
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +134,8 @@ class StepResult:
         sampled_token_ids: ``[R]`` int64, one per ``plan.logits_indices`` row, same order.
         logprobs: ``[R, 1 + K]`` float32 or ``None``: column 0 is the sampled token's logprob,
             columns 1.. the top-K logprobs (K = the largest ``logprobs`` asked for in the step).
+            In a step with drafts, one row per emitted token instead: row ``i``'s accepted drafts
+            then its sampled token, rows in order (``sum(num_accepted_tokens + 1)`` rows).
         logprob_token_ids: ``[R, 1 + K]`` int64 matching ``logprobs`` (column 0 = sampled id).
         forward_time: seconds spent in the forward pass.
         sample_time: seconds spent sampling.
@@ -136,6 +149,8 @@ class StepResult:
         prompt_logprob_ranks: ``[N]`` int64 1-based rank of each prompt token in its row.
         grammar_results: ``[{"key", "error"}]``: grammars whose compile ended (``error`` ``None``:
             compiled) or ran past its bound since the previous result, each reported once.
+        num_accepted_tokens: ``[R]`` int64 drafts accepted per row in a step with drafts
+            (``plan.num_draft_tokens``), else ``None``.
     """
 
     step_id: int
@@ -150,6 +165,7 @@ class StepResult:
     prompt_logprob_token_ids: np.ndarray | None = None
     prompt_logprob_ranks: np.ndarray | None = None
     grammar_results: list[dict] = field(default_factory=list)
+    num_accepted_tokens: np.ndarray | None = None
 
 
 GRAMMAR_POLL_S = 0.01   # the longest a worker holds the answer to a plan with no tokens
@@ -173,7 +189,8 @@ def make_step_plan(out, block_size: int) -> StepPlan:
     One pass over the scheduled sequences gathers their new token ids (a position the scheduler
     does not know yet, the token being sampled in the step in flight, becomes
     ``PLACEHOLDER_TOKEN_ID``); every per-token array is then computed with NumPy, and the block
-    tables come from the KV manager as one gather.
+    tables come from the KV manager as one gather. A speculating sequence's new tokens are its
+    last token and its drafts (``out.draft_token_ids``).
     """
     seqs = out.seqs
     S = len(seqs)
@@ -189,11 +206,16 @@ def make_step_plan(out, block_size: int) -> StepPlan:
         seq_lens = start + 1
     else:
         ids = []
+        drafts_of = out.draft_token_ids
         for seq, c, n in zip(seqs, out.num_computed_tokens, out.num_new_tokens):
             chunk = seq.all_token_ids[c:c + n]
             ids.extend(chunk)
-            if len(chunk) < n:  # only the last position can be in flight
-                ids.append(PLACEHOLDER_TOKEN_ID)
+            if len(chunk) < n:
+                drafts = drafts_of.get(seq.seq_id) if drafts_of else None
+                if drafts is not None:
+                    ids.extend(drafts)
+                else:  # only the last position can be in flight
+                    ids.append(PLACEHOLDER_TOKEN_ID)
         num_new = np.array(out.num_new_tokens, dtype=np.int64)
         query_start_loc = np.zeros(S + 1, dtype=np.int32)
         np.cumsum(num_new, out=query_start_loc[1:])
@@ -212,6 +234,9 @@ def make_step_plan(out, block_size: int) -> StepPlan:
         mask = np.fromiter((id(s) in is_sampled for s in seqs), dtype=bool, count=S)
         logits_indices = (query_start_loc[1:][mask] - 1).astype(np.int64)
         sample_seq_ids = seq_ids[mask]
+    num_draft = _NO_ROWS
+    if out.draft_token_ids:
+        num_draft = np.array([len(out.draft_token_ids.get(s.seq_id, ())) for s in sampled], dtype=np.int64)
     plp_rows = plp_targets = _NO_ROWS
     if out.prompt_logprob_spans:
         rows, targets = [], []
@@ -242,6 +267,7 @@ def make_step_plan(out, block_size: int) -> StepPlan:
         block_copies=np.asarray(out.block_copies, dtype=np.int64).reshape(-1, 2),
         prompt_logprob_indices=plp_rows,
         prompt_logprob_token_ids=plp_targets,
+        num_draft_tokens=num_draft,
     )
 
 

@@ -316,7 +316,7 @@ class LLMEngine:
             stats["worker_idle_time"] += float(result.idle_time)
         self.scheduler.observe_step(out, float(result.forward_time) + float(result.sample_time))
         update = self.scheduler.update_from_output(out, result)
-        stats["num_generated_tokens"] += len(update.seqs)
+        stats["num_generated_tokens"] += sum(update.num_tokens) if update.num_tokens else len(update.seqs)
         deltas, stopped = self.output_processor.process(update, result)
         for seq, stop_string in stopped:
             self.scheduler.finish_seq(seq, "stop", stop_string)

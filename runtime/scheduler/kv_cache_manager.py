@@ -208,6 +208,28 @@ class KVCacheManager:
             self.block_table[row] = 0
             self._free_rows.append(row)
 
+    def truncate(self, seq: Sequence) -> None:
+        """After a speculative step gave back its rejected positions (``seq.num_computed_tokens``
+        lowered): free the blocks past the ones holding the computed tokens, tail first (they
+        were allocated for rejected drafts and hold no accepted token), and register the full
+        blocks of accepted tokens. A block is registered only when every token in it is computed
+        and known, so no rejected token is ever a prefix-cache hit."""
+        blocks = self.seq_blocks.get(seq.seq_id)
+        if not blocks:
+            return
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        if len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free_blocks(reversed(extra))
+            row = self._row.get(seq.seq_id)
+            if row is not None:
+                self.block_table[row, keep:keep + len(extra)] = 0
+            if self._num_registered_blocks.get(seq.seq_id, 0) > keep:  # never: drafts are not hashed
+                self._num_registered_blocks[seq.seq_id] = keep
+        if self.enable_caching:
+            self._cache_full_blocks(seq, blocks, min(seq.num_computed_tokens, len(seq.all_token_ids)))
+
     def get_block_ids(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.seq_blocks.get(seq.seq_id, [])]
 

@@ -101,12 +101,16 @@ class OutputProcessor:
         if update.prompt_logprob_spans:
             self._add_prompt_logprobs(update.prompt_logprob_spans, result)
         with_logprobs = result.logprobs is not None
-        for seq, row in zip(update.seqs, update.rows):
+        counts = update.num_tokens
+        for i, (seq, row) in enumerate(zip(update.seqs, update.rows)):
             request = seq.request
             detok = seq.detokenizer or self._detokenizer(seq)
             token = seq.all_token_ids[-1]
             reason = seq.finish_reason
-            if reason is None:
+            if counts and counts[i] > 1:  # several tokens (speculative decoding)
+                comp = self._several_tokens(seq, detok, row, counts[i], result, with_logprobs, stopped)
+                reason = comp.finish_reason
+            elif reason is None:
                 text = detok.add_token(token)
                 stop_reason = None
                 if detok.finished:  # a stop string: the engine finishes the sequence
@@ -122,10 +126,11 @@ class OutputProcessor:
                     stop_reason = seq.stop_reason
                     detok.finish()
                     text += detok.take_new_text()
-            lps = None
-            if with_logprobs and request.sampling_params.logprobs is not None:
-                lps = [self._logprobs_entry(seq, result, row)]
-            comp = CompletionDelta(seq.index, [token], text, reason, stop_reason, lps, seq.cumulative_logprob)
+            if not counts or counts[i] == 1:
+                lps = None
+                if with_logprobs and request.sampling_params.logprobs is not None:
+                    lps = [self._logprobs_entry(seq, result, row)]
+                comp = CompletionDelta(seq.index, [token], text, reason, stop_reason, lps, seq.cumulative_logprob)
             if request.n == 1:
                 delta = RequestDelta(request.request_id, [comp], False, request.num_prefix_hit_tokens,
                                      request.prompt, request.prompt_token_ids)
@@ -152,6 +157,45 @@ class OutputProcessor:
                 if lps is not None:
                     delta.prompt_logprobs = lps
         return deltas, stopped
+
+    def _several_tokens(self, seq: Sequence, detok, row: int, n: int, result, with_logprobs: bool,
+                        stopped: list) -> CompletionDelta:
+        """The completion delta of a sequence that got ``n > 1`` tokens in one step (its last
+        ``n``; their logprobs at rows ``row .. row + n - 1``): each goes through the detokenizer
+        as it would one step at a time, and a stop string found at one of them drops the ones
+        after it (the sequence joins ``stopped`` unless the scheduler already ended it)."""
+        new = seq.all_token_ids[-n:]
+        text = ""
+        reason = stop_reason = None
+        kept = n
+        for j, t in enumerate(new[:-1]):
+            text += detok.add_token(t)
+            if detok.finished:  # a stop string before the last token
+                kept = j + 1
+                reason, stop_reason = "stop", detok.stop_reason
+                if seq.finish_reason is None:
+                    stopped.append((seq, stop_reason))
+                break
+        if reason is None:
+            token = new[-1]
+            reason = seq.finish_reason
+            if reason is None:
+                text += detok.add_token(token)
+                if detok.finished:
+                    reason, stop_reason = "stop", detok.stop_reason
+                    stopped.append((seq, stop_reason))
+            else:
+                text += detok.add_token(token, reason == "stop")
+                if detok.finished and detok.stop_reason is not None:
+                    reason, stop_reason = "stop", detok.stop_reason
+                else:
+                    stop_reason = seq.stop_reason
+                    detok.finish()
+                    text += detok.take_new_text()
+        lps = None
+        if with_logprobs and seq.request.sampling_params.logprobs is not None:
+            lps = [self._logprobs_entry(seq, result, r) for r in range(row, row + kept)]
+        return CompletionDelta(seq.index, new[:kept], text, reason, stop_reason, lps, seq.cumulative_logprob)
 
     def _add_prompt_logprobs(self, spans, result) -> None:
         """Append each span's prompt logprobs (rows of ``result.prompt_logprobs`` in span order) to

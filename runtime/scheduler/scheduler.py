@@ -29,7 +29,13 @@ Two features are collaborators the scheduler calls at fixed points, not branches
   search") has the whole design;
 * prompt logprobs (``prompt_logprobs.PromptLogprobsTracker``, for requests with
   ``prompt_logprobs_next >= 0``): at scheduling (the rows that give prompt logprobs), after the
-  step and at rollback.
+  step and at rollback;
+* speculative decoding (``spec_decode.SpecDecoding``, when ``EngineConfig.speculative_config``
+  is set): at a decode, the proposed tokens (the sequence then computes its last token and the
+  drafts in the step, and is not scheduled again until the result is back), or whether to wait
+  for a token in flight before proposing; after the step, the accepted drafts are appended with
+  the target's next token, token by token through the stop checks, the rejected positions' slots
+  are given back (``KVCacheManager.truncate``) and the counters and switch-off are updated.
 
 The block bookkeeping lives in ``kv_cache_manager.py`` (as in vLLM V1's ``sched/scheduler.py``);
 this file never touches a block. Subclasses may restrict admission (``may_admit``), e.g. the
@@ -50,6 +56,7 @@ from .beam_search import BeamSearchCoordinator
 from .kv_cache_manager import KVCacheManager
 from .prompt_logprobs import PromptLogprobsTracker
 from .sequence import Request, Sequence, SequenceStatus
+from .spec_decode import SpecDecoding
 from .step_time import StepTimeModel
 
 _RUNNING = SequenceStatus.RUNNING
@@ -79,6 +86,8 @@ class SchedulerOutput:
         prompt_logprob_spans: ``(i, position, count)``: rows of scheduled sequence ``i`` at
             positions ``position .. position + count - 1`` give prompt logprobs (of the prompt
             token after each), in batch order.
+        draft_token_ids: ``seq_id -> drafts`` of the sequences that speculate in this step (their
+            new tokens are their last token followed by the drafts).
     """
 
     step_id: int
@@ -93,6 +102,7 @@ class SchedulerOutput:
     fork_ready: list[Sequence] = field(default_factory=list)
     num_preempted: int = 0
     prompt_logprob_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -108,8 +118,10 @@ class SchedulerUpdate:
     """What one step's result changed, for the output processor.
 
     Attributes:
-        seqs: the sequences that got one new token (their last), in result-row order.
-        rows: each one's row in the ``StepResult`` (for logprobs).
+        seqs: the sequences that got new tokens (their last ones), in result-row order.
+        rows: each one's row in the ``StepResult``'s logprobs (of its first new token).
+        num_tokens: how many new tokens each got, when some sequence speculated in the step (a
+            stop ends the list early: tokens after it are dropped); empty when each got one.
         finished_beams: beam search requests whose search ended in this step.
         prompt_logprob_spans: ``(request, position, count)`` per span of the step's prompt
             logprob rows, in result order (``StepResult.prompt_logprobs``).
@@ -117,6 +129,7 @@ class SchedulerUpdate:
 
     seqs: list[Sequence] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
     finished_beams: list[Request] = field(default_factory=list)
     prompt_logprob_spans: list = field(default_factory=list)
 
@@ -148,7 +161,8 @@ class Scheduler:
             blocks from ``config`` (block_size, enable_prefix_caching).
     Attributes:
         waiting, running: the queues (``running`` in admission order); requests: the unfinished
-            requests by id; kv_cache_manager; beam_search, prompt_logprobs: the collaborators.
+            requests by id; kv_cache_manager; beam_search, prompt_logprobs, spec_decode (``None``
+            without ``speculative_config``): the collaborators.
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
@@ -166,6 +180,8 @@ class Scheduler:
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.beam_search = BeamSearchCoordinator(self)
         self.prompt_logprobs = PromptLogprobsTracker()
+        self.spec_decode = SpecDecoding(config.speculative_config, max_model_len) \
+            if config.speculative_config is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -262,6 +278,9 @@ class Scheduler:
         prefills = []
         seqs, num_new_tokens, num_computed = out.seqs, out.num_new_tokens, out.num_computed_tokens
         sampled, copies_out = out.sampled_seqs, out.block_copies
+        spec = self.spec_decode
+        if spec is not None and not spec.step_allows(len(self.running)):
+            spec = None
         for seq in list(self.running):
             if seq.status is not _RUNNING:
                 continue  # preempted earlier in this pass
@@ -280,6 +299,17 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
+            if spec is not None and not seq.is_parent:
+                st = spec.state(seq)
+                if st is not None:
+                    if p:
+                        if spec.wants_token(seq, st):
+                            continue  # it proposes once its token is back
+                    else:
+                        drafts = spec.propose(seq, st, budget)
+                        if drafts and self._schedule_drafts(out, seq, drafts, step):
+                            budget -= 1 + len(drafts)
+                            continue
             copies = kv.append_slot(seq)
             if copies is None:
                 copies = self._allocate_or_preempt(out, seq, 1, step)
@@ -350,6 +380,28 @@ class Scheduler:
         carries grammar compiles while requests wait for them (``engine.py``)."""
         self._step_id += 1
         return SchedulerOutput(self._step_id)
+
+    def _schedule_drafts(self, out: SchedulerOutput, seq: Sequence, drafts: list[int], step: int) -> bool:
+        """Schedule ``seq``'s last token and its ``drafts`` (speculative decoding), if the pool
+        has room for them without preempting anyone. Returns whether it did."""
+        copies = self.kv_cache_manager.allocate_slots(seq, 1 + len(drafts))
+        if copies is None:
+            return False
+        if copies:
+            out.block_copies.extend(copies)
+        c = seq.num_computed_tokens
+        out.seqs.append(seq)
+        out.num_new_tokens.append(1 + len(drafts))
+        out.num_computed_tokens.append(c)
+        out.sampled_seqs.append(seq)
+        out.draft_token_ids[seq.seq_id] = drafts
+        seq.num_computed_tokens = c + 1 + len(drafts)
+        seq.num_output_placeholders = 1
+        seq.scheduled_step = step
+        if not seq.sent_to_worker:
+            seq.sent_to_worker = True
+            out.new_seqs.append(seq)
+        return True
 
     def _preempt_idle_beams(self, out: SchedulerOutput) -> None:
         """Nothing could be scheduled and sequences wait: unless a result in flight will change
@@ -490,6 +542,8 @@ class Scheduler:
         max_len = self.max_model_len
         beams = None
         row = 0
+        if out.draft_token_ids:
+            return self._update_speculative(out, result, tokens, update, now)
         for seq, token in zip(sampled, tokens):
             seq.num_output_placeholders -= 1
             if seq.status is _FINISHED:   # ended while this step was in flight: discard
@@ -515,6 +569,82 @@ class Scheduler:
                 self.finish_seq(seq, "stop", None if token in request.eos_stop_set else token)
             elif n_out >= request.max_output_tokens or len(all_ids) >= max_len:
                 self.finish_seq(seq, "length")
+        for seq in out.fork_ready:
+            if seq.is_parent and seq.status is _RUNNING and seq.num_computed_tokens == len(seq.all_token_ids) - 1:
+                self._fork(seq)
+        if beams:
+            for request in self.beam_search.update_from_output(beams, result, now):
+                update.finished_beams.append(request)
+                self.requests.pop(request.request_id, None)
+        return update
+
+    def _update_speculative(self, out: SchedulerOutput, result, tokens: list[int], update: SchedulerUpdate,
+                            now: float) -> SchedulerUpdate:
+        """``update_from_output`` for a step in which some sequences speculated: each of those
+        gets its accepted drafts and then the sampled token (``StepResult.num_accepted_tokens``),
+        appended one at a time through the same stop checks (a stop drops the tokens after it);
+        its rejected positions' slots go back to the pool (``KVCacheManager.truncate``). The
+        result's logprob rows are one per token the worker emitted, in row order.
+
+        Raises:
+            RuntimeError: the result has no accepted counts, or a count exceeds its drafts.
+        """
+        accepted = result.num_accepted_tokens
+        if accepted is None or len(accepted) != len(tokens):
+            raise RuntimeError("the worker returned no num_accepted_tokens for a speculative step")
+        accepted = accepted.tolist() if hasattr(accepted, "tolist") else list(accepted)
+        drafts_of = out.draft_token_ids
+        spec = self.spec_decode
+        kv = self.kv_cache_manager
+        max_len = self.max_model_len
+        upd_seqs, upd_rows, upd_num = update.seqs, update.rows, update.num_tokens
+        beams = None
+        row = 0
+        for seq, token, a in zip(out.sampled_seqs, tokens, accepted):
+            seq.num_output_placeholders -= 1
+            drafts = drafts_of.get(seq.seq_id)
+            if drafts is None:
+                new = (token,)
+                if a:
+                    raise RuntimeError(f"the worker accepted {a} drafts of seq {seq.seq_id}, which had none")
+            else:
+                if not 0 <= a <= len(drafts):
+                    raise RuntimeError(f"the worker accepted {a} of {len(drafts)} drafts of seq {seq.seq_id}")
+                new = drafts[:a] + [token]
+                if spec is not None:
+                    spec.update_from_output(seq, len(drafts), a)
+                if seq.status is _RUNNING:
+                    seq.num_computed_tokens -= len(drafts) - a
+            first_row = row
+            row += len(new)
+            if seq.status is _FINISHED:   # ended while this step was in flight: discard
+                continue
+            if seq.is_beam:  # (never speculates)
+                if seq.status is _RUNNING:
+                    beams = beams or []
+                    beams.append((seq, first_row))
+                continue
+            all_ids = seq.all_token_ids
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            n = 0
+            for t in new:
+                all_ids.append(t)
+                n += 1
+                n_out = len(all_ids) - seq.num_prompt_tokens
+                if t in request.stop_token_set and n_out >= request.min_tokens:
+                    self.finish_seq(seq, "stop", None if t in request.eos_stop_set else t)
+                    break
+                if n_out >= request.max_output_tokens or len(all_ids) >= max_len:
+                    self.finish_seq(seq, "length")
+                    break
+            upd_seqs.append(seq)
+            upd_rows.append(first_row)
+            upd_num.append(n)
+            if drafts is not None and seq.status is _RUNNING:
+                kv.truncate(seq)
         for seq in out.fork_ready:
             if seq.is_parent and seq.status is _RUNNING and seq.num_computed_tokens == len(seq.all_token_ids) - 1:
                 self._fork(seq)
@@ -595,4 +725,6 @@ class Scheduler:
         held, allocated = self.kv_cache_manager.kv_token_usage(list(self.running))
         m.update(num_preemptions=self.num_preemptions, num_running=len(self.running),
                  num_waiting=len(self.waiting), kv_tokens_held=held, kv_tokens_allocated=allocated)
+        if self.spec_decode is not None:
+            m.update(self.spec_decode.get_metrics())
         return m

@@ -58,12 +58,14 @@ class Sequence:
         finish_reason / stop_reason: set when the sequence finishes (``"stop"``, ``"length"``,
             ``"abort"``; the stop token id or stop string).
         detokenizer, logprobs, cumulative_logprob: the output processor's state for this sample.
+        spec: speculative decoding's state of this sample (``spec_decode.SpecState``; ``False``
+            when it never speculates, ``None`` until first asked).
     """
 
     __slots__ = ("seq_id", "request", "index", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "num_output_placeholders", "is_parent", "is_beam", "status", "block_hashes", "sent_to_worker", "seed",
                  "finish_reason", "stop_reason", "admit_order", "scheduled_step", "detokenizer", "logprobs",
-                 "cumulative_logprob")
+                 "cumulative_logprob", "spec")
 
     def __init__(self, seq_id: int, request: "Request", index: int, token_ids: list[int],
                  seed: int | None, is_parent: bool = False, is_beam: bool = False):
@@ -87,6 +89,7 @@ class Sequence:
         self.detokenizer: Any = None
         self.logprobs: list | None = None
         self.cumulative_logprob: float | None = None
+        self.spec = None
 
     @property
     def num_tokens(self) -> int:

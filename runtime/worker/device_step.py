@@ -106,10 +106,12 @@ class DeviceStep:
         model: the ``LlamaForCausalLM`` on that table.
         max_num_seqs, max_num_batched_tokens, max_model_len, block_size: the engine's limits.
         enforce_eager: never capture CUDA graphs.
+        extra_logits_rows: logits rows a step may sample beyond one per sequence (the verified
+            drafts of speculative decoding).
     """
 
     def __init__(self, kernels: CudaKernelTable, model, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, enforce_eager: bool = False):
+                 block_size: int, enforce_eager: bool = False, extra_logits_rows: int = 0):
         self.k = kernels
         self.dev = kernels.device
         self.model = model
@@ -119,7 +121,7 @@ class DeviceStep:
         self.max_blocks = -(-self.max_model_len // block_size)
         self.inp = Staging(self.dev)
         self.out = Staging(self.dev)
-        self.logits = self.dev.empty((self.max_num_seqs, self.vocab_size), np.float32)
+        self.logits = self.dev.empty((self.max_num_seqs + int(extra_logits_rows), self.vocab_size), np.float32)
         self.use_graphs = not enforce_eager
         self.graphs: dict = {}
         self._graph_state = None

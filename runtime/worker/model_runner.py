@@ -27,6 +27,10 @@ steps; the KV budget is then profiled there. A step with prompt logprob rows (ra
 that ask for them, only while their prompt is computed) or a constrained row runs the eager path
 below, as every step does on the other tables: the forward returns the sampled rows' logits
 followed by the prompt rows', reduced in chunks (``sampler.prompt_logprobs``).
+
+A step with proposed tokens (speculative decoding, ``plan.num_draft_tokens``) samples every
+verified row as an ordinary row, on either path, and then keeps the accepted ones
+(``runtime/worker/spec_decode.py``); only the emitted tokens enter the sequences' histories.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ...model.loader import allocate_kv_caches, load_model, resolve_device
 from ..common.config import EngineConfig, cdiv
 from .device_step import DeviceStep
 from .grammar_matchers import GrammarMatchers, advance, fill_batch_bitmask
+from .spec_decode import accept_greedy, verify_rows
 from .sampler import SamplingState, prompt_logprobs, sample
 from ..common.sampling_params import SamplingParams
 from ..common.step import GRAMMAR_POLL_S, LastSampledTokens, StepPlan, StepResult
@@ -231,9 +236,11 @@ class ModelRunner:
         cuda: CudaKernelTable = self.kernels  # the extras of a table with device_sampling (kernels/table.py)
         graph_rows = 1 << max(0, (cfg.max_num_seqs - 1).bit_length())  # decode graphs pad to this
         cuda.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
+        spec = cfg.speculative_config  # verified rows: k more per speculating sequence
+        extra_rows = spec.num_speculative_tokens * min(cfg.max_num_seqs, spec.disable_by_batch_size) if spec else 0
         return DeviceStep(cuda, self.model, max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
-                          block_size=self.block_size, enforce_eager=cfg.enforce_eager)
+                          block_size=self.block_size, enforce_eager=cfg.enforce_eager, extra_logits_rows=extra_rows)
 
     # --- KV sizing ------------------------------------------------------------------------------
     def _available_kv_bytes(self) -> int:
@@ -318,6 +325,8 @@ class ModelRunner:
         input_ids = self._last_sampled.resolve(plan)
         if input_ids is not plan.input_ids:
             plan = dataclasses.replace(plan, input_ids=input_ids)
+        if len(plan.num_draft_tokens) and np.any(plan.num_draft_tokens):
+            return self._execute_speculative(plan, sample_ids)
 
         num_plp = len(plan.prompt_logprob_indices)
         # a step with a constrained row samples eagerly (the device step's graphs and packed upload
@@ -337,9 +346,44 @@ class ModelRunner:
         with self.kernels.activate():   # eager, on the table's stream
             return self._execute_eager(plan, sample_ids, R, num_plp)
 
-    def _execute_eager(self, plan: StepPlan, sample_ids: list[int], R: int, num_plp: int) -> StepResult:
+    def _execute_speculative(self, plan: StepPlan, sample_ids: list[int]) -> StepResult:
+        """A step with drafts: every verified row is sampled (``verify_rows``: a plan whose
+        sampled rows are all of them, each sequence's state once per row), the drafts are checked
+        against the targets (``accept_greedy``), and only the emitted tokens enter the states, the
+        grammar matchers and the last-sampled record."""
+        rows, starts = verify_rows(plan.logits_indices, plan.num_draft_tokens)
+        owner = np.repeat(np.asarray(plan.sample_seq_ids, dtype=np.int64), np.diff(starts))
+        expanded = dataclasses.replace(plan, logits_indices=rows, sample_seq_ids=owner,
+                                       num_draft_tokens=np.zeros(0, np.int64))
+        row_ids = owner.tolist()
+        states = [self._seqs[s] for s in row_ids]
+        num_plp = len(plan.prompt_logprob_indices)
+        if self.device_step is not None and not num_plp and not any(st.matcher is not None for st in states):
+            tokens, lp, lp_ids, fwd, smp = self.device_step.run(expanded, states, self.kv_caches)
+            result = StepResult(step_id=plan.step_id, sampled_token_ids=tokens, logprobs=lp,
+                                logprob_token_ids=lp_ids, forward_time=fwd, sample_time=smp)
+        else:
+            with self.kernels.activate():   # eager, on the table's stream
+                result = self._execute_eager(expanded, row_ids, len(row_ids), num_plp, commit=False)
+        num_accepted, last, emitted = accept_greedy(result.sampled_token_ids, plan.input_ids, rows, starts)
+        emitted_tokens = np.asarray(result.sampled_token_ids, dtype=np.int64)[emitted]
+        for s, tok in zip(owner[emitted].tolist(), emitted_tokens.tolist()):
+            self._seqs[s].append(tok)
+        advance([self._seqs[s] for s in sample_ids], last.tolist())  # (constrained rows have no drafts)
+        self._last_sampled.record(plan, last)
+        result.sampled_token_ids = last
+        result.num_accepted_tokens = num_accepted
+        if result.logprobs is not None:
+            result.logprobs = result.logprobs[emitted]
+            result.logprob_token_ids = result.logprob_token_ids[emitted]
+        return result
+
+    def _execute_eager(self, plan: StepPlan, sample_ids: list[int], R: int, num_plp: int,
+                       commit: bool = True) -> StepResult:
         """Forward + sample on any table, one kernel call at a time (every step of a table without
-        device sampling; steps with prompt-logprob or constrained rows on one with it)."""
+        device sampling; steps with prompt-logprob or constrained rows on one with it).
+        ``commit=False`` leaves the sampled tokens out of the states, the matchers and the
+        last-sampled record (a step with drafts keeps only some of them)."""
         xp = self.xp
         t0 = time.perf_counter()
         copies = np.asarray(plan.block_copies, dtype=np.int64).reshape(-1, 2)
@@ -381,10 +425,11 @@ class ModelRunner:
             out = sample(logits[:R] if num_plp else logits, states, xp,
                          bitmask=fill_batch_bitmask(states, int(logits.shape[1])),
                          bitmask_kernel=self.kernels.apply_token_bitmask)
-            for st, tok in zip(states, out.token_ids.tolist()):
-                st.append(tok)
-            advance(states, out.token_ids.tolist())
-            self._last_sampled.record(plan, out.token_ids)
+            if commit:
+                for st, tok in zip(states, out.token_ids.tolist()):
+                    st.append(tok)
+                advance(states, out.token_ids.tolist())
+                self._last_sampled.record(plan, out.token_ids)
             result.sampled_token_ids, result.logprobs, result.logprob_token_ids = \
                 out.token_ids, out.logprobs, out.logprob_token_ids
         result.sample_time = time.perf_counter() - t1
