@@ -630,21 +630,24 @@ class Scheduler:
                 request.first_token_time = now
             request.last_token_time = now
             n = 0
+            finish = None
             for t in new:
                 all_ids.append(t)
                 n += 1
                 n_out = len(all_ids) - seq.num_prompt_tokens
                 if t in request.stop_token_set and n_out >= request.min_tokens:
-                    self.finish_seq(seq, "stop", None if t in request.eos_stop_set else t)
+                    finish = ("stop", None if t in request.eos_stop_set else t)
                     break
                 if n_out >= request.max_output_tokens or len(all_ids) >= max_len:
-                    self.finish_seq(seq, "length")
+                    finish = ("length", None)
                     break
+            if drafts is not None and seq.status is _RUNNING:
+                kv.truncate(seq)   # (before a finish frees the blocks: their full ones stay cached)
+            if finish is not None:
+                self.finish_seq(seq, *finish)
             upd_seqs.append(seq)
             upd_rows.append(first_row)
             upd_num.append(n)
-            if drafts is not None and seq.status is _RUNNING:
-                kv.truncate(seq)
         for seq in out.fork_ready:
             if seq.is_parent and seq.status is _RUNNING and seq.num_computed_tokens == len(seq.all_token_ids) - 1:
                 self._fork(seq)
