@@ -41,7 +41,8 @@ class SpeculativeConfig:
         num_speculative_tokens: most tokens proposed per sequence per step (k, >= 1); a
             speculating sequence computes k + 1 positions in the step.
         prompt_lookup_max / prompt_lookup_min: the longest and shortest n-gram matched (tokens,
-            1 <= min <= max); when only one is given the other takes its value, as in vLLM.
+            1 <= min <= max); when only one is given the other takes its value, as in vLLM; when
+            neither is, 5 and 3.
         disable_by_batch_size: no sequence speculates in a step while more than this many
             sequences are running (vLLM's name): a batch that large is no longer bound by reading
             the weights, so the k extra positions per sequence cost their full compute. How the
@@ -61,7 +62,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r} (draft models are not implemented)")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
-            self.prompt_lookup_max, self.prompt_lookup_min = 4, 1
+            self.prompt_lookup_max, self.prompt_lookup_min = 5, 3
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
         elif self.prompt_lookup_min is None:

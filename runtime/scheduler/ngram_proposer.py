@@ -74,21 +74,39 @@ class NgramProposer:
             ``prompt_lookup_min`` tokens recurs).
         """
         k = self.k if k is None else min(int(k), self.k)
-        L = int(tokens.shape[0])
-        if k <= 0 or L < self.min_n + 1:
+        if k <= 0:
             return []
-        # ends[i]: positions e < L - 1 where the match of the last n tokens ends (t[e] == t[L-1]
-        # and the n - 1 tokens before agree); the continuation starts at e + 1
-        ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])
-        best = ends if self.min_n == 1 else None
-        for j in range(1, min(self.max_n, L - 1)):
-            if not len(ends):
-                break
-            ends = ends[ends >= j]
-            ends = ends[tokens[ends - j] == tokens[L - 1 - j]]
-            if len(ends) and j + 1 >= self.min_n:
-                best = ends
-        if best is None or not len(best):
+        ends = _longest_match(tokens, self.min_n, self.max_n)
+        if ends is None:
             return []
-        start = int(best[0]) + 1  # the earliest occurrence of the longest n-gram
+        start = int(ends[0]) + 1  # the earliest occurrence of the longest n-gram
         return tokens[start:start + k].tolist()
+
+    def may_propose_after(self, tokens: np.ndarray) -> bool:
+        """Whether ``tokens`` followed by any one more token could have a proposal: an n-gram
+        match ending at that token needs its first ``n - 1`` tokens to match ending at the last
+        of ``tokens`` (at a position before it), so with no ``prompt_lookup_min - 1`` gram match
+        now there is none after. (Always true for ``prompt_lookup_min == 1``.)"""
+        n = self.min_n - 1
+        return n == 0 or _longest_match(tokens, n, n) is not None
+
+
+def _longest_match(tokens: np.ndarray, min_n: int, max_n: int) -> np.ndarray | None:
+    """The end positions (ascending) of the earlier occurrences of the longest suffix of
+    ``tokens`` with ``min_n <= n <= max_n`` tokens that recurs, or ``None``. An occurrence ends
+    before the last position, so at least one token follows it."""
+    L = int(tokens.shape[0])
+    if L < min_n + 1:
+        return None
+    # ends: positions e < L - 1 where the match of the last n tokens ends (t[e] == t[L-1] and
+    # the n - 1 tokens before agree); its continuation starts at e + 1
+    ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])
+    best = ends if min_n == 1 and len(ends) else None
+    for j in range(1, min(max_n, L - 1)):
+        if not len(ends):
+            break
+        ends = ends[ends >= j]
+        ends = ends[tokens[ends - j] == tokens[L - 1 - j]]
+        if len(ends) and j + 1 >= min_n:
+            best = ends
+    return best

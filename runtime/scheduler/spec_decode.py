@@ -9,8 +9,10 @@ calls it at three points:
   The sequence then computes ``1 + len(drafts)`` positions in the step: its last token and the
   drafts, each row's logits verified by the worker (``runtime/worker/spec_decode.py``);
 * **deciding whether to wait** (``wants_token``): a sequence whose last token is still being
-  computed (overlap scheduling) cannot be proposed for; one that would speculate is not
-  scheduled until that token is back, the others decode with a placeholder as usual;
+  computed (overlap scheduling) cannot be proposed for; one that would look for a proposal, and
+  could find one whatever that token is (``NgramProposer.may_propose_after``: a match one token
+  shorter already exists), is not scheduled until the token is back; the others decode with a
+  placeholder as usual, so a sequence whose text does not recur keeps the overlap;
 * **after the step** (``update_from_output``): the acceptance counters (vLLM's ``spec_decode``
   metrics) and the per-sequence switch-off below.
 
@@ -40,7 +42,7 @@ EMA_WEIGHT = 0.5       # weight of the newest step in the acceptance average
 MIN_ACCEPTED = 0.5     # accepted drafts per speculative step below which a sequence pauses
 FIRST_PAUSE = 8        # tokens of the first pause
 MAX_PAUSE = 128        # the longest pause, tokens
-NO_MATCH_PAUSE = 2     # tokens without proposals after a lookup that found nothing
+NO_MATCH_PAUSE = 1     # tokens without proposals after a lookup that found nothing
 
 
 class SpecState:
@@ -112,7 +114,8 @@ class SpecDecoding:
         n_out = seq.num_output_tokens + 1
         request = seq.request
         return (n_out >= st.paused_until and n_out >= request.min_tokens
-                and n_out + 1 < request.max_output_tokens and len(seq.all_token_ids) + 2 < self.max_model_len)
+                and n_out + 1 < request.max_output_tokens and len(seq.all_token_ids) + 2 < self.max_model_len
+                and self.proposer.may_propose_after(st.history.sync(seq.all_token_ids)))
 
     # -- at scheduling -----------------------------------------------------------------------------
     def propose(self, seq, st: SpecState, budget: int) -> list[int]:

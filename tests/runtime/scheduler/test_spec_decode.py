@@ -69,6 +69,19 @@ def test_ngram_proposer_examples():
     assert NgramProposer(1, 3, 4).propose(np.array([4, 1, 2, 3, 4]), k=2) == [1, 2]   # the caller's limit
 
 
+def test_may_propose_after_is_exact_for_every_next_token():
+    """``may_propose_after(t)`` is false only if ``t`` + any one token has no proposal."""
+    rng = np.random.default_rng(2)
+    for trial in range(400):
+        vocab = int(rng.integers(2, 5))
+        tokens = rng.integers(0, vocab, int(rng.integers(1, 25))).tolist()
+        min_n = int(rng.integers(1, 4))
+        p = NgramProposer(min_n, min_n + 2, 3)
+        some = any(reference_proposal(tokens + [t], min_n, min_n + 2, 3) for t in range(vocab))
+        if not p.may_propose_after(np.array(tokens, dtype=np.int64)):
+            assert not some, (tokens, min_n)
+
+
 def test_token_history_grows_with_the_sequence():
     h = TokenHistory()
     ids = list(range(5))
