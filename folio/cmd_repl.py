@@ -42,7 +42,7 @@ def run(a: argparse.Namespace) -> int:
                  "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
                  "--async-scheduling" if a.async_scheduling else "--no-async-scheduling"]
         flags += ["--activation-quantization", a.activation_quantization]
-        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks_override", "quantization"):
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks_override", "quantization", "speculative_config"):
             if getattr(a, name) is not None:
                 flags += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         print(f"starting a server for {a.model} ...", flush=True)

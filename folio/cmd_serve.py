@@ -86,6 +86,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         ".gguf file or --quantization, none for the default model (its golden outputs)")
     add_kv_cache_dtype_arg(p)
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON keys: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 5, "prompt_lookup_min": 3, "disable_by_batch_size": 2} (None: off; '
+                        'greedy requests without penalties or structured outputs speculate)')
 
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -105,7 +109,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks_override=a.num_kv_blocks_override, load_format=a.load_format,
                         dtype=a.dtype, quantization=a.quantization,
                         activation_quantization=a.activation_quantization, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed,
-                        async_scheduling=a.async_scheduling)
+                        async_scheduling=a.async_scheduling, speculative_config=a.speculative_config)
 
 
 def register(subparsers) -> None:

@@ -42,6 +42,7 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
+from ..runtime.scheduler.spec_decode import derived_metrics
 from . import messages as M
 from .client_socket import ClientSocket
 from .routing import Decision, NoReplicaError, PrefixAwareRouter
@@ -117,7 +118,12 @@ def merge_metrics(snapshots: list[dict]) -> dict:
                 for v in values):
             return [sum(x) for x in zip(*values)]
         return first
-    return merge(None, snapshots) if snapshots else {}
+    if not snapshots:
+        return {}
+    total = merge(None, snapshots)
+    if "spec_decode_num_drafts" in total:   # the rates of the summed counters, not sums of rates
+        total.update(derived_metrics(total))
+    return total
 
 
 class DataParallelRouter(ClientSocket):

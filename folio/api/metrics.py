@@ -8,7 +8,9 @@ engine ran, whichever door (HTTP or ZeroMQ) it came through.
 
 Differences from vLLM: ``num_requests_running`` / ``num_requests_waiting`` count sequences (a request
 with ``n`` samples counts ``n`` once forked); ``prefix_cache_queries`` / ``prefix_cache_hits`` count
-tokens, as vLLM's do.
+tokens, as vLLM's do. The ``spec_decode_*`` counters are vLLM's (zero without
+``--speculative-config``); ``spec_decode_acceptance_rate`` and ``spec_decode_mean_acceptance_length``
+are gauges of what they give since start (vLLM's logger prints them; here they can be scraped).
 
 Data-parallel replicas (``folio serve --data-parallel-size N``): every series is given per replica
 with the label ``engine="i"`` (vLLM's label for its data-parallel ranks) and once more for the
@@ -30,6 +32,10 @@ _GAUGES = [
      lambda m: m.get("num_waiting", 0)),
     ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
      lambda m: 1.0 - m["num_free_blocks"] / m["num_total_blocks"] if m.get("num_total_blocks") else 0.0),
+    ("spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start (0 before any).",
+     lambda m: m.get("spec_decode_acceptance_rate", 0.0)),
+    ("spec_decode_mean_acceptance_length", "Tokens per speculative step since start: 1 + accepted / steps.",
+     lambda m: m.get("spec_decode_mean_acceptance_length", 1.0)),
 ]
 _COUNTERS = [
     ("prompt_tokens", "Number of prompt tokens of requests that produced a first token.",
@@ -39,6 +45,11 @@ _COUNTERS = [
      lambda m: m.get("prefix_cache_queries", 0)),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda m: m.get("prefix_cache_hits", 0)),
     ("num_preemptions", "Number of preemptions (recompute) in the engine.", lambda m: m.get("num_preemptions", 0)),
+    ("spec_decode_num_drafts", "Speculative steps: sequences that verified proposed tokens, counted per step.",
+     lambda m: m.get("spec_decode_num_drafts", 0)),
+    ("spec_decode_num_draft_tokens", "Proposed (draft) tokens verified.", lambda m: m.get("spec_decode_num_draft_tokens", 0)),
+    ("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+     lambda m: m.get("spec_decode_num_accepted_tokens", 0)),
 ]
 _HISTOGRAMS = [
     ("time_to_first_token_seconds", "Time to first token, from arrival at the engine."),
@@ -49,7 +60,7 @@ _HISTOGRAMS = [
 ]
 FINISHED_REASONS = ("stop", "length", "abort")
 METRIC_NAMES = [n for n, _, _ in _GAUGES] + [n for n, _, _ in _COUNTERS] + ["request_success"] + \
-               [n for n, _ in _HISTOGRAMS]
+               [n for n, _ in _HISTOGRAMS]   # (spec_decode_num_accepted_tokens_per_pos: only with drafts)
 
 
 class SnapshotCollector:
@@ -89,6 +100,13 @@ class SnapshotCollector:
             for _, values, snap in series:
                 c.add_metric(values, float(get(snap)))
             yield c
+        c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted draft tokens by their position in the proposal.",
+                                labels=labels + ["position"])
+        for _, values, snap in series:
+            for pos, n in enumerate(snap.get("spec_decode_num_accepted_tokens_per_pos") or []):
+                c.add_metric(values + [str(pos)], float(n))
+        yield c
         c = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                 labels=labels + ["finished_reason"])
         for _, values, snap in series:

@@ -388,7 +388,8 @@ class LLMEngine:
         from the steps with prompt tokens), num_scheduled_tokens, num_generated_tokens,
         worker_idle_time / worker_busy_time (s: the worker waiting for the next plan while the
         engine had work, and running forward + sampling), block_size, max_model_len,
-        async_scheduling."""
+        async_scheduling; with ``speculative_config``, vLLM's spec_decode counters and their
+        rates (``spec_decode.SpecDecoding.get_metrics``)."""
         m = self.scheduler.get_metrics()
         m.update(self.stats)
         m["block_size"] = self.config.block_size

@@ -163,8 +163,21 @@ class SpecDecoding:
     def get_metrics(self) -> dict:
         """vLLM's ``spec_decode`` counters: spec_decode_num_drafts, spec_decode_num_draft_tokens,
         spec_decode_num_accepted_tokens, spec_decode_num_accepted_tokens_per_pos (a list, one per
-        draft position)."""
-        return {"spec_decode_num_drafts": self.num_drafts,
-                "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
+        draft position), and what they give (``derived_metrics``)."""
+        m = {"spec_decode_num_drafts": self.num_drafts,
+             "spec_decode_num_draft_tokens": self.num_draft_tokens,
+             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+             "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
+        m.update(derived_metrics(m))
+        return m
+
+
+def derived_metrics(m: dict) -> dict:
+    """From the counters in ``m`` (a snapshot, or the sum of several): spec_decode_acceptance_rate
+    (accepted / proposed tokens, 0 before any) and spec_decode_mean_acceptance_length (tokens a
+    speculative step emits on average, 1 + accepted / steps, as vLLM's logger reports it; 1 before
+    any)."""
+    drafts, proposed = m.get("spec_decode_num_drafts", 0), m.get("spec_decode_num_draft_tokens", 0)
+    accepted = m.get("spec_decode_num_accepted_tokens", 0)
+    return {"spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0}

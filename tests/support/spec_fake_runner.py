@@ -59,7 +59,7 @@ class SpecFakeExecutor:
 
     Attributes:
         cache: ``[num_blocks, block_size]`` int64, the token id written at each slot (-1: none).
-        plans: every plan run.
+        plans: every plan run; accepted: for each, the drafts accepted per sampled row.
         fail_step: the first step with drafts from this step id on answers an error (then
             this is cleared).
         target: the next-token function (``target_token`` by default).
@@ -73,12 +73,14 @@ class SpecFakeExecutor:
         self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
         self.history: dict[int, list[int]] = {}
         self.plans = []
+        self.accepted = []   # per plan: the drafts accepted per sampled row
         self.fail_step: int | None = None
 
     def execute(self, plan):
         self.plans.append(plan)
         if self.fail_step is not None and plan.step_id >= self.fail_step and len(plan.num_draft_tokens):
             self.fail_step = None
+            self.accepted.append([])
             return StepResult(plan.step_id, np.zeros(0, np.int64), error="RuntimeError: injected")
         bs = self.block_size
         for sid in plan.finished_seq_ids:
@@ -128,6 +130,7 @@ class SpecFakeExecutor:
             hist.extend(emitted)
             out.append(emitted[-1])
             accepted.append(a)
+        self.accepted.append(accepted)
         result = StepResult(plan.step_id, np.asarray(out, dtype=np.int64))
         if len(nd):
             result.num_accepted_tokens = np.asarray(accepted, dtype=np.int64)

@@ -232,6 +232,15 @@ def test_greedy_outputs_equal_one_token_at_a_time_and_blocks_return(overlap):
     drafted, accepted = spec_counts(engine)
     assert 0 < accepted < drafted, "the run should mix accepted and rejected drafts"
     assert any(len(p.num_draft_tokens) and p.num_draft_tokens.max() > 0 for p in ex.plans)
+    # the counters against the plans and the worker's answers
+    m = engine.get_metrics()
+    rows = [(int(d), int(a)) for p, a in zip(ex.plans, ex.accepted) for d, a in zip(p.num_draft_tokens, a) if d]
+    assert m["spec_decode_num_drafts"] == len(rows) and drafted == sum(d for d, _ in rows)
+    assert accepted == sum(a for _, a in rows)
+    per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos == [sum(a > i for _, a in rows) for i in range(3)]
+    assert m["spec_decode_acceptance_rate"] == accepted / drafted
+    assert m["spec_decode_mean_acceptance_length"] == 1 + accepted / len(rows)
     assert_idle_and_cache_consistent(engine, ex)
 
 
