@@ -23,13 +23,15 @@ for ``--rounds`` rounds, the median round reported (the VMs drift from minute to
 
 Each engine is a ``folio.LLM`` in this process (the worker on a thread, overlap scheduling on).
 
-    python perf/spec_decode.py [--rounds 3] [--max-tokens 192] [--k 3] [--lookup-min 1] [--lookup-max 4]
-                               [--batch 16] [--sweep 1 2 3 4 8] [--workloads edit_code story ...] [--json PATH]
+    python perf/spec_decode.py [--rounds 3] [--max-tokens 192] [--k K] [--lookup-min N] [--lookup-max N]
+                               [--disable-by-batch-size B] [--batch 16] [--sweep 1 2 3 4 8]
+                               [--workloads edit_code story ...] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -134,9 +136,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=192)
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    p.add_argument("--lookup-min", type=int, default=1)
-    p.add_argument("--lookup-max", type=int, default=4)
+    p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: folio's)")
+    p.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: folio's)")
+    p.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: folio's)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="the speculative config's disable_by_batch_size (default: folio's)")
     p.add_argument("--batch", type=int, default=16, help="requests at once (0: skip)")
@@ -144,11 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    from folio.runtime.common.config import SpeculativeConfig
 
-    spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": a.lookup_min,
-            "prompt_lookup_max": a.lookup_max}
-    if a.disable_by_batch_size is not None:
-        spec["disable_by_batch_size"] = a.disable_by_batch_size
+    spec = {"method": "ngram"}
+    for key, v in (("num_speculative_tokens", a.k), ("prompt_lookup_min", a.lookup_min),
+                   ("prompt_lookup_max", a.lookup_max), ("disable_by_batch_size", a.disable_by_batch_size)):
+        if v is not None:
+            spec[key] = v
     engines = {"plain": make_llm(None), "spec": make_llm(spec)}
     if a.sweep:
         engines["forced"] = make_llm({**spec, "disable_by_batch_size": 64})
@@ -158,7 +162,8 @@ def main(argv=None) -> int:
     cpu = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
     report = {"command": "python perf/spec_decode.py " + shlex.join(sys.argv[1:] if argv is None else argv),
               "cpu": cpu, "threads": len(os.sched_getaffinity(0)), "load_before": os.getloadavg()[0],
-              "speculative_config": spec, "single": {}, "batch": None, "sweep": {}}
+              "speculative_config": dataclasses.asdict(SpeculativeConfig.from_value(spec)),
+              "single": {}, "batch": None, "sweep": {}}
 
     # single stream
     for name in a.workloads:

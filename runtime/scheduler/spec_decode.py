@@ -18,10 +18,12 @@ calls it at three points:
 
 Which sequences speculate:
 
-* requests whose verification is exact: greedy (temperature 0), no penalties (they depend on the
-  tokens before each verified position), no structured outputs (the grammar would have to mask
-  each position and roll back the rejected ones; such requests simply decode one token per step),
-  not a beam search, and only once ``min_tokens`` are out;
+* requests whose verification is exact: greedy or sampled (temperature, top-k, top-p, min-p, seed:
+  the worker's speculative sampling keeps the target distribution and the seeded stream,
+  ``runtime/worker/spec_decode.py``), without penalties (they depend on the tokens before each
+  verified position), without structured outputs (the grammar would have to mask each position
+  and roll back the rejected ones; such requests simply decode one token per step), not a beam
+  search, and only once ``min_tokens`` are out;
 * per step: none while more than ``disable_by_batch_size`` sequences run (the step is then no
   longer bound by reading the weights, and the extra positions cost their full compute);
 * per sequence: when its recent acceptance is low. ``acceptance`` is an exponential moving average
@@ -100,7 +102,7 @@ class SpecDecoding:
         st = seq.spec
         if st is None:
             p = seq.request.sampling_params
-            ok = (not seq.is_beam and p.greedy and not p.has_penalties and p.structured_outputs is None)
+            ok = not seq.is_beam and not p.has_penalties and p.structured_outputs is None
             st = seq.spec = SpecState(self.k) if ok else _INELIGIBLE
         return st or None
 

@@ -353,6 +353,10 @@ class ModelRunner:
         grammar matchers and the last-sampled record."""
         rows, starts = verify_rows(plan.logits_indices, plan.num_draft_tokens)
         owner = np.repeat(np.asarray(plan.sample_seq_ids, dtype=np.int64), np.diff(starts))
+        # a sampling sequence's rows draw its next uniforms in order; it keeps only as many as it
+        # emits tokens (spec_decode.py: so its stream is the one decoding without drafts draws)
+        rewind = {s: self._seqs[s].rng.bit_generator.state for s, d in
+                  zip(sample_ids, np.asarray(plan.num_draft_tokens).tolist()) if d and not self._seqs[s].params.greedy}
         expanded = dataclasses.replace(plan, logits_indices=rows, sample_seq_ids=owner,
                                        num_draft_tokens=np.zeros(0, np.int64))
         row_ids = owner.tolist()
@@ -366,6 +370,12 @@ class ModelRunner:
             with self.kernels.activate():   # eager, on the table's stream
                 result = self._execute_eager(expanded, row_ids, len(row_ids), num_plp, commit=False)
         num_accepted, last, emitted = accept_greedy(result.sampled_token_ids, plan.input_ids, rows, starts)
+        for i, s in enumerate(sample_ids):
+            state = rewind.get(s)
+            if state is not None:
+                rng = self._seqs[s].rng
+                rng.bit_generator.state = state
+                rng.random(int(num_accepted[i]) + 1)
         emitted_tokens = np.asarray(result.sampled_token_ids, dtype=np.int64)[emitted]
         for s, tok in zip(owner[emitted].tolist(), emitted_tokens.tolist()):
             self._seqs[s].append(tok)

@@ -3,17 +3,27 @@
 A sampled row ``i`` of a ``StepPlan`` with ``d = num_draft_tokens[i] > 0`` drafts owns ``d + 1``
 consecutive token rows, ``logits_indices[i] - d .. logits_indices[i]``: its last known token and
 its drafts ``x_1 .. x_d`` (their input ids). Row ``j`` of them gives the target's next-token
-logits after ``x_1 .. x_j``. All of them are sampled as ordinary rows (``verify_rows`` expands the
-plan's rows), and the target tokens ``y_0 .. y_d`` decide (``accept_greedy``):
+logits after ``x_1 .. x_j``. All of them are sampled as ordinary rows by the sampler
+(``verify_rows`` expands the plan's rows; the row's own temperature, top-k, top-p and min-p),
+giving target tokens ``y_0 .. y_d``, and the drafts are accepted while ``x_{j+1} == y_j``
+(``accept_greedy``), the first ``a`` of them. The row emits ``x_1 .. x_a, y_a``, which are exactly
+``y_0 .. y_a``: ``y_a`` is the target's correction of the first rejected draft, or with every
+draft accepted the "bonus" token; the scheduler gives back the ``d - a`` rejected positions.
 
-* greedy (the only sampling speculated here): ``y_j`` is the argmax of row ``j``; the drafts are
-  accepted while ``x_{j+1} == y_j``, the first ``a`` of them, and the token after them is
-  ``y_a`` (the target's correction, or with every draft accepted the "bonus" token). The emitted
-  tokens ``x_1 .. x_a, y_a`` are exactly ``y_0 .. y_a``, the tokens greedy decoding would give
-  one step at a time (Leviathan et al. 2023, section 2.3; Chen et al. 2023);
+* Greedy: ``y_j`` is the argmax of row ``j``, so the output is greedy decoding's, token for token.
+* Sampling: speculative sampling (Leviathan et al. 2023, algorithm 1; Chen et al. 2023) accepts a
+  draft ``x`` proposed with probability ``q(x)`` with probability ``min(1, p(x) / q(x))`` and on
+  a rejection samples from ``norm(max(0, p - q))``. An n-gram proposal is deterministic, ``q`` is
+  one-hot at ``x``: it is accepted with probability ``p(x)``, and a rejection samples ``p``
+  without ``x``, renormalised. Sampling ``y ~ p`` and accepting ``x`` iff ``y == x`` is exactly
+  that: ``P(y == x) = p(x)``, and ``y`` given ``y != x`` is ``p`` without ``x``. Each row draws
+  its sequence's next uniform, in row order, as the sampler draws one per token; the model runner
+  then rewinds the sequence's generator to keep only the ``a + 1`` draws of the tokens emitted.
+  So a sequence's tokens are those it would sample one token per step from the same generator:
+  its seed gives the same output with and without speculation, in any batch and after a
+  preemption (the logits of a verifying row are the decode's up to float32 rounding).
 
-so a row emits ``a + 1`` tokens and the ``d - a`` rejected positions are given back by the
-scheduler. Vectorised over the rows of the step; no Python loop over tokens.
+Vectorised over the rows of the step; no Python loop over tokens.
 """
 
 from __future__ import annotations

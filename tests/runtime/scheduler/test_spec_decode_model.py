@@ -4,7 +4,8 @@ Greedy output with speculation must be the output without it, token for token: t
 tests/data/smollm2_135m.json (Hugging Face transformers on the same weights, an independent
 implementation), alone and batched beside prompts the n-gram proposer does well on, in a KV cache
 small enough to preempt, with prefix caching and chunked prefill, with and without overlap
-scheduling; the logprobs of accepted tokens are those of one token per step.
+scheduling; the logprobs of accepted tokens are those of one token per step; seeded sampling
+gives the tokens it gives without speculation.
 
 One ``ModelRunner`` serves every engine here: the engines without speculation over its blocks
 ``[0, 128)``, those with it over ``[128, 256)`` (``Pool``), so that neither reads a cached block
@@ -175,3 +176,24 @@ def max_abs_logits(runner, tokens) -> np.ndarray:
     logits = runner.model.forward(np.array(tokens, np.int64), np.arange(n, dtype=np.int64), md, caches,
                                   np.arange(n, dtype=np.int64))
     return np.array([np.abs(np.asarray(logits)).max()])
+
+
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "overlap"])
+def test_seeded_sampling_with_drafts_equals_sampling_without(runner, overlap):
+    """With temperature, top-k / top-p / min-p and a seed, the tokens are those of the same request
+    without speculation: each verified row draws its sequence's next uniform and the generator
+    keeps only the draws of the tokens emitted (runtime/worker/spec_decode.py), so a draft is
+    accepted exactly when the target samples it. Also for n = 2 (each sample's derived seed)."""
+    plain = make_llm(runner, spec=None, async_scheduling=overlap)
+    tok = plain.get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template(m)) for m in GROUNDED]
+    sps = [SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=40),
+           SamplingParams(temperature=1.0, top_k=20, min_p=0.02, seed=11, max_tokens=40, n=2)]
+    want = [[c.token_ids for c in o.outputs] for o in
+            plain.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)]
+    llm = make_llm(runner, async_scheduling=overlap)
+    got = [[c.token_ids for c in o.outputs] for o in
+           llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)]
+    assert got == want
+    m = llm.get_metrics()
+    assert m["spec_decode_num_accepted_tokens"] > 0 and m["num_free_blocks"] == 128

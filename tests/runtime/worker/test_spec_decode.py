@@ -71,14 +71,14 @@ def apply(seqs, res, drafts=None):
         s.tokens += list(drafts.get(s.seq_id, []))[:a] + [t]
 
 
-def whole_prefill_logits(runner, tokens) -> np.ndarray:
+def whole_prefill_logits(runner, tokens, bs=BS) -> np.ndarray:
     """``[len(tokens), V]`` float32 logits of every position of ``tokens``, one prefill over a
     fresh KV cache (the reference schedule)."""
     from folio.model.attention_metadata import AttentionMetadata
     from folio.model.loader import allocate_kv_caches
     n = len(tokens)
-    nb = -(-n // BS)
-    caches = allocate_kv_caches(runner.model_config, nb, BS, runner.kernels)
+    nb = -(-n // bs)
+    caches = allocate_kv_caches(runner.model_config, nb, bs, runner.kernels)
     md = AttentionMetadata(np.arange(n, dtype=np.int64), np.array([0, n], np.int32), np.array([n], np.int32),
                            np.arange(nb, dtype=np.int32)[None, :], n, n)
     return np.asarray(runner.model.forward(np.array(tokens, np.int64), np.arange(n, dtype=np.int64), md, caches,
@@ -149,7 +149,7 @@ def modules():
     return simt_modules()
 
 
-def cuda_runner(modules, tmp_path, monkeypatch):
+def cuda_runner(modules, tmp_path, monkeypatch, max_num_seqs=4):
     from folio.kernels.cuda import sources as cuda_sources
     from folio.kernels.cuda import table as cuda_ops
     from folio.kernels.cuda.device import HostDevice
@@ -161,9 +161,11 @@ def cuda_runner(modules, tmp_path, monkeypatch):
     d = tmp_path / "tiny"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(TINY))
-    return ModelRunner(EngineConfig(model=str(d), device="cuda", load_format="dummy", block_size=8, max_num_seqs=4,
-                                    max_num_batched_tokens=64, max_model_len=128, num_kv_blocks_override=64, seed=5,
-                                    speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": 4}))
+    return ModelRunner(EngineConfig(model=str(d), device="cuda", load_format="dummy", block_size=8,
+                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=64 * max_num_seqs,
+                                    max_model_len=128, num_kv_blocks_override=256, seed=5,
+                                    speculative_config={"num_speculative_tokens": 3,
+                                                        "disable_by_batch_size": max_num_seqs}))
 
 
 SIDE = [SamplingParams(temperature=0.9, top_k=20, seed=3, logprobs=2),
@@ -212,3 +214,99 @@ def test_cuda_verification_beside_sampled_rows_equals_one_token_per_step(modules
     assert g.tokens == ref[0][:len(g.tokens)]
     for s, want in zip(seqs[1:], ref[1:]):
         assert s.tokens == want[:len(s.tokens)]
+
+
+# -- sampling: the distribution of the emitted tokens is the target's ---------------------------------
+Z_1E6 = 4.753   # the standard normal's 1 - 1e-6 quantile
+
+
+def chi2_threshold(df: int, z: float = Z_1E6) -> float:
+    """The chi-square distribution's quantile at the normal quantile ``z`` (Wilson and Hilferty
+    1931: (X / df) ** (1/3) is close to normal with mean 1 - 2 / (9 df) and variance 2 / (9 df);
+    within 1% of the exact quantile for df >= 3 at these tails)."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * c ** 0.5) ** 3
+
+
+def chi2_check(samples: list[int], p: np.ndarray, what: str) -> None:
+    """Pearson's chi-square of ``samples`` against the probabilities ``p`` (``[V]``, summing to 1):
+    tokens with expected count >= 5 are their own category, the rest one more. The threshold is the
+    1 - 1e-6 quantile, so a correct sampler fails one such check in a million."""
+    n = len(samples)
+    counts = np.bincount(np.asarray(samples, dtype=np.int64), minlength=len(p)).astype(np.float64)
+    big = n * p >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(n * p[big], n * p[~big].sum())
+    assert counts[p == 0].sum() == 0, f"{what}: sampled a token of probability 0"
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    assert df >= 2, f"{what}: too few categories"
+    assert stat <= chi2_threshold(df), f"{what}: chi-square {stat:.1f} over {chi2_threshold(df):.1f} (df {df})"
+
+
+def target_probs(logits: np.ndarray, temperature: float, top_k: int) -> np.ndarray:
+    """``[V]`` float64: softmax(logits / temperature) over the ``top_k`` largest, 0 elsewhere
+    (NumPy, the sampler's documented semantics)."""
+    x = logits.astype(np.float64) / temperature
+    keep = x >= np.sort(x)[-top_k]
+    w = np.where(keep, np.exp(x - x.max()), 0.0)
+    return w / w.sum()
+
+
+def sampled_under_speculation(runner, prompt, drafts, n, chunk, params, bs, step0=100):
+    """``n`` sequences, each with its own seed, sharing ``prompt[:-1]``'s computed blocks: each
+    verifies ``drafts`` after ``prompt[-1]`` in one step (``chunk`` sequences per step). Returns each
+    one's emitted tokens."""
+    P = len(prompt) - 1
+    assert P % bs == 0 and len(drafts) < bs
+    shared = list(range(P // bs))
+    pre = Seq(10_000, prompt[:-1], shared, params)
+    pl = plan(step0, [pre], bs=bs)
+    pl.logits_indices = pl.sample_seq_ids = np.zeros(0, np.int64)   # computes the prompt, samples nothing
+    assert runner.execute(pl).error is None
+    out = []
+    for c in range(0, n, chunk):
+        seqs = []
+        for i in range(c, min(n, c + chunk)):
+            s = Seq(20_000 + i, prompt, shared + [len(shared) + i - c], params, seed=i)
+            s.done = P
+            seqs.append(s)
+        res = runner.execute(plan(step0 + 1 + c, seqs, {s.seq_id: drafts for s in seqs}, new=seqs, bs=bs))
+        assert res.error is None, res.error
+        apply(seqs, res, {s.seq_id: drafts for s in seqs})
+        out += [s.tokens[len(prompt):] for s in seqs]
+    return out
+
+
+def check_speculative_sampling(runner, prompt, n, chunk, bs, temperature, top_k, vocab):
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=16, logprobs=1)
+    p0 = target_probs(whole_prefill_logits(runner, prompt, bs)[-1], temperature, top_k)
+    x1 = int(np.argmax(p0))
+    p1 = target_probs(whole_prefill_logits(runner, prompt + [x1], bs)[-1], temperature, top_k)
+    x2 = int(np.argmax(p1))
+    drafts = [x1, x2, (x2 + 7) % vocab]
+    emitted = sampled_under_speculation(runner, prompt, drafts, n, chunk, params, bs)
+    chi2_check([e[0] for e in emitted], p0, "the first token")
+    second = [e[1] for e in emitted if e[0] == x1]
+    assert len(second) >= 200, "too few accepted first drafts to test the second token"
+    chi2_check(second, p1, "the second token, the first draft accepted")
+    # how many drafts each sequence kept, against its own tokens (never more than agree)
+    for e in emitted:
+        a = len(e) - 1
+        assert e[:a] == drafts[:a] and (a == 3 or e[a] != drafts[a])
+
+
+@pytest.mark.slow
+def test_cpu_sampled_drafts_keep_the_target_distribution(cpu_runner, golden):
+    prompt = golden["greedy_cases"][2]["prompt_ids"][:17]   # 16 computed tokens, one block, then one more
+    check_speculative_sampling(cpu_runner, prompt, n=1200, chunk=60, bs=BS, temperature=1.3, top_k=12,
+                               vocab=cpu_runner.model_config.vocab_size)
+
+
+def test_cuda_sampled_drafts_keep_the_target_distribution(modules, tmp_path, monkeypatch):
+    r = cuda_runner(modules, tmp_path, monkeypatch, max_num_seqs=128)
+    prompt = list(np.random.default_rng(3).integers(3, 200, 9))   # 8 computed tokens (one block of 8), then one
+    # a low temperature: the random-weight model's first draft is accepted often enough to test the second
+    check_speculative_sampling(r, prompt, n=1000, chunk=125, bs=8, temperature=0.08, top_k=20, vocab=211)
+    r.shutdown()
