@@ -88,8 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="engine seed (unseeded requests draw from it)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON keys: {"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 5, "prompt_lookup_min": 3, "disable_by_batch_size": 2} (None: off; '
-                        'greedy requests without penalties or structured outputs speculate)')
+                        '"prompt_lookup_max": 5, "prompt_lookup_min": 3, "disable_by_batch_size": 3} (None: off; '
+                        'requests without penalties or structured outputs speculate)')
 
 
 def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:

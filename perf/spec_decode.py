@@ -6,7 +6,7 @@ engines produce the same tokens and compare per token):
 * input-grounded, where prompt lookup should pay: ``edit_code`` (rename a function in a Python
   file and give the whole file back), ``fix_text`` (correct a paragraph's spelling and grammar),
   ``extract`` (fields of an invoice), ``answer`` (answer from a passage, quoting it);
-* open-ended, the control: ``story``, ``explain``, ``letter``.
+* open-ended, the control: ``story``, ``explain``, ``tips``, ``pros_cons``.
 
 Figures, each engine after the same warm-up, runs interleaved (plain, speculative, plain, ...)
 for ``--rounds`` rounds, the median round reported (the VMs drift from minute to minute):
@@ -92,7 +92,8 @@ WORKLOADS = {
                            "how large is it?"),
     "story": ("open", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
     "explain": ("open", "Explain how a refrigerator keeps food cold, in simple words."),
-    "letter": ("open", "Write a friendly letter to a neighbour inviting them to a garden party next Saturday."),
+    "tips": ("open", "Give three tips for learning to play the guitar."),
+    "pros_cons": ("open", "What are the pros and cons of working from home?"),
 }
 
 
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
             print(f"{c:3d} grounded requests at once, speculation on at any batch size: plain {s['plain_tok_s']:.1f} "
                   f"tok/s, spec {s['spec_tok_s']:.1f} tok/s, x{s['ratio']:.2f}", flush=True)
     report["load_after"] = os.getloadavg()[0]
+    print(f"speculative_config: {json.dumps(report['speculative_config'])}")
     print(f"command: {report['command']}\ncpu: {cpu}, {report['threads']} threads, load {report['load_before']:.1f} "
           f"-> {report['load_after']:.1f}")
     if a.json:

@@ -55,7 +55,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    disable_by_batch_size: int = 2
+    disable_by_batch_size: int = 3
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
