@@ -158,10 +158,32 @@ async def run_bench(address: str, workload, request_rate: float, max_concurrency
         from folio.ipc.client import AsyncClient
         async with AsyncClient(address, timeout=timeout) as client:
             await client.health()
+            before = await client.get_metrics()
             results, duration = await send_all(lambda ids, n: _one(client, ids, n, sem))
+            after = await client.get_metrics()
+        s = summarize(results, duration)
+        s["spec_decode"] = spec_decode_figures(before, after)
+        return s
     else:
         raise ValueError(f"unknown backend {backend!r} (folio or openai)")
     return summarize(results, duration)
+
+
+def spec_decode_figures(before: dict, after: dict) -> dict | None:
+    """The server's speculative decoding over the run (its ``spec_decode_*`` counters after minus
+    before, as vLLM's bench serve reports them), or ``None`` for a server without it."""
+    if "spec_decode_num_drafts" not in after:
+        return None
+    d = {k: after[k] - before.get(k, 0) for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                  "spec_decode_num_accepted_tokens")}
+    drafts, proposed, accepted = d.values()
+    pos0 = before.get("spec_decode_num_accepted_tokens_per_pos") or []
+    per_pos = [a - (pos0[i] if i < len(pos0) else 0)
+               for i, a in enumerate(after.get("spec_decode_num_accepted_tokens_per_pos") or [])]
+    return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "per_position_acceptance_rate": [a / drafts if drafts else 0.0 for a in per_pos]}
 
 
 def _stats(xs: list[float]) -> dict:
@@ -208,6 +230,15 @@ def print_summary(s: dict, rate: float) -> None:
         for stat in ("mean", "median", "p99"):
             label = {"mean": "Mean", "median": "Median", "p99": "P99"}[stat]
             print(f"{f'{label} {short} (ms):':<40}{s[key][stat]:>10.2f}")
+    sd = s.get("spec_decode")
+    if sd is not None:
+        print(f"{'Speculative Decoding':-^50}")
+        print(f"{'Acceptance rate (%):':<40}{100 * sd['acceptance_rate']:>10.2f}")
+        print(f"{'Acceptance length:':<40}{sd['mean_acceptance_length']:>10.2f}")
+        print(f"{'Drafts:':<40}{sd['drafts']:>10}")
+        print(f"{'Draft tokens:':<40}{sd['draft_tokens']:>10}")
+        print(f"{'Accepted tokens:':<40}{sd['accepted_tokens']:>10}")
+        print("Per-position acceptance (%): " + ", ".join(f"{100 * r:.1f}" for r in sd["per_position_acceptance_rate"]))
     print(line)
     if s["errors"]:
         print("errors:", *s["errors"], sep="\n  ")
