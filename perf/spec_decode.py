@@ -14,7 +14,8 @@ for ``--rounds`` rounds, the median round reported (the VMs drift from minute to
 * single stream: each request alone; decode tok/s = (output tokens - 1) / (last token time -
   first token time), from the request's metrics (the prefill left out); and, less moved by other
   jobs on a shared machine, output tokens per CPU second of this process (all threads; prefill
-  included, mostly a prefix-cache hit after the first round);
+  included, mostly a prefix-cache hit after the first round); the steps taken and the worker's idle
+  time between steps per token (what a step that waits for its token in flight costs);
 * ``--batch`` requests at once (default 16: every workload's requests cycled): output tokens / wall
   time of the whole ``generate`` call;
 * ``--sweep C ...``: C grounded requests at once with speculation forced on at every batch size
@@ -126,6 +127,12 @@ def spec_counters(llm) -> tuple[int, int, int]:
             m.get("spec_decode_num_accepted_tokens", 0))
 
 
+def idle_and_steps(llm) -> tuple[float, int]:
+    """The worker's idle time between steps while the engine had work (s) and the steps so far."""
+    m = llm.get_metrics()
+    return m["worker_idle_time"], m["num_steps"]
+
+
 def acceptance(before, after) -> dict:
     drafts, proposed, accepted = (b - a for a, b in zip(before, after))
     return {"drafts": drafts, "proposed": proposed, "accepted": accepted,
@@ -170,6 +177,8 @@ def main(argv=None) -> int:
     for name in a.workloads:
         rates = {"plain": [], "spec": []}
         cpu_rates = {"plain": [], "spec": []}
+        idle = {"plain": [], "spec": []}   # worker idle per output token, ms
+        steps = {}
         acc = None
         n_out = None
         for r in range(a.rounds):
@@ -177,7 +186,11 @@ def main(argv=None) -> int:
             toks = {}
             for e in order:
                 before = spec_counters(engines[e])
+                idle0, steps0 = idle_and_steps(engines[e])
                 (out,), _, cpu_s = chat(engines[e], [name], a.max_tokens)
+                idle1, steps1 = idle_and_steps(engines[e])
+                idle[e].append(1e3 * (idle1 - idle0) / len(out.outputs[0].token_ids))
+                steps[e] = steps1 - steps0
                 rates[e].append(decode_rate(out))
                 cpu_rates[e].append(len(out.outputs[0].token_ids) / cpu_s)
                 toks[e] = out.outputs[0].token_ids
@@ -190,12 +203,16 @@ def main(argv=None) -> int:
         row = {"kind": WORKLOADS[name][0], "output_tokens": n_out,
                "plain_tok_s": statistics.median(rates["plain"]), "spec_tok_s": statistics.median(rates["spec"]),
                "speedup": statistics.median(ratios), "speedup_cpu_time": statistics.median(cpu_ratios),
-               "speedups": ratios, **acc}
+               "speedups": ratios, "steps_plain": steps["plain"], "steps_spec": steps["spec"],
+               "worker_idle_ms_per_token_plain": statistics.median(idle["plain"]),
+               "worker_idle_ms_per_token_spec": statistics.median(idle["spec"]), **acc}
         report["single"][name] = row
         print(f"{name:10s} {row['kind']:8s} {n_out:4d} tok  plain {row['plain_tok_s']:6.1f} tok/s  "
               f"spec {row['spec_tok_s']:6.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['speedup_cpu_time']:.2f})"
               f"  accepted {row['accepted']}/{row['proposed']} ({row['acceptance_rate']:.2f}), mean acceptance "
-              f"length {row['mean_acceptance_length']:.2f}", flush=True)
+              f"length {row['mean_acceptance_length']:.2f}; steps {row['steps_plain']} -> {row['steps_spec']}, "
+              f"worker idle {row['worker_idle_ms_per_token_plain']:.2f} -> {row['worker_idle_ms_per_token_spec']:.2f} "
+              f"ms/token", flush=True)
     for kind in ("grounded", "open"):
         rows = [r for r in report["single"].values() if r["kind"] == kind]
         if rows:

@@ -30,9 +30,11 @@ Which sequences speculate:
   of the drafts accepted per speculative step (weight ``EMA_WEIGHT``); below ``MIN_ACCEPTED`` the
   sequence stops proposing for ``pause`` tokens (8, doubling up to 128 while it keeps failing),
   then tries once more with its average reset to the floor: an accepting step resumes it, a failing
-  one pauses it for twice as long. A proposal that finds no n-gram pauses the sequence for
-  ``NO_MATCH_PAUSE`` tokens, so that it runs overlapped instead of waiting each step. The floor
-  comes from the cost of a verifying step (docs/python-api.md, "Speculative decoding").
+  one pauses it for twice as long. A lookup that finds no n-gram pauses the sequence for 1 token,
+  then 2, 4, ... up to ``MAX_LOOKUP_PAUSE`` while lookups keep finding nothing (a proposal resets
+  it), so that text which does not recur runs overlapped instead of waiting for its token to look
+  again. The floor comes from the cost of a verifying step (docs/python-api.md, "Speculative
+  decoding").
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ EMA_WEIGHT = 0.5       # weight of the newest step in the acceptance average
 MIN_ACCEPTED = 0.5     # accepted drafts per speculative step below which a sequence pauses
 FIRST_PAUSE = 8        # tokens of the first pause
 MAX_PAUSE = 128        # the longest pause, tokens
-NO_MATCH_PAUSE = 1     # tokens without proposals after a lookup that found nothing
+MAX_LOOKUP_PAUSE = 32  # the longest pause after lookups that found nothing, tokens
 
 
 class SpecState:
@@ -54,17 +56,19 @@ class SpecState:
         history: its token ids as a NumPy array (``TokenHistory``).
         acceptance: moving average of the drafts accepted per speculative step.
         paused_until: no proposals while the sequence has fewer output tokens than this.
-        pause: the length of the next pause (tokens).
+        pause: the length of the next pause for low acceptance (tokens).
+        lookup_pause: the length of the next pause after a lookup that finds nothing (tokens).
         probing: the next speculative step is the first after a pause.
     """
 
-    __slots__ = ("history", "acceptance", "paused_until", "pause", "probing")
+    __slots__ = ("history", "acceptance", "paused_until", "pause", "lookup_pause", "probing")
 
     def __init__(self, k: int):
         self.history = TokenHistory()
         self.acceptance = float(k)
         self.paused_until = 0
         self.pause = FIRST_PAUSE
+        self.lookup_pause = 1
         self.probing = False
 
 
@@ -133,8 +137,11 @@ class SpecDecoding:
         if limit <= 0:
             return []
         drafts = self.proposer.propose(st.history.sync(seq.all_token_ids), limit)
-        if not drafts:
-            st.paused_until = n_out + NO_MATCH_PAUSE
+        if drafts:
+            st.lookup_pause = 1
+        else:
+            st.paused_until = n_out + st.lookup_pause
+            st.lookup_pause = min(2 * st.lookup_pause, MAX_LOOKUP_PAUSE)
         return drafts
 
     # -- after the step ----------------------------------------------------------------------------
