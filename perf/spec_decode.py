@@ -25,7 +25,7 @@ for ``--rounds`` rounds, the median round reported (the VMs drift from minute to
 Each engine is a ``folio.LLM`` in this process (the worker on a thread, overlap scheduling on).
 
     python perf/spec_decode.py [--rounds 3] [--max-tokens 192] [--k K] [--lookup-min N] [--lookup-max N]
-                               [--disable-by-batch-size B] [--batch 16] [--sweep 1 2 3 4 8]
+                               [--disable-by-batch-size B] [--no-single] [--batch 16] [--sweep 1 2 3 4 8]
                                [--workloads edit_code story ...] [--json PATH]
 """
 
@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: folio's)")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="the speculative config's disable_by_batch_size (default: folio's)")
+    p.add_argument("--no-single", action="store_true", help="skip the single-stream figures")
     p.add_argument("--batch", type=int, default=16, help="requests at once (0: skip)")
     p.add_argument("--sweep", type=int, nargs="*", default=[], help="concurrencies of grounded requests, spec forced on")
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
               "single": {}, "batch": None, "sweep": {}}
 
     # single stream
-    for name in a.workloads:
+    for name in ([] if a.no_single else a.workloads):
         rates = {"plain": [], "spec": []}
         cpu_rates = {"plain": [], "spec": []}
         idle = {"plain": [], "spec": []}   # worker idle per output token, ms
