@@ -410,3 +410,27 @@ def test_a_sequence_whose_drafts_are_rejected_stops_proposing():
     assert outs["r"].outputs[0].token_ids == h[len(p):]
     m = engine.get_metrics()
     assert 0 < m["spec_decode_num_drafts"] <= 12
+
+
+@OVERLAP
+def test_model_length_token_budget_and_min_tokens_bound_the_drafts(overlap):
+    """Drafts never run a sequence past max_model_len, fit a small step budget beside chunked
+    prefills, and start only once min_tokens are out (a stop token before that is no stop)."""
+    engine, ex = make_engine(async_scheduling=overlap, max_model_len=48, max_num_batched_tokens=6)
+    p_long, p = prompt(30, 4), prompt(9, 5)
+    stop = expected_tokens(p, 30)[3]
+    engine.add_request("len", None, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+                       prompt_token_ids=p)
+    engine.add_request("chunked", None, greedy(10), prompt_token_ids=p_long)
+    engine.add_request("min", None, greedy(30, stop_token_ids=[stop], min_tokens=8), prompt_token_ids=p)
+    outs = run(engine)
+    assert outs["len"].outputs[0].token_ids == expected_tokens(p, 48 - len(p))
+    assert outs["len"].outputs[0].finish_reason == "length"
+    assert outs["chunked"].outputs[0].token_ids == expected_tokens(p_long, 10)
+    want = expected_tokens(p, 30)
+    cut = next(i for i, t in enumerate(want) if t == stop and i + 1 >= 8)
+    assert outs["min"].outputs[0].token_ids == want[:cut + 1]
+    assert max(p.num_tokens for p in ex.plans) <= 6
+    assert all(int(p.positions.max()) < 48 for p in ex.plans)
+    assert engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert_idle_and_cache_consistent(engine, ex)
