@@ -41,7 +41,7 @@ from ...kernels.table import CudaKernelTable, KernelTable
 from ...model.attention_metadata import AttentionMetadata
 from ...model.loader import allocate_kv_caches, load_model, resolve_device
 from ..common.config import EngineConfig, cdiv
-from .device_step import DeviceStep
+from .device_step import DeviceStep, graph_batch_sizes
 from .grammar_matchers import GrammarMatchers, advance, fill_batch_bitmask
 from .sampler import SamplingState, prompt_logprobs, sample
 from ..common.sampling_params import SamplingParams
@@ -226,10 +226,10 @@ class ModelRunner:
 
     def _device_step(self) -> DeviceStep:
         """The one-sync step of a table that samples on its device, its decode scratch reserved
-        for the largest graph (``max_num_seqs`` rows padded to a power of two)."""
+        for the largest decode graph (``graph_batch_sizes``' last: ``max_num_seqs`` rows)."""
         cfg, mc = self.config, self.model_config
         cuda: CudaKernelTable = self.kernels  # the extras of a table with device_sampling (kernels/table.py)
-        graph_rows = 1 << max(0, (cfg.max_num_seqs - 1).bit_length())  # decode graphs pad to this
+        graph_rows = graph_batch_sizes(cfg.max_num_seqs)[-1]
         cuda.reserve_decode_scratch(graph_rows, mc.num_attention_heads, mc.head_dim, self.max_model_len)
         return DeviceStep(cuda, self.model, max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
